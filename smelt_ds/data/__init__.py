@@ -1,0 +1,1 @@
+"""Data pipeline: built-in corpus, tokenizer training, preparation into token shards, loader."""

@@ -1,0 +1,252 @@
+"""SmeltLM: token embedding -> visit plan over unique layers -> final RMSNorm -> output head.
+
+Pure PyTorch: DeepSpeed is applied from outside (``smelt_ds.engine``). A Baseline is a SmeltLM
+whose loop position is ``none``.
+
+Shape legend: B batch, S sequence (tokens), H hidden, V vocabulary, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from smelt_ds.model.attention import AttnProbsHook, CausalSelfAttention, KVCache, RMSNorm, RotaryEmbedding
+from smelt_ds.model.looping import LoopingBlockManager, LoopSchedule, Visit
+from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU
+
+__all__ = ["Block", "VisitRecorder", "LMOutput", "SmeltLM", "routing_divergence"]
+
+
+def routing_divergence(topk_a_TK: torch.Tensor, topk_b_TK: torch.Tensor) -> float:
+    """Share of tokens whose top-k expert *set* differs between two visits (0 = identical routing).
+
+    Inputs: ``(T, K)`` expert indices of the same T tokens on two visits of one layer
+    (arXiv 2605.09165 credits this divergence for looped MoE scaling better than looped dense).
+    """
+    a, _ = topk_a_TK.sort(dim=-1)
+    b, _ = topk_b_TK.sort(dim=-1)
+    return (a != b).any(dim=-1).float().mean().item()
+
+
+@dataclass
+class VisitRecorder:
+    """Per-visit MoE record of one forward pass, keyed by ``(layer, visit)``.
+
+    Slots are overwritten, never accumulated: recomputation under activation checkpointing
+    writes the same values again, so losses and statistics are not counted twice.
+    """
+
+    routes: dict[Visit, RouterOutput] = field(default_factory=dict)
+    losses: dict[Visit, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.routes.clear()
+        self.losses.clear()
+
+    def record(self, visit: Visit, route: RouterOutput | None, losses: dict[str, torch.Tensor]) -> None:
+        if route is not None:
+            self.routes[visit] = route
+        if losses:
+            self.losses[visit] = losses
+
+    def mean_loss(self, name: str) -> torch.Tensor | None:
+        """Mean of loss ``name`` over MoE *visits* (not unique layers); None without MoE visits."""
+        vals = [d[name] for d in self.losses.values() if name in d]
+        return torch.stack(vals).mean() if vals else None
+
+    def router_stats(self) -> dict[Visit, dict[str, float]]:
+        """Per visit: ``load_max_over_mean`` (max tokens per expert / mean), ``dropped_share`` (0 for
+        the dropless reference backend) and ``tokens_per_expert`` (list of ints)."""
+        out = {}
+        for visit, r in sorted(self.routes.items()):
+            counts = torch.bincount(r.topk_idx_TK.reshape(-1), minlength=r.logits_TE.shape[-1]).float()
+            out[visit] = {"load_max_over_mean": (counts.max() / counts.mean()).item(),
+                          "dropped_share": 0.0,
+                          "tokens_per_expert": counts.long().tolist()}
+        return out
+
+    def divergence(self) -> dict[tuple[int, int, int], float]:
+        """Routing divergence ``{(layer, visit_a, visit_b): share}`` for consecutive visits."""
+        out = {}
+        for visit, r in self.routes.items():
+            nxt = Visit(visit.layer, visit.visit + 1)
+            if nxt in self.routes:
+                out[(visit.layer, visit.visit, nxt.visit)] = routing_divergence(r.topk_idx_TK,
+                                                                                self.routes[nxt].topk_idx_TK)
+        return dict(sorted(out.items()))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the ``mlp`` slot
+    holds a :class:`MoE` or a dense :class:`SwiGLU`. Layers do not know they are looped."""
+
+    def __init__(self, cfg, layer_idx: int):
+        m, moe = cfg.model, cfg.moe
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(m.hidden_size, m.norm_eps)
+        self.self_attn = CausalSelfAttention(m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim,
+                                             m.dropout)
+        self.post_attention_layernorm = RMSNorm(m.hidden_size, m.norm_eps)
+        self.is_moe = layer_idx >= m.first_k_dense
+        self.mlp = MoE.from_config(m.hidden_size, moe) if self.is_moe else SwiGLU(m.hidden_size, m.dense_ffn_size)
+        self.dropout = m.dropout
+
+    def forward(self, x: torch.Tensor, visit: Visit, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache | None = None, recorder: VisitRecorder | None = None,
+                probs_hook: AttnProbsHook | None = None) -> torch.Tensor:
+        """``x``: ``(B, S, H)`` -> ``(B, S, H)``."""
+        a = self.self_attn(self.input_layernorm(x), cos, sin, visit, kv_cache, probs_hook)
+        x = x + F.dropout(a, self.dropout, self.training)
+        h = self.mlp(self.post_attention_layernorm(x))
+        if recorder is not None and isinstance(self.mlp, MoE):
+            recorder.record(visit, self.mlp.last_route, self.mlp.last_losses)
+        return x + F.dropout(h, self.dropout, self.training)
+
+
+@dataclass
+class LMOutput:
+    """Result of :meth:`SmeltLM.forward`. Losses are scalars; ``loss`` = ``lm_loss`` +
+    aux_loss_coef * ``aux_loss`` + z_loss_coef * ``z_loss`` (None without labels)."""
+
+    logits: torch.Tensor  # (B, S, V)
+    loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+
+
+class SmeltLM(nn.Module):
+    """A SMELT or Baseline decoder built from a :class:`smelt_ds.config.RunConfig`.
+
+    Attributes:
+        schedule: the :class:`LoopSchedule` (visit plan).
+        blocks: the :class:`LoopingBlockManager` over ``layers`` (unique layers).
+        recorder: the :class:`VisitRecorder` of the last forward pass.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        m = cfg.model
+        self.schedule = LoopSchedule.from_config(cfg.loop, m.num_layers)
+        self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(m.num_layers))
+        self.blocks = LoopingBlockManager(self.layers, self.schedule, cfg.loop.input_injection)
+        self.norm = RMSNorm(m.hidden_size, m.norm_eps)
+        self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+        if m.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(m.resolved_head_dim, m.max_seq_len, m.rope_theta)
+        self.recorder = VisitRecorder()
+        self.reset_parameters()
+
+    # -- parameters ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, model.init_std) for every matrix, ones for norms, zeros for the router bias."""
+        std = self.cfg.model.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+    def embedding_parameter_names(self) -> set[str]:
+        """Names of the token embedding and output head parameters (excluded from budgets)."""
+        return {"embed_tokens.weight", "lm_head.weight"}
+
+    def num_non_embedding_params(self) -> int:
+        """Total non-embedding parameters (all experts counted; embedding and head excluded)."""
+        skip = {id(p) for n, p in self.named_parameters() if n in self.embedding_parameter_names()}
+        return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+
+    def looped_parameter_names(self) -> set[str]:
+        """Names of parameters in unique layers visited more than once (shared across visits)."""
+        return {n for n, _ in self.named_parameters()
+                if n.startswith("layers.") and self.schedule.is_looped(int(n.split(".")[1]))}
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, probs_hook: AttnProbsHook | None = None,
+                visit_hook: Callable[[Visit, torch.Tensor], None] | None = None) -> LMOutput:
+        """``input_ids`` ``(B, S)`` int64 -> :class:`LMOutput` with logits ``(B, S, V)``.
+
+        ``labels`` ``(B, S)`` are the next tokens (-100 = ignore). With ``kv_cache`` the tokens are
+        placed after the cached ones. ``visit_hook(visit, x)`` sees the residual stream
+        ``(B, S, H)`` after every visit (logit lens).
+        """
+        B, S = input_ids.shape
+        past = kv_cache.past_length() if kv_cache is not None else 0
+        cos, sin = self.rotary(torch.arange(past, past + S, device=input_ids.device))
+        self.recorder.clear()
+        x = self.embed_tokens(input_ids)
+        x = self.blocks(x, visit_hook=visit_hook, cos=cos, sin=sin, kv_cache=kv_cache,
+                        recorder=self.recorder, probs_hook=probs_hook)
+        logits = self.lm_head(self.norm(x))
+        out = LMOutput(logits=logits)
+        if labels is not None:
+            self._add_losses(out, labels)
+        return out
+
+    def _add_losses(self, out: LMOutput, labels: torch.Tensor) -> None:
+        V = out.logits.shape[-1]
+        out.lm_loss = F.cross_entropy(out.logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=-100)
+        out.aux_loss = self.recorder.mean_loss("aux")
+        out.z_loss = self.recorder.mean_loss("z")
+        loss = out.lm_loss
+        if out.aux_loss is not None:
+            loss = loss + self.cfg.moe.aux_loss_coef * out.aux_loss + self.cfg.moe.z_loss_coef * out.z_loss
+        out.loss = loss
+
+    # -- generation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, eos_token_id: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Decode with the per-visit KV cache. ``input_ids`` ``(B, S)`` -> ``(B, S + new)``.
+
+        ``temperature == 0`` is greedy; otherwise sample from softmax(logits / temperature)
+        restricted to the smallest set of tokens with cumulative probability >= ``top_p``.
+        Raises ValueError when the result would exceed ``model.max_seq_len``.
+        """
+        total = input_ids.shape[1] + max_new_tokens
+        if total > self.cfg.model.max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens = {total} tokens > model.max_seq_len "
+                             f"({self.cfg.model.max_seq_len}); shorten the prompt or lower max_new_tokens")
+        was_training = self.training
+        self.eval()
+        cache = KVCache()
+        ids = input_ids
+        logits = self(ids, kv_cache=cache).logits[:, -1]
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        for _ in range(max_new_tokens):
+            nxt = _sample(logits, temperature, top_p, generator)
+            if eos_token_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done |= nxt == eos_token_id
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            if eos_token_id is not None and bool(done.all()):
+                break
+            logits = self(nxt[:, None], kv_cache=cache).logits[:, -1]
+        self.train(was_training)
+        return ids
+
+
+def _sample(logits_BV: torch.Tensor, temperature: float, top_p: float,
+            generator: torch.Generator | None) -> torch.Tensor:
+    if temperature <= 0:
+        return logits_BV.argmax(dim=-1)
+    probs = (logits_BV.float() / temperature).softmax(dim=-1)
+    if top_p < 1.0:
+        sorted_p, sorted_i = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(dim=-1) - sorted_p < top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, sorted_i, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,253 @@
+"""Reference Mixture-of-Experts FFN: router, fused experts, auxiliary losses, router statistics.
+
+Layout (DESIGN §4, the Qwen3-MoE / Mixtral layout of transformers 5, so that AutoEP and
+transformers' sparse block can take the same weights)::
+
+    mlp.gate.weight                 [E, H]       router, no bias
+    mlp.experts.gate_up_proj        [E, 2F, H]   gate and up projections of every expert
+    mlp.experts.down_proj           [E, H, F]
+    mlp.shared_expert.*             optional dense SwiGLU expert run on every token
+    mlp.shared_expert_gate.weight   [1, H]       its sigmoid gate
+
+Shape legend (suffix letters, as in torchtitan's moe.py): B batch, S sequence, T = B*S tokens,
+H hidden, E experts, K top-k, F expert intermediate size, N = T*K routed token copies.
+
+The forward reads as named stages: ``route`` -> ``dispatch`` (sort token copies by expert) ->
+``experts`` (grouped GEMM) -> ``combine`` (weighted scatter-add back to tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["RouterOutput", "TopKRouter", "GroupedExperts", "MoE", "SwiGLU",
+           "load_balancing_loss", "router_z_loss", "has_grouped_mm"]
+
+
+def has_grouped_mm() -> bool:
+    """Whether the installed torch has ``torch._grouped_mm`` (torch >= 2.8)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU FFN ``down(silu(gate(x)) * up(x))``; x: ``(..., H)`` -> ``(..., H)``."""
+
+    def __init__(self, hidden_size: int, ffn_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.down_proj = nn.Linear(ffn_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# losses
+# ---------------------------------------------------------------------------------------------
+
+
+def load_balancing_loss(probs_TE: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    """Switch-style load-balancing loss for top-k routing (Fedus et al. 2021, eq. 4).
+
+    ``aux = E * sum_e f_e * P_e`` with ``f_e`` the share of the T*K routed copies sent to expert e
+    and ``P_e`` the mean router probability of e over tokens. Equals 1.0 under perfectly uniform
+    routing. ``probs_TE`` must be a distribution over experts per token (softmax scores, or
+    sigmoid scores divided by their sum).
+    """
+    T, E = probs_TE.shape
+    counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=E).to(probs_TE.dtype)
+    f_E = counts_E / topk_idx_TK.numel()
+    P_E = probs_TE.mean(dim=0)
+    return E * torch.sum(f_E * P_E)
+
+
+def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """Router z-loss ``mean_t (logsumexp_e logits_te)^2`` (Zoph et al. 2022, ST-MoE eq. 5)."""
+    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# router
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RouterOutput:
+    """What the router decided for T tokens."""
+
+    logits_TE: torch.Tensor  # raw router logits, fp32
+    probs_TE: torch.Tensor  # distribution over experts (for the aux loss)
+    topk_idx_TK: torch.Tensor  # chosen experts, int64
+    topk_weight_TK: torch.Tensor  # combine weights, in the input dtype
+
+
+class TopKRouter(nn.Module):
+    """Softmax or sigmoid top-k router with optional aux-loss-free expert bias.
+
+    The bias (DeepSeek-V3, arXiv 2412.19437 §2.1.2) only affects *which* experts are selected; the
+    combine weights use the unbiased scores. It is a buffer updated outside autograd by
+    :meth:`update_bias` from the tokens-per-expert counts accumulated since the last update.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, score_func: str = "softmax",
+                 norm_topk_prob: bool = True, aux_loss_free_bias: bool = False, jitter: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.norm_topk_prob, self.jitter = score_func, norm_topk_prob, jitter
+        self.use_bias = aux_loss_free_bias
+        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=aux_loss_free_bias)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+
+    def forward(self, x_TH: torch.Tensor) -> RouterOutput:
+        if self.training and self.jitter > 0:
+            noise = torch.empty_like(x_TH).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+            x_TH = x_TH * noise
+        logits_TE = F.linear(x_TH, self.weight).float()
+        if self.score_func == "softmax":
+            scores_TE = logits_TE.softmax(dim=-1)
+            probs_TE = scores_TE
+        else:
+            scores_TE = logits_TE.sigmoid()
+            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+        select_TE = scores_TE + self.expert_bias if self.use_bias else scores_TE
+        topk_idx_TK = select_TE.topk(self.top_k, dim=-1).indices
+        weight_TK = scores_TE.gather(-1, topk_idx_TK)
+        if self.norm_topk_prob:
+            weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
+        if self.use_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
+        return RouterOutput(logits_TE, probs_TE, topk_idx_TK, weight_TK.to(x_TH.dtype))
+
+    @torch.no_grad()
+    def update_bias(self, rate: float) -> None:
+        """``bias_e += rate * sign(mean_load - load_e)``; resets the accumulated counts."""
+        load_E = self.tokens_per_expert
+        if load_E.sum() > 0:
+            self.expert_bias += rate * torch.sign(load_E.mean() - load_E)
+        load_E.zero_()
+
+
+# ---------------------------------------------------------------------------------------------
+# experts
+# ---------------------------------------------------------------------------------------------
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    # torch._grouped_mm's backward rejects expanded (stride 0) gradients, e.g. from .sum().
+    if t.requires_grad:
+        t.register_hook(lambda g: g.contiguous())
+    return t
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as two 3-D tensors; computes sorted token copies group by group.
+
+    ``forward(x_NH, counts_E)``: ``x_NH`` rows sorted by expert, ``counts_E`` rows per expert
+    (int64, sums to N); returns ``(N, H)``.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, impl: str = "auto"):
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_size, ffn_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
+        if impl == "auto":
+            impl = "grouped_mm" if has_grouped_mm() else "loop"
+        if impl == "grouped_mm" and not has_grouped_mm():
+            raise RuntimeError("moe.expert_impl 'grouped_mm' needs torch._grouped_mm (torch >= 2.8); "
+                               "use expert_impl 'loop' or 'auto'")
+        self.impl = impl
+
+    def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        if self.impl == "grouped_mm":
+            return self._forward_grouped(x_NH, counts_E)
+        return self._forward_loop(x_NH, counts_E)
+
+    def _forward_grouped(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        offs_E = torch.cumsum(counts_E, dim=0).to(torch.int32)
+        h_N2F = torch._grouped_mm(x_NH, self.gate_up_proj.transpose(-2, -1), offs=offs_E)
+        gate_NF, up_NF = _contiguous_grad(h_N2F).chunk(2, dim=-1)
+        a_NF = F.silu(gate_NF) * up_NF
+        out_NH = torch._grouped_mm(a_NF, self.down_proj.transpose(-2, -1), offs=offs_E)
+        return _contiguous_grad(out_NH)
+
+    def _forward_loop(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, x_nH in enumerate(torch.split(x_NH, counts_E.tolist(), dim=0)):
+            gate_nF, up_nF = F.linear(x_nH, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate_nF) * up_nF, self.down_proj[e]))
+        return torch.cat(outs, dim=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the MoE FFN
+# ---------------------------------------------------------------------------------------------
+
+
+class MoE(nn.Module):
+    """Routed experts (+ optional shared expert). ``forward(x)``: ``(B, S, H)`` -> ``(B, S, H)``.
+
+    Per call it leaves ``self.last_route`` (the :class:`RouterOutput`) and ``self.last_losses``
+    (``{"aux": tensor, "z": tensor}``, unscaled) for the looping block manager's recorder, which
+    keys them by ``(layer, visit)``; nothing accumulates across calls, so an activation
+    checkpoint recompute overwrites rather than double-counts.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, ffn_size: int,
+                 shared_ffn_size: int = 0, score_func: str = "softmax", norm_topk_prob: bool = True,
+                 aux_loss_free_bias: bool = False, jitter: float = 0.0, expert_impl: str = "auto"):
+        super().__init__()
+        self.num_experts, self.num_experts_per_tok = num_experts, top_k
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, score_func, norm_topk_prob,
+                               aux_loss_free_bias, jitter)
+        self.experts = GroupedExperts(num_experts, hidden_size, ffn_size, expert_impl)
+        self.shared_expert = SwiGLU(hidden_size, shared_ffn_size) if shared_ffn_size else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_ffn_size else None
+        self.last_route: RouterOutput | None = None
+        self.last_losses: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_config(cls, hidden_size: int, moe_cfg) -> "MoE":
+        return cls(hidden_size, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.expert_ffn_size,
+                   moe_cfg.shared_expert_ffn_size, moe_cfg.score_func, moe_cfg.norm_topk_prob,
+                   moe_cfg.aux_loss_free_bias, moe_cfg.router_jitter, moe_cfg.expert_impl)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        B, S, H = x_BSH.shape
+        x_TH = x_BSH.reshape(B * S, H)
+        route = self.gate(x_TH)
+        order_N, counts_E, token_N = self.dispatch(route.topk_idx_TK)
+        y_NH = self.experts(x_TH[token_N], counts_E)
+        out_TH = self.combine(y_NH, route.topk_weight_TK.reshape(-1)[order_N], token_N, x_TH)
+        if self.shared_expert is not None:
+            out_TH = out_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+        self.last_route = route
+        self.last_losses = {"aux": load_balancing_loss(route.probs_TE, route.topk_idx_TK),
+                            "z": router_z_loss(route.logits_TE)}
+        return out_TH.reshape(B, S, H)
+
+    def dispatch(self, topk_idx_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sort the N = T*K routed copies by expert.
+
+        Returns ``order_N`` (positions in the flattened ``(T, K)`` assignment, stable by expert),
+        ``counts_E`` (copies per expert) and ``token_N`` (source token of each sorted copy).
+        """
+        flat_N = topk_idx_TK.reshape(-1)
+        order_N = torch.argsort(flat_N, stable=True)
+        counts_E = torch.bincount(flat_N, minlength=self.num_experts)
+        token_N = order_N // topk_idx_TK.shape[1]
+        return order_N, counts_E, token_N
+
+    @staticmethod
+    def combine(y_NH: torch.Tensor, weight_N: torch.Tensor, token_N: torch.Tensor,
+                like_TH: torch.Tensor) -> torch.Tensor:
+        """Weighted scatter-add of expert outputs back to their tokens -> ``(T, H)``."""
+        out_TH = torch.zeros_like(like_TH)
+        return out_TH.index_add(0, token_N, y_NH * weight_N.unsqueeze(-1).to(y_NH.dtype))
