@@ -17,6 +17,7 @@ from smelt_ds.errors import ConfigError
 COMMAND_MODULES = [
     "smelt_ds.budget_cli",
     "smelt_ds.data.cli",
+    "smelt_ds.train_cli",
 ]
 
 

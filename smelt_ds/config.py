@@ -129,18 +129,62 @@ class LoopConfig(StrictModel):
 # --------------------------------------------------------------------------------------------
 
 
+class ActivationCheckpointing(StrictModel):
+    """Which visits recompute their activations in backward (DESIGN §5)."""
+
+    policy: Literal["none", "full", "looped", "every_n"] = Field(
+        "none", description="none | full (every visit) | looped (visits of looped layers) | every_n")
+    every_n: int = Field(2, gt=0, description="every_n policy: checkpoint every n-th visit of the plan")
+    impl: Literal["torch", "deepspeed"] = Field(
+        "torch", description="torch: non-reentrant torch.utils.checkpoint; deepspeed: deepspeed.checkpointing")
+    partition_activations: bool = Field(False, description="deepspeed impl: shard checkpoints across model-parallel ranks")
+    cpu_checkpointing: bool = Field(False, description="deepspeed impl: keep checkpoints in CPU memory")
+    contiguous_memory_optimization: bool = Field(False, description="deepspeed impl: contiguous checkpoint buffers")
+
+
 class TrainConfig(StrictModel):
-    """Training loop settings. Lengths in tokens, durations in optimizer steps."""
+    """Training loop settings. Lengths in tokens, durations in optimizer steps, LR in units of
+    the optimizer's step size."""
 
     seed: int = 1234
     seq_len: int = Field(128, gt=0, description="tokens per training sample (window is seq_len + 1)")
     micro_batch_size: int = Field(8, gt=0, description="samples per micro-batch per data-parallel rank")
+    gradient_accumulation_steps: int | None = Field(
+        None, gt=0, description="micro-batches per optimizer step; default: from global_batch_tokens, else 1")
+    global_batch_tokens: int | None = Field(
+        None, gt=0, description="tokens per optimizer step over all ranks; must equal "
+                                "micro_batch_size * seq_len * accumulation * data-parallel size")
+    max_steps: int = Field(100, gt=0, description="optimizer steps")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final LR as a fraction of the peak")
+    warmup_steps: int = Field(10, ge=0, description="linear warmup steps")
+    schedule: Literal["cosine", "wsd", "constant"] = Field(
+        "cosine", description="cosine decay, warmup-stable-decay, or constant after warmup")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of max_steps spent decaying (linear)")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (not on norms, biases, embeddings)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 disables")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 where the accelerator supports it (CUDA), else fp32")
+    log_every: int = Field(10, gt=0, description="steps between metrics rows")
+    eval_every: int = Field(50, gt=0, description="steps between validation runs (and at the end)")
+    save_every: int = Field(50, gt=0, description="steps between checkpoints (and at the end)")
+    keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
+    run_dir: str = Field("runs/{name}", description="output directory; {name} is replaced by the recipe name")
+    activation_checkpointing: ActivationCheckpointing = Field(default_factory=ActivationCheckpointing)
 
 
 class DeepSpeedSection(StrictModel):
-    """DeepSpeed settings; ``config`` passes through to the DeepSpeed JSON unchanged."""
+    """DeepSpeed settings. ``config`` is merged last into the DeepSpeed JSON, unchanged."""
 
     zero_stage: Literal[0, 1, 2, 3] = 0
+    offload_optimizer: Literal["none", "cpu"] = Field("none", description="ZeRO offload of optimizer states")
+    offload_param: Literal["none", "cpu"] = Field("none", description="ZeRO-3 offload of parameters")
+    template: str | None = Field(None, description="ds_configs/ template name; default from zero_stage/offload")
+    zero3_loop_tuning: Literal["auto", "off"] = Field(
+        "auto", description="derive ZeRO-3 reuse distance / live parameters from the visit plan")
+    comms_logger: bool = Field(False, description="enable DeepSpeed's comms logger")
     config: dict[str, Any] = Field(default_factory=dict, description="raw DeepSpeed keys, passed through")
 
 
@@ -180,7 +224,8 @@ def _fail(path: str, value: Any, rule: str, fix: str) -> None:
 def check_run_config(cfg: RunConfig) -> None:
     """Cross-field checks of a parsed config. Raises ConfigError naming the field path."""
     _check_model(cfg.model)
-    _check_moe(cfg.moe, cfg.model)
+    _check_moe(cfg.moe, cfg.model, cfg.deepspeed.zero_stage)
+    _check_train(cfg)
     from smelt_ds.model.looping import LoopSchedule
 
     LoopSchedule.from_config(cfg.loop, cfg.model.num_layers)
@@ -201,16 +246,63 @@ def _check_model(m: ModelConfig) -> None:
               "lower first_k_dense")
 
 
-def _check_moe(moe: MoEConfig, m: ModelConfig) -> None:
+def _check_moe(moe: MoEConfig, m: ModelConfig, zero_stage: int = 0) -> None:
     if moe.top_k > moe.num_experts:
         _fail("moe.top_k", moe.top_k, f"must be <= `moe.num_experts` ({moe.num_experts})",
               "lower moe.top_k or raise moe.num_experts")
     if moe.backend in ("deepspeed", "autoep") and moe.num_experts % moe.ep_size:
         _fail("moe.num_experts", moe.num_experts, f"must be divisible by `moe.ep_size` ({moe.ep_size})",
               "choose an expert count that is a multiple of ep_size")
+    if moe.backend == "deepspeed" and zero_stage == 3:
+        _fail("moe.backend", moe.backend, "does not support `deepspeed.zero_stage` (3): DeepSpeed-MoE refuses "
+              "ZeRO-3", "use moe.backend 'autoep' (ZeRO 0-3) or zero_stage <= 2")
+    if moe.backend == "autoep" and moe.aux_loss_free_bias:
+        _fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'autoep' (AutoEP rejects "
+              "load_balance_coeff)", "set moe.aux_loss_free_bias to false or use backend 'reference'")
     if moe.backend == "reference" and moe.ep_size != 1:
         _fail("moe.ep_size", moe.ep_size, "needs an expert-parallel backend",
               "set moe.backend to 'deepspeed' or 'autoep', or moe.ep_size to 1")
+
+
+def _check_train(cfg: RunConfig) -> None:
+    t = cfg.train
+    if t.seq_len > cfg.model.max_seq_len:
+        _fail("train.seq_len", t.seq_len, f"must be <= `model.max_seq_len` ({cfg.model.max_seq_len})",
+              "raise model.max_seq_len or shorten train.seq_len")
+    if t.warmup_steps > t.max_steps:
+        _fail("train.warmup_steps", t.warmup_steps, f"must be <= `train.max_steps` ({t.max_steps})",
+              "shorten the warmup or train longer")
+    if cfg.deepspeed.offload_param != "none" and cfg.deepspeed.zero_stage != 3:
+        _fail("deepspeed.offload_param", cfg.deepspeed.offload_param, "needs `deepspeed.zero_stage` 3",
+              "set zero_stage: 3 or offload_param: none")
+    if cfg.deepspeed.offload_optimizer != "none" and cfg.deepspeed.zero_stage == 0:
+        _fail("deepspeed.offload_optimizer", cfg.deepspeed.offload_optimizer, "needs ZeRO stage 1-3",
+              "set deepspeed.zero_stage >= 1 or offload_optimizer: none")
+
+
+def resolve_batch(cfg: RunConfig, data_parallel_size: int) -> tuple[int, int]:
+    """``(gradient_accumulation_steps, global_batch_tokens)`` for ``data_parallel_size`` ranks.
+
+    global_batch_tokens = micro_batch_size * seq_len * accumulation * data_parallel_size. Raises
+    ConfigError when ``train.global_batch_tokens`` is not a multiple of the per-step tokens or
+    disagrees with an explicit ``train.gradient_accumulation_steps``.
+    """
+    t = cfg.train
+    per_micro = t.micro_batch_size * t.seq_len * data_parallel_size
+    if t.global_batch_tokens is None:
+        accum = t.gradient_accumulation_steps or 1
+        return accum, per_micro * accum
+    if t.global_batch_tokens % per_micro:
+        _fail("train.global_batch_tokens", t.global_batch_tokens,
+              f"must be a multiple of micro_batch_size * seq_len * data-parallel size "
+              f"({t.micro_batch_size} * {t.seq_len} * {data_parallel_size} = {per_micro})",
+              "change global_batch_tokens, micro_batch_size or the number of ranks")
+    accum = t.global_batch_tokens // per_micro
+    if t.gradient_accumulation_steps is not None and t.gradient_accumulation_steps != accum:
+        _fail("train.gradient_accumulation_steps", t.gradient_accumulation_steps,
+              f"disagrees with `train.global_batch_tokens` ({t.global_batch_tokens}), which needs {accum} "
+              f"on {data_parallel_size} rank(s)", "set only one of them")
+    return accum, t.global_batch_tokens
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,14 +315,14 @@ def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
     extra: dict[str, list[str]] = {}
     lines: list[str] = []
     for e in err.errors():
-        loc = [str(p) for p in e["loc"]]
+        loc = [f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]]  # list items: ranges[0]
         if prefix:
             loc = [prefix] + loc
         if e["type"] == "extra_forbidden":
-            parent = ".".join(loc[:-1]) or "<top level>"
+            parent = ".".join(loc[:-1]).replace(".[", "[") or "<top level>"
             extra.setdefault(parent, []).append(loc[-1])
             continue
-        path = ".".join(loc)
+        path = ".".join(loc).replace(".[", "[")
         lines.append(f"`{path}` ({e.get('input')!r}): {e['msg']}")
     for parent, keys in extra.items():
         allowed = _allowed_keys(parent if parent != "<top level>" else "")
@@ -241,7 +333,7 @@ def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
 
 def _allowed_keys(path: str) -> list[str]:
     cls: Any = RunConfig
-    for part in [p for p in path.split(".") if p]:
+    for part in [p.split("[")[0] for p in path.split(".") if p]:
         field = getattr(cls, "model_fields", {}).get(part)
         if field is None:
             return []

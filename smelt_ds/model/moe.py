@@ -104,7 +104,9 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=aux_loss_free_bias)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
 
-    def forward(self, x_TH: torch.Tensor) -> RouterOutput:
+    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x_TH`` -> ``(logits_TE, probs_TE, topk_idx_TK, topk_weight_TK)`` (the fields of
+        :class:`RouterOutput`; a plain tuple so that ZeRO-3's module hooks see the tensors)."""
         if self.training and self.jitter > 0:
             noise = torch.empty_like(x_TH).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             x_TH = x_TH * noise
@@ -123,7 +125,7 @@ class TopKRouter(nn.Module):
         if self.use_bias and torch.is_grad_enabled():
             with torch.no_grad():
                 self.tokens_per_expert += torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
-        return RouterOutput(logits_TE, probs_TE, topk_idx_TK, weight_TK.to(x_TH.dtype))
+        return logits_TE, probs_TE, topk_idx_TK, weight_TK.to(x_TH.dtype)
 
     @torch.no_grad()
     def update_bias(self, rate: float) -> None:
@@ -158,6 +160,7 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_size, ffn_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
+        self.auto = impl == "auto"
         if impl == "auto":
             impl = "grouped_mm" if has_grouped_mm() else "loop"
         if impl == "grouped_mm" and not has_grouped_mm():
@@ -166,9 +169,21 @@ class GroupedExperts(nn.Module):
         self.impl = impl
 
     def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        if self.impl == "grouped_mm":
+        if self.impl == "grouped_mm" and self._grouped_mm_fits(x_NH):
             return self._forward_grouped(x_NH, counts_E)
         return self._forward_loop(x_NH, counts_E)
+
+    def _grouped_mm_fits(self, x_NH: torch.Tensor) -> bool:
+        """torch._grouped_mm needs row strides that are multiples of 16 bytes (H and F); 'auto'
+        falls back to the loop otherwise, an explicit 'grouped_mm' says why it cannot run."""
+        size = x_NH.element_size()
+        if (self.hidden_dim * size) % 16 == 0 and (self.intermediate_dim * size) % 16 == 0:
+            return True
+        if self.auto:
+            return False
+        raise RuntimeError(f"moe.expert_impl 'grouped_mm' needs hidden_size ({self.hidden_dim}) and "
+                           f"expert_ffn_size ({self.intermediate_dim}) times {size} bytes to be multiples of "
+                           "16 bytes; use expert_impl 'auto' or 'loop', or round the sizes")
 
     def _forward_grouped(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         offs_E = torch.cumsum(counts_E, dim=0).to(torch.int32)
@@ -222,7 +237,7 @@ class MoE(nn.Module):
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         B, S, H = x_BSH.shape
         x_TH = x_BSH.reshape(B * S, H)
-        route = self.gate(x_TH)
+        route = RouterOutput(*self.gate(x_TH))
         order_N, counts_E, token_N = self.dispatch(route.topk_idx_TK)
         y_NH = self.experts(x_TH[token_N], counts_E)
         out_TH = self.combine(y_NH, route.topk_weight_TK.reshape(-1)[order_N], token_N, x_TH)

@@ -1,0 +1,238 @@
+"""DeepSpeed side of a run: the DeepSpeed config, optimizer parameter groups, LR schedule, precision.
+
+The model never imports DeepSpeed; this module does (DESIGN §2, §7). The DeepSpeed config is a
+template from ``ds_configs/`` (chosen from ``deepspeed.zero_stage`` and the offload options)
+filled from the recipe; every key of the recipe's ``deepspeed.config`` is merged last, unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from smelt_ds.config import RunConfig, resolve_batch
+from smelt_ds.errors import ConfigError
+
+__all__ = ["DS_CONFIG_DIR", "template_name", "load_template", "build_ds_config", "param_groups",
+           "lr_multiplier", "resolve_precision", "deep_merge"]
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
+
+
+def template_name(cfg: RunConfig) -> str:
+    """Template file stem for the recipe: ``zero{0,1,2,3}`` or a ZeRO-3 offload variant."""
+    ds = cfg.deepspeed
+    if ds.template:
+        return ds.template
+    if ds.zero_stage == 3 and ds.offload_param != "none":
+        return "zero3_offload_param"
+    if ds.zero_stage == 3 and ds.offload_optimizer != "none":
+        return "zero3_offload_optimizer"
+    return f"zero{ds.zero_stage}"
+
+
+def load_template(name: str) -> dict[str, Any]:
+    """Read ``ds_configs/<name>.json``. Raises ConfigError naming the file and the choices."""
+    path = DS_CONFIG_DIR / f"{name}.json"
+    if not path.is_file():
+        choices = sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json"))
+        raise ConfigError(f"`deepspeed.template` ({name!r}): no file {path}; choose one of {choices}")
+    return json.loads(path.read_text())
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; values of ``override`` win (dicts merge, everything else replaces)."""
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def resolve_precision(cfg: RunConfig) -> str:
+    """``bf16`` or ``fp32``. ``auto`` picks bf16 only on CUDA with bf16 support (CPU runs fp32).
+
+    Raises ConfigError when bf16 is requested where the accelerator does not support it.
+    """
+    p = cfg.train.precision
+    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if p == "auto":
+        return "bf16" if cuda_bf16 else "fp32"
+    if p == "bf16" and not cuda_bf16 and torch.cuda.is_available():
+        raise ConfigError("`train.precision` ('bf16') is not supported by this GPU: use 'fp32' or 'auto'")
+    return p
+
+
+def build_ds_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config JSON for ``world_size`` ranks.
+
+    Filled from the recipe: micro-batch, gradient accumulation, train batch size (samples),
+    gradient clipping, bf16, ZeRO offload devices, the AutoEP ``expert_parallel`` section when
+    ``moe.backend`` is ``autoep``, the comms logger; then ``deepspeed.config`` is merged in.
+    Raises ConfigError for an inconsistent global batch (see :func:`smelt_ds.config.resolve_batch`).
+    """
+    t, ds = cfg.train, cfg.deepspeed
+    accum, _ = resolve_batch(cfg, world_size)
+    out = load_template(template_name(cfg))
+    out["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+    out["gradient_accumulation_steps"] = accum
+    out["train_batch_size"] = t.micro_batch_size * accum * world_size
+    out["gradient_clipping"] = t.grad_clip
+    out["bf16"] = {"enabled": resolve_precision(cfg) == "bf16"}
+    zero = out.setdefault("zero_optimization", {})
+    zero["stage"] = ds.zero_stage
+    if ds.offload_optimizer != "none":
+        zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": ds.offload_optimizer}
+    if ds.offload_param != "none":
+        zero["offload_param"] = {**zero.get("offload_param", {}), "device": ds.offload_param}
+    if cfg.moe.backend == "autoep":
+        from smelt_ds.moe_backends import autoep_config_section
+
+        out["expert_parallel"] = autoep_config_section(cfg)
+    if ds.comms_logger:
+        out["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
+    if ds.offload_optimizer != "none":
+        out["optimizer"] = {"type": "AdamW", "params": {"lr": t.lr, "betas": list(t.betas), "eps": t.eps,
+                                                        "weight_decay": t.weight_decay}}
+    return deep_merge(out, ds.config)
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer groups and schedule
+# ---------------------------------------------------------------------------------------------
+
+
+def _no_decay(name: str, p: torch.nn.Parameter) -> bool:
+    """Norm weights, biases and embeddings get no weight decay (1-D tensors or embeddings)."""
+    return p.ndim < 2 or "embed_tokens" in name or name.endswith(".bias") or "norm" in name
+
+
+def param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
+    """AdamW groups: {decay, no decay} x {unlooped, looped}. Looped (shared) parameters get
+    ``lr_scale = loop.shared_lr_scale`` (applied by :func:`lr_multiplier`'s LambdaLR per group).
+
+    Each group carries ``name`` for logging. Empty groups are dropped.
+    """
+    looped = model.looped_parameter_names() if hasattr(model, "looped_parameter_names") else set()
+    scale = cfg.loop.shared_lr_scale
+    buckets: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        buckets.setdefault((_no_decay(name, p), name in looped), []).append(p)
+    groups = []
+    for (no_decay, is_looped), params in sorted(buckets.items()):
+        groups.append({"params": params, "weight_decay": 0.0 if no_decay else cfg.train.weight_decay,
+                       "lr_scale": scale if is_looped else 1.0,
+                       "name": f"{'no_decay' if no_decay else 'decay'}{'_looped' if is_looped else ''}"})
+    return groups
+
+
+def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
+    """LR as a fraction of ``train.lr`` at optimizer step ``s`` (0-based).
+
+    Linear warmup over ``warmup_steps``; then ``cosine``: min_ratio + (1 - min_ratio) *
+    0.5 * (1 + cos(pi * progress)) (Loshchilov & Hutter 2017); ``wsd``: constant, then a linear
+    decay to min_ratio over the last ``decay_fraction`` of steps (Hu et al. 2024, MiniCPM);
+    ``constant``: 1.
+    """
+    t = cfg.train
+    W, N, r = t.warmup_steps, t.max_steps, t.min_lr_ratio
+
+    def f(step: int) -> float:
+        if W and step < W:
+            return (step + 1) / W
+        if t.schedule == "constant":
+            return 1.0
+        if t.schedule == "cosine":
+            progress = min(1.0, (step - W) / max(1, N - W))
+            return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * progress))
+        decay_start = N - max(1, int(round(t.decay_fraction * N)))
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, N - decay_start))
+        return 1.0 - (1 - r) * progress
+
+    return f
+
+
+def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
+    """Wrap a (backend-converted) model with ``deepspeed.initialize``.
+
+    The optimizer is torch's AdamW over :func:`param_groups` (split for expert parallelism by the
+    MoE backend), unless an optimizer offload asks DeepSpeed for its CPU Adam via the config. The
+    LR schedule is a ``LambdaLR`` of :func:`lr_multiplier` times each group's ``lr_scale``,
+    stepped by DeepSpeed once per optimizer step. Returns ``(engine, optimizer, scheduler,
+    ds_config)``.
+    """
+    import deepspeed
+
+    ds_config = build_ds_config(cfg, world_size)
+    groups = param_groups(model, cfg)
+    if cfg.moe.backend != "reference":
+        from smelt_ds.moe_backends import optimizer_param_groups
+
+        groups = optimizer_param_groups(model, groups, cfg)
+    t = cfg.train
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
+    f = lr_multiplier(cfg)
+
+    def scheduler(opt):
+        return torch.optim.lr_scheduler.LambdaLR(
+            opt, [lambda s, sc=g.get("lr_scale", 1.0): sc * f(s) for g in opt.param_groups])
+
+    engine, opt, _, sched = deepspeed.initialize(
+        model=model, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
+        config=ds_config, lr_scheduler=scheduler)
+    return engine, opt, sched, ds_config
+
+
+def checkpointed_visits(cfg: RunConfig, schedule) -> set:
+    """Visits whose activations are recomputed in backward under
+    ``train.activation_checkpointing.policy``: ``full`` every visit, ``looped`` the visits of
+    looped layers, ``every_n`` every n-th visit of the plan (positions 0, n, 2n, ...)."""
+    ac = cfg.train.activation_checkpointing
+    plan = schedule.plan
+    if ac.policy == "none":
+        return set()
+    if ac.policy == "full":
+        return set(plan)
+    if ac.policy == "looped":
+        return {v for v in plan if schedule.is_looped(v.layer)}
+    return {v for i, v in enumerate(plan) if i % ac.every_n == 0}
+
+
+def configure_activation_checkpointing(model: torch.nn.Module, cfg: RunConfig) -> None:
+    """Give the model's looping block manager its per-visit checkpoint policy and function:
+    non-reentrant ``torch.utils.checkpoint`` or ``deepspeed.checkpointing.checkpoint`` (with its
+    partition / CPU / contiguous-memory options)."""
+    ac = cfg.train.activation_checkpointing
+    manager = model.blocks
+    visits = checkpointed_visits(cfg, manager.schedule)
+    if not visits:
+        manager.checkpoint_policy = manager.checkpoint_fn = None
+        return
+    manager.checkpoint_policy = visits.__contains__
+    if ac.impl == "torch":
+        import torch.utils.checkpoint as tuc
+
+        manager.checkpoint_fn = lambda fn, x: tuc.checkpoint(fn, x, use_reentrant=False)
+        return
+    import deepspeed
+
+    deepspeed.checkpointing.configure(None, partition_activations=ac.partition_activations,
+                                      checkpoint_in_cpu=ac.cpu_checkpointing,
+                                      contiguous_checkpointing=ac.contiguous_memory_optimization,
+                                      num_checkpoints=len(manager.schedule.plan))
+    manager.checkpoint_fn = deepspeed.checkpointing.checkpoint

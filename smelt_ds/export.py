@@ -1,0 +1,91 @@
+"""Export a DeepSpeed checkpoint as consolidated fp32 weights plus the resolved recipe.
+
+``<out>/model.pt`` holds a state dict in the reference layout (``SmeltLM`` with the reference MoE
+backend) and ``<out>/config.yaml`` the resolved recipe; :func:`load_exported` rebuilds the model
+on one CPU process. ZeRO-sharded states are gathered with DeepSpeed's own
+``deepspeed.utils.zero_to_fp32``. The output is written to a temporary directory and renamed, so
+a partial export is never taken for a complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from smelt_ds import checkpoint as ckpt
+from smelt_ds.config import RunConfig, dump_config, load_config
+from smelt_ds.errors import ConfigError
+
+__all__ = ["consolidated_state_dict", "export_checkpoint", "load_exported"]
+
+
+def _resolve(path: str | Path) -> tuple[Path, Path]:
+    """``(run_dir, checkpoint_dir)`` from a run directory or a checkpoint directory."""
+    path = Path(path)
+    if (path / ckpt.MARKER).is_file():
+        return path.parent.parent, path
+    latest = ckpt.latest_complete(path)
+    if latest is None:
+        raise ConfigError(f"{str(path)!r} holds no complete checkpoint (no checkpoints/step*/{ckpt.MARKER}): "
+                          "pass a run directory of a run that saved at least once")
+    return path, latest
+
+
+def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """fp32 state dict of the model in the reference layout, from any ZeRO stage and backend."""
+    if cfg.deepspeed.zero_stage == 0:
+        files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise ConfigError(f"{ckpt_dir}: no mp_rank_*_model_states.pt; is this a DeepSpeed checkpoint?")
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        state = {k: v.float() for k, v in state.items()}
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)
+    if cfg.moe.backend != "reference":
+        from smelt_ds.moe_backends import to_reference_state_dict
+
+        state = to_reference_state_dict(state, cfg, ckpt_dir)
+    return state
+
+
+def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
+    """Write ``model.pt`` and ``config.yaml`` to ``out_dir`` (atomically). Returns ``out_dir``."""
+    run_dir, ckpt_dir = _resolve(path)
+    cfg = load_config(run_dir / "config.yaml")
+    state = consolidated_state_dict(ckpt_dir, cfg)
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save(state, tmp / "model.pt")
+    dump_config(cfg, tmp / "config.yaml")
+    (tmp / "SOURCE").write_text(str(ckpt_dir.resolve()) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def load_exported(path: str | Path):
+    """Build a :class:`smelt_ds.model.SmeltLM` (reference backend, eval mode) from an export
+    directory. Raises ConfigError for a missing or partial export, or mismatched weights."""
+    from smelt_ds.model import SmeltLM
+
+    path = Path(path)
+    if not (path / "model.pt").is_file() or not (path / "config.yaml").is_file():
+        raise ConfigError(f"{str(path)!r} is not an export directory (needs model.pt and config.yaml): "
+                          "create one with `smelt-ds export RUN_DIR -o OUT`")
+    cfg = load_config(path / "config.yaml", ["moe.backend=reference", "moe.ep_size=1", "deepspeed.zero_stage=0"])
+    model = SmeltLM(cfg)
+    state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("expert_bias")]
+    if missing or unexpected:
+        raise ConfigError(f"{path / 'model.pt'} does not fit the recipe: missing {missing[:5]}, "
+                          f"unexpected {unexpected[:5]}")
+    return model.eval()

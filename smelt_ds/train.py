@@ -1,0 +1,443 @@
+"""The training loop. Runs under the ``deepspeed`` launcher or as one plain process.
+
+    deepspeed [--num_gpus N | --hostfile H] --module smelt_ds.train RECIPE [--set k=v ...]
+    smelt-ds train RECIPE [--set k=v ...] [--nproc N] [--resume auto]
+
+The run directory (``train.run_dir``) receives the resolved recipe (``config.yaml``), the final
+DeepSpeed config (``ds_config.json``), TensorBoard events (``tb/``), ``metrics.jsonl``,
+checkpoints (``checkpoints/<tag>/``) and ``summary.json`` / ``summary.txt`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from smelt_ds.budget import compute_budget
+from smelt_ds.config import RunConfig, dump_config, load_config
+from smelt_ds.errors import ConfigError
+
+__all__ = ["main", "train", "parse_args", "RunResult"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="smelt_ds.train", description="Train a SMELT or Baseline recipe.")
+    add_train_arguments(p)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    return p.parse_args(argv)
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny/smelt.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field (YAML value), e.g. --set train.max_steps=20")
+    p.add_argument("--resume", default="none",
+                   help="'auto' continues from the latest complete checkpoint of the run directory, "
+                        "'none' starts fresh, or a checkpoint directory")
+    p.add_argument("--run-dir", default=None, help="override train.run_dir")
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed setup
+# ---------------------------------------------------------------------------------------------
+
+
+def init_distributed() -> tuple[int, int, int]:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA) when launched
+    with several ranks, or as a world of one. Returns ``(rank, local_rank, world_size)``."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend)
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    return dist.get_rank(), local_rank, dist.get_world_size()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------------------------
+
+# Dense bf16 peak TFLOP/s per device (no sparsity), from the vendors' datasheets.
+PEAK_TFLOPS = {
+    "H100": 989.0,  # NVIDIA H100 SXM5 datasheet, BF16 Tensor Core (dense)
+    "H200": 989.0,  # NVIDIA H200 datasheet (same compute as H100 SXM)
+    "A100": 312.0,  # NVIDIA A100 datasheet, BF16 Tensor Core (dense)
+    "B200": 2250.0,  # NVIDIA DGX B200 datasheet, per-GPU dense BF16
+}
+
+
+def device_peak_tflops() -> float | None:
+    """Peak dense bf16 TFLOP/s of the current CUDA device, or None (unknown device or CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def memory_bytes() -> int:
+    """Peak CUDA memory allocated (bytes), or this process's resident set size on CPU."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+@dataclass
+class MicroStats:
+    """Sums over micro-batches since the last log row (means are taken over micro-batches)."""
+
+    n: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+
+    def add(self, out) -> None:
+        self.n += 1
+        for k in ("loss", "lm_loss", "aux_loss", "z_loss"):
+            v = getattr(out, k)
+            if v is not None:
+                self.sums[k] = self.sums.get(k, 0.0) + float(v.detach())
+
+    def means(self) -> dict[str, float]:
+        """Means over this rank's micro-batches, then over data-parallel ranks (all-reduce)."""
+        import torch.distributed as dist
+
+        keys = sorted(self.sums)
+        t = torch.tensor([self.sums[k] / max(1, self.n) for k in keys], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+            t /= dist.get_world_size()
+        self.n, self.sums = 0, {}
+        return dict(zip(keys, t.tolist()))
+
+
+def routing_metrics(model) -> dict[str, float]:
+    """``router/L{l}V{v}/load_max_over_mean`` and ``router/L{l}/divergence_{a}{b}`` of the last
+    micro-batch on this rank."""
+    rec = getattr(model, "recorder", None)
+    if rec is None:
+        return {}
+    out = {}
+    for visit, s in rec.router_stats().items():
+        out[f"router/L{visit.layer}V{visit.visit}/load_max_over_mean"] = s["load_max_over_mean"]
+        out[f"router/L{visit.layer}V{visit.visit}/dropped_share"] = s["dropped_share"]
+    for (layer, a, b), d in rec.divergence().items():
+        out[f"router/L{layer}/divergence_v{a}v{b}"] = d
+    return out
+
+
+class MetricsWriter:
+    """``metrics.jsonl`` rows and TensorBoard scalars, written by rank 0 only."""
+
+    def __init__(self, run_dir: Path, enabled: bool, resume: bool):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+            if not resume and self.path.exists():
+                self.path.unlink()
+
+    def write(self, step: int, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **row}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and k != "step":
+                self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.flush()
+            self.tb.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """What :func:`train` returns (rank-local view, reduced values where noted)."""
+
+    run_dir: Path
+    step: int
+    tokens_seen: int
+    losses: list[float]  # loss per optimizer step (mean over micro-batches and ranks)
+    lrs: list[float]
+    val: dict[str, float]
+    sample_ids: list[list[int]]  # per optimizer step, this rank's sample ids (data order checks)
+    stopped_by_signal: bool = False
+
+
+class _Terminator:
+    """SIGTERM/SIGINT -> finish the current step, save a checkpoint, exit cleanly."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        if threading_is_main():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, h in self._old.items():
+            signal.signal(sig, h)
+
+
+def threading_is_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> RunResult:
+    """Train ``cfg`` and return a :class:`RunResult`. Initialises torch.distributed if needed.
+
+    Raises ConfigError for bad configuration, incompatible data or an unusable checkpoint.
+    """
+    from smelt_ds import checkpoint as ckpt
+    from smelt_ds.engine import configure_activation_checkpointing, initialize, resolve_precision
+    from smelt_ds.model import SmeltLM
+    from smelt_ds.train_data import build_data
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out_dir = Path(run_dir or cfg.train.run_dir.format(name=cfg.name))
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+
+    torch.manual_seed(cfg.train.seed)
+    data = build_data(cfg, rank, world)
+    model = SmeltLM(cfg)
+    if cfg.moe.backend != "reference":
+        from smelt_ds.moe_backends import apply_backend
+
+        model = apply_backend(model, cfg)
+    configure_activation_checkpointing(model, cfg)
+    engine, _, sched, ds_config = initialize(cfg, model, world)
+    precision = resolve_precision(cfg)
+    if rank == 0:
+        dump_config(cfg, out_dir / "config.yaml")
+        (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+
+    budget = compute_budget(cfg, cfg.train.seq_len)
+    accum = engine.gradient_accumulation_steps()
+    tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * accum * world
+    step, tokens_seen = 0, 0
+    if resume != "none":
+        state = ckpt.load(engine, out_dir, resume)
+        if state is not None:
+            step, tokens_seen = state["step"], state["tokens_seen"]
+            data.train.load_state_dict(state["loader"])
+            ckpt.restore_rng(state["rng"])
+    writer = MetricsWriter(out_dir, rank == 0, resume != "none")
+    result = RunResult(out_dir, step, tokens_seen, [], [], {}, [])
+    micro = MicroStats()
+    progress = _progress(rank, step, cfg.train.max_steps)
+    t_last, tok_last = time.perf_counter(), tokens_seen
+    with _Terminator() as term:
+        while step < cfg.train.max_steps:
+            ids = []
+            for _ in range(accum):
+                batch = data.train.next_batch()
+                ids.extend(int(i) for i in batch.sample_ids)
+                out = engine(batch.input_ids, labels=batch.labels)
+                engine.backward(out.loss)
+                engine.step()
+                micro.add(out)
+            step += 1
+            tokens_seen += tokens_per_step
+            _after_step(model, cfg)
+            means = micro.means()
+            lr = sched.get_last_lr()[0]
+            result.losses.append(means["loss"])
+            result.lrs.append(lr)
+            result.sample_ids.append(ids)
+            if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+                now = time.perf_counter()
+                tps = (tokens_seen - tok_last) / max(now - t_last, 1e-9)
+                t_last, tok_last = now, tokens_seen
+                row = {**means, "lr": lr, "grad_norm": _grad_norm(engine), "tokens": tokens_seen,
+                       "tokens_per_s": tps, "tflops_per_device": budget.train_flops_per_token * tps / world / 1e12,
+                       "memory_bytes": memory_bytes(), **routing_metrics(model)}
+                peak = device_peak_tflops()
+                if peak and precision == "bf16":
+                    row["mfu"] = row["tflops_per_device"] / peak
+                writer.write(step, row)
+            progress.update(1)
+            progress.set_postfix(loss=f"{means['loss']:.3f}")
+            if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
+                result.val = evaluate(engine, data, cfg)
+                writer.write(step, {f"val/{k}": v for k, v in result.val.items()})
+            stop = _sync_flag(term.requested)
+            if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop:
+                ckpt.save(engine, out_dir, step, tokens_seen, data.train.state_dict(), cfg.train.keep_last)
+            if stop:
+                result.stopped_by_signal = True
+                break
+    progress.close()
+    writer.close()
+    result.step, result.tokens_seen = step, tokens_seen
+    if rank == 0 and not result.stopped_by_signal:
+        _write_summary(out_dir, cfg, result, budget, data)
+    return result
+
+
+def _after_step(model, cfg: RunConfig) -> None:
+    """Aux-loss-free bias update (DeepSeek-V3), outside autograd, after each optimizer step."""
+    if not cfg.moe.aux_loss_free_bias:
+        return
+    from smelt_ds.model.moe import TopKRouter
+
+    import torch.distributed as dist
+
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(m.tokens_per_expert)
+            m.update_bias(cfg.moe.bias_update_rate)
+
+
+def _grad_norm(engine) -> float:
+    g = engine.get_global_grad_norm()
+    return float(g) if g is not None else float("nan")
+
+
+def _sync_flag(flag: bool) -> bool:
+    """True on every rank when any rank got a stop signal."""
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class _NoProgress:
+    def update(self, n): ...
+
+    def set_postfix(self, **kw): ...
+
+    def close(self): ...
+
+
+def _progress(rank: int, start: int, total: int):
+    if rank != 0:
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+@torch.no_grad()
+def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
+    """Mean next-token loss (nats/token) per validation domain over ``eval.eval_batches``
+    micro-batches per rank, averaged over ranks; ``all`` is the token-weighted mean."""
+    import torch.distributed as dist
+
+    engine.eval()
+    out: dict[str, float] = {}
+    tot_loss, tot_tok = 0.0, 0
+    for domain, batches in data.validation(cfg.eval.eval_batches).items():
+        s = torch.zeros(2, dtype=torch.float64)
+        for batch in batches:
+            o = engine(batch.input_ids, labels=batch.labels)
+            n = int((batch.labels != -100).sum())
+            s += torch.tensor([float(o.lm_loss) * n, n], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(s)
+        if s[1] > 0:
+            out[domain] = float(s[0] / s[1])
+            tot_loss, tot_tok = tot_loss + float(s[0]), tot_tok + int(s[1])
+    if tot_tok:
+        out["all"] = tot_loss / tot_tok
+    engine.train()
+    return out
+
+
+def _write_summary(out_dir: Path, cfg: RunConfig, result: RunResult, budget, data) -> None:
+    metrics = [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    last = next((m for m in reversed(metrics) if "loss" in m), {})
+    tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
+    summary = {
+        "name": cfg.name, "steps": result.step, "tokens": result.tokens_seen,
+        "final_train_loss": last.get("loss"), "final_lm_loss": last.get("lm_loss"),
+        "validation_loss": result.val, "tokens_per_s": (sum(tps) / len(tps)) if tps else None,
+        "unigram_entropy_nats": getattr(data, "unigram_entropy", None),
+        "budget": budget.as_dict(),
+    }
+    tmp = out_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, out_dir / "summary.json")
+    lines = [f"run {cfg.name}: {result.step} steps, {result.tokens_seen:,} tokens, "
+             f"{summary['tokens_per_s'] or 0:,.0f} tokens/s",
+             f"final train loss {summary['final_train_loss']:.4f} (LM {summary['final_lm_loss']:.4f})"]
+    for k, v in result.val.items():
+        lines.append(f"validation loss [{k}]: {v:.4f} nats/token")
+    if summary["unigram_entropy_nats"] is not None:
+        lines.append(f"unigram entropy of the training tokens: {summary['unigram_entropy_nats']:.4f} nats/token")
+    lines.append(f"budgets: {budget.forward_flops_per_token:,.0f} forward FLOPs/token, "
+                 f"{budget.non_embedding_params:,} non-embedding params (embedding and head excluded), "
+                 f"{budget.kv_cache_bytes_per_token} KV-cache bytes/token ({budget.kv_dtype}), "
+                 f"{budget.visits} visits of {budget.unique_layers} unique layers")
+    text = "\n".join(lines)
+    (out_dir / "summary.txt").write_text(text + "\n")
+    print(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.recipe, args.set)
+        train(cfg, resume=args.resume, run_dir=args.run_dir)
+    except ConfigError as e:
+        print(f"smelt_ds.train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""``smelt-ds train`` and ``smelt-ds export``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from smelt_ds.train import add_train_arguments
+
+    p = sub.add_parser("train", help="train a recipe (one process, or N local ranks via the deepspeed launcher)",
+                       description="Train a SMELT or Baseline recipe. With --nproc N > 1 the deepspeed launcher "
+                                   "starts N local ranks (gloo on CPU, NCCL on GPUs).")
+    add_train_arguments(p)
+    p.add_argument("--nproc", type=int, default=1, help="local ranks (default 1: this process)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=run_train)
+
+    e = sub.add_parser("export", help="consolidate a checkpoint into fp32 weights + the resolved recipe",
+                       description="Write model.pt (fp32 state dict in the reference layout) and config.yaml, "
+                                   "loadable by SmeltLM on one CPU process (smelt_ds.export.load_exported).")
+    e.add_argument("run_dir", help="run directory (or a checkpoints/stepNNNNNNNN directory)")
+    e.add_argument("-o", "--output", required=True, help="output directory")
+    e.set_defaults(func=run_export)
+
+
+def launcher_command(args: argparse.Namespace) -> list[str]:
+    """The deepspeed launcher command line for ``--nproc N``."""
+    from smelt_ds.train import _free_port
+
+    cmd = ["deepspeed", "--num_gpus", str(args.nproc), "--master_port", str(_free_port()),
+           "--module", "smelt_ds.train", args.recipe, "--resume", args.resume]
+    for s in args.set:
+        cmd += ["--set", s]
+    if args.run_dir:
+        cmd += ["--run-dir", args.run_dir]
+    return cmd
+
+
+def run_train(args: argparse.Namespace) -> int:
+    if args.nproc > 1:
+        cmd = launcher_command(args)
+        print("launching: " + " ".join(cmd), file=sys.stderr)
+        return subprocess.call(cmd, env=os.environ.copy())
+    from smelt_ds.config import load_config
+    from smelt_ds.train import train
+
+    cfg = load_config(args.recipe, args.set)
+    train(cfg, resume=args.resume, run_dir=args.run_dir)
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from smelt_ds.export import export_checkpoint
+
+    out = export_checkpoint(args.run_dir, args.output)
+    print(f"wrote {out}")
+    return 0
