@@ -171,6 +171,9 @@ class TrainConfig(StrictModel):
     eval_every: int = Field(50, gt=0, description="steps between validation runs (and at the end)")
     save_every: int = Field(50, gt=0, description="steps between checkpoints (and at the end)")
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
+    exit_after_steps: int | None = Field(
+        None, gt=0, description="stop after this many steps of this invocation, saving a checkpoint "
+                                "(time-boxed jobs; the LR schedule still follows max_steps)")
     run_dir: str = Field("runs/{name}", description="output directory; {name} is replaced by the recipe name")
     activation_checkpointing: ActivationCheckpointing = Field(default_factory=ActivationCheckpointing)
 

@@ -199,7 +199,7 @@ class RunResult:
     lrs: list[float]
     val: dict[str, float]
     sample_ids: list[list[int]]  # per optimizer step, this rank's sample ids (data order checks)
-    stopped_by_signal: bool = False
+    stopped_early: bool = False
 
 
 class _Terminator:
@@ -275,17 +275,20 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
             ckpt.restore_rng(state["rng"])
     writer = MetricsWriter(out_dir, rank == 0, resume != "none")
     result = RunResult(out_dir, step, tokens_seen, [], [], {}, [])
+    result_start = step
     micro = MicroStats()
     progress = _progress(rank, step, cfg.train.max_steps)
     t_last, tok_last = time.perf_counter(), tokens_seen
     with _Terminator() as term:
         while step < cfg.train.max_steps:
             ids = []
-            for _ in range(accum):
+            for m in range(accum):
                 batch = data.train.next_batch()
                 ids.extend(int(i) for i in batch.sample_ids)
                 out = engine(batch.input_ids, labels=batch.labels)
                 engine.backward(out.loss)
+                if m == accum - 1:
+                    grad_norm = _grad_norm_before_step(engine, cfg)
                 engine.step()
                 micro.add(out)
             step += 1
@@ -300,7 +303,7 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
                 now = time.perf_counter()
                 tps = (tokens_seen - tok_last) / max(now - t_last, 1e-9)
                 t_last, tok_last = now, tokens_seen
-                row = {**means, "lr": lr, "grad_norm": _grad_norm(engine), "tokens": tokens_seen,
+                row = {**means, "lr": lr, "grad_norm": _grad_norm(engine, grad_norm), "tokens": tokens_seen,
                        "tokens_per_s": tps, "tflops_per_device": budget.train_flops_per_token * tps / world / 1e12,
                        "memory_bytes": memory_bytes(), **routing_metrics(model)}
                 peak = device_peak_tflops()
@@ -312,16 +315,17 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
             if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
                 result.val = evaluate(engine, data, cfg)
                 writer.write(step, {f"val/{k}": v for k, v in result.val.items()})
-            stop = _sync_flag(term.requested)
+            stop = _sync_flag(term.requested) or (
+                cfg.train.exit_after_steps is not None and step - result_start >= cfg.train.exit_after_steps)
             if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop:
                 ckpt.save(engine, out_dir, step, tokens_seen, data.train.state_dict(), cfg.train.keep_last)
             if stop:
-                result.stopped_by_signal = True
+                result.stopped_early = step < cfg.train.max_steps
                 break
     progress.close()
     writer.close()
     result.step, result.tokens_seen = step, tokens_seen
-    if rank == 0 and not result.stopped_by_signal:
+    if rank == 0 and not result.stopped_early:
         _write_summary(out_dir, cfg, result, budget, data)
     return result
 
@@ -341,7 +345,18 @@ def _after_step(model, cfg: RunConfig) -> None:
             m.update_bias(cfg.moe.bias_update_rate)
 
 
-def _grad_norm(engine) -> float:
+def _grad_norm_before_step(engine, cfg: RunConfig) -> float | None:
+    """Global gradient norm (before clipping) for ZeRO-0, whose engine does not keep it; the
+    gradients are already averaged over ranks after the boundary's backward."""
+    if cfg.deepspeed.zero_stage != 0:
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+
+def _grad_norm(engine, zero0_norm: float | None) -> float:
+    if zero0_norm is not None:
+        return zero0_norm
     g = engine.get_global_grad_norm()
     return float(g) if g is not None else float("nan")
 

@@ -1,0 +1,162 @@
+"""The training loop end to end on the built-in corpus: resume, signals, export, run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from smelt_ds.config import config_from_dict
+from smelt_ds.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _raw(tmp: Path, cache: Path, **sections):
+    raw = {"name": "t",
+           "model": {"vocab_size": 512, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+                     "max_seq_len": 64},
+           "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 32},
+           "loop": {"position": "middle"},
+           "data": {"builtin_max_bytes": 150_000, "tokenizer": {"vocab_size": 512}, "cache_dir": str(cache)},
+           "train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 6, "warmup_steps": 2, "log_every": 1,
+                     "eval_every": 3, "save_every": 3, "run_dir": str(tmp / "run")},
+           "eval": {"eval_batches": 2}}
+    for k, v in sections.items():
+        raw[k] = {**raw.get(k, {}), **v}
+    return raw
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("smelt-cache")
+
+
+def _train(rank, world, raw, resume="none"):
+    from smelt_ds.train import train
+
+    r = train(config_from_dict(raw), resume=resume)
+    return {"losses": r.losses, "lrs": r.lrs, "ids": r.sample_ids, "step": r.step, "val": r.val}
+
+
+def _resume_case(tmp_path, cache, extra, world):
+    full = _raw(tmp_path / "full", cache, **extra)
+    part = _raw(tmp_path / "part", cache, **extra)
+    part["train"] = {**part["train"], "exit_after_steps": 3}
+    a = run_distributed(_train, world, args=(full,), timeout=300)
+    b1 = run_distributed(_train, world, args=(part,), timeout=300)
+    b2 = run_distributed(_train, world, args=(part, "auto"), timeout=300)
+    for rank in range(world):
+        assert b1[rank]["step"] == 3 and b2[rank]["step"] == 6
+        assert b1[rank]["ids"] + b2[rank]["ids"] == a[rank]["ids"]  # same data order per rank
+        assert b1[rank]["losses"] + b2[rank]["losses"] == pytest.approx(a[rank]["losses"], rel=1e-5)
+        assert b1[rank]["lrs"] + b2[rank]["lrs"] == pytest.approx(a[rank]["lrs"], rel=1e-9)
+    assert set(a[0]["ids"][0]).isdisjoint(a[1]["ids"][0])  # ranks read different samples
+    return a
+
+
+@pytest.mark.distributed
+def test_resume_equals_uninterrupted_zero2(tmp_path, cache):
+    _resume_case(tmp_path, cache, {"deepspeed": {"zero_stage": 2}}, world=2)
+
+
+def _cli_train(raw, tmp_path, *extra):
+    recipe = tmp_path / "recipe.yaml"
+    import yaml
+
+    recipe.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "smelt_ds.train", str(recipe), *extra], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(metrics: Path, step: int, proc, timeout=240):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if metrics.exists():
+            rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+            if any(r.get("step", 0) >= step and "loss" in r for r in rows):
+                return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early:\n{proc.stdout.read()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("timed out waiting for training")
+
+
+def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
+    from smelt_ds import checkpoint as ckpt
+
+    raw = _raw(tmp_path, cache, train={"max_steps": 40, "save_every": 100, "eval_every": 100})
+    run_dir = Path(raw["train"]["run_dir"])
+    proc = _cli_train(raw, tmp_path)
+    _wait_for_step(run_dir / "metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    saved = ckpt.latest_complete(run_dir)
+    assert saved is not None
+    stopped_at = json.loads((saved / ckpt.MARKER).read_text())["step"]
+    assert 2 <= stopped_at < 40
+    # a kill in the middle of a later save leaves a directory without the marker
+    partial = saved.parent / f"step{stopped_at + 5:08d}"
+    partial.mkdir()
+    (partial / "mp_rank_00_model_states.pt").write_bytes(b"truncated")
+    assert ckpt.latest_complete(run_dir) == saved
+    # resume, then SIGKILL: the last complete checkpoint stays usable
+    raw["train"]["save_every"] = 1
+    proc = _cli_train(raw, tmp_path, "--resume", "auto")
+    _wait_for_step(run_dir / "metrics.jsonl", stopped_at + 3, proc)
+    proc.kill()
+    proc.wait()
+    last = ckpt.latest_complete(run_dir)
+    assert last is not None and last.name > saved.name
+    step_last = json.loads((last / ckpt.MARKER).read_text())["step"]
+    raw["train"]["max_steps"] = step_last + 1
+    raw["train"]["warmup_steps"] = 1
+    proc = _cli_train(raw, tmp_path, "--resume", "auto")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == step_last + 1 or any(r.get("step") == step_last + 1 for r in rows)
+
+
+def test_run_directory_summary_and_export(tmp_path, cache):
+    from smelt_ds.export import export_checkpoint, load_exported
+    from smelt_ds.model import SmeltLM
+
+    raw = _raw(tmp_path, cache, train={"max_steps": 4, "save_every": 4, "eval_every": 4})
+    res = run_distributed(_train, 1, args=(raw,), timeout=300)[0]
+    run_dir = Path(raw["train"]["run_dir"])
+    for name in ("config.yaml", "ds_config.json", "metrics.jsonl", "summary.json", "summary.txt"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["tokens"] == 4 * 2 * 32
+    assert set(summary["validation_loss"]) == {"code", "text", "all"}
+    assert summary["budget"]["visits"] == 6
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["loss"] for r in train_rows] == pytest.approx(res["losses"], rel=1e-6)
+    assert all(r["grad_norm"] > 0 for r in train_rows)
+    assert "router/L1/divergence_v0v1" in train_rows[-1]
+    # export and reload on one CPU process: same validation loss as the trained engine
+    out = export_checkpoint(run_dir, tmp_path / "export")
+    model = load_exported(out)
+    assert isinstance(model, SmeltLM)
+    from smelt_ds.train_data import build_data
+
+    cfg = config_from_dict(raw)
+    data = build_data(cfg, 0, 1)
+    batches = data.validation(cfg.eval.eval_batches)["code"]
+    with torch.no_grad():
+        num = sum(float(model(b.input_ids, labels=b.labels).lm_loss) * b.labels.numel() for b in batches)
+    den = sum(b.labels.numel() for b in batches)
+    assert num / den == pytest.approx(res["val"]["code"], rel=1e-5)
