@@ -1,0 +1,102 @@
+"""Cache directory, content hashes and write-once directories.
+
+Everything the data pipeline builds (built-in corpus, tokenizers, prepared shards) is a directory
+written under a temporary name and renamed into place when complete (``os.replace`` of a
+directory is atomic on POSIX file systems), so a reader never takes a partial output for a
+complete one: a directory is complete when its ``_COMPLETE`` marker exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from smelt_ds.errors import ConfigError
+
+__all__ = ["COMPLETE_MARKER", "cache_root", "sha256_bytes", "sha256_file", "sha256_json", "is_complete",
+           "build_dir_atomically", "write_json"]
+
+COMPLETE_MARKER = "_COMPLETE"
+_CHUNK_BYTES = 1 << 24
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache directory: ``cache_dir``, else ``$SMELT_DS_CACHE``, else ``~/.cache/smelt-ds``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("SMELT_DS_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "smelt-ds"
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in 16 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Hex sha256 of the canonical JSON of ``obj`` (sorted keys, no spaces)."""
+    return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory built by :func:`build_dir_atomically` to the end."""
+    return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def _clear_target(out: Path) -> None:
+    """Remove an empty ``out``; refuse to replace a non-empty directory that is not complete."""
+    if not out.exists() or is_complete(out):
+        return
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+        return
+    raise ConfigError(f"output directory {str(out)!r} exists and is not a complete smelt-ds output "
+                      f"(no {COMPLETE_MARKER} marker): delete it or choose another directory")
+
+
+def build_dir_atomically(out_dir: str | os.PathLike, build: Callable[[Path], None]) -> bool:
+    """Run ``build(tmp_dir)`` and rename ``tmp_dir`` to ``out_dir``; a no-op if ``out_dir`` is complete.
+
+    Raises ConfigError if ``out_dir`` exists, is not empty and is not complete (never deleted).
+    Returns True when this call built the directory, False when a complete one was already there
+    (or another process finished first: the rename loses the race and the loser's copy is removed).
+    The temporary directory is a sibling ``.NAME.tmp-<random>`` and is removed on failure.
+    """
+    out = Path(out_dir)
+    if is_complete(out):
+        return False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        build(tmp)
+        (tmp / COMPLETE_MARKER).write_text("complete\n")
+        _clear_target(out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if is_complete(out):
+                shutil.rmtree(tmp, ignore_errors=True)
+                return False
+            raise
+        return True
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,183 @@
+"""``smelt-ds data``: build the built-in corpus, train a tokenizer, prepare shards, verify them.
+
+    smelt-ds data builtin OUT_DIR [--max-bytes N]
+    smelt-ds data tokenizer --input PATH|builtin[:DOMAIN] ... --vocab-size N -o tokenizer.json
+    smelt-ds data prepare [--recipe R.yaml] [--set data.KEY=VALUE ...] [--source SPEC ...] [-o DIR]
+    smelt-ds data verify DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from smelt_ds.errors import ConfigError
+
+__all__ = ["add_parser", "parse_source_spec"]
+
+
+def parse_source_spec(spec: str) -> dict[str, Any]:
+    """``--source`` value -> a ``data.sources`` entry.
+
+    ``KEY=VALUE,KEY=VALUE`` with the keys of a source (path, dataset, builtin, domain, weight,
+    sample_by, text_field, ...; values parsed as YAML), or a bare ``builtin[:DOMAIN]`` or path.
+    """
+    if spec == "builtin":
+        raise ConfigError("--source 'builtin': name a domain, builtin:code or builtin:text (one per --source)")
+    if spec.startswith("builtin:"):
+        return {"builtin": spec.split(":", 1)[1]}
+    if "=" not in spec:
+        return {"path": spec}
+    out: dict[str, Any] = {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--source {spec!r}: {item!r} is not KEY=VALUE: write e.g. "
+                              "--source path=corpus.jsonl,domain=web,weight=2")
+        out[key.strip()] = value if key.strip() in ("path", "dataset", "domain", "text_field", "glob") \
+            else yaml.safe_load(value)
+    return out
+
+
+def _input_sources(inputs: list[str]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for item in inputs:
+        if item == "builtin":
+            out += [{"builtin": "code"}, {"builtin": "text"}]
+        else:
+            out.append(parse_source_spec(item))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# commands
+# --------------------------------------------------------------------------------------------
+
+
+def _cmd_builtin(args: argparse.Namespace) -> int:
+    from smelt_ds.data.builtin import build_builtin_corpus
+
+    manifest = build_builtin_corpus(args.out_dir, args.max_bytes)
+    print(f"built-in corpus from Python {manifest['python'].split()[0]} ({manifest['stdlib']}), "
+          f"cap {args.max_bytes:,} bytes per domain -> {args.out_dir}")
+    print(f"{'domain':<8}{'documents':>10}{'MB':>8}  sha256")
+    for name, d in manifest["domains"].items():
+        print(f"{name:<8}{d['documents']:>10,}{d['bytes'] / 1e6:>8.3f}  {d['sha256']}")
+    return 0
+
+
+def _data_config(args: argparse.Namespace, sources: list[dict] | None = None):
+    from smelt_ds.config import apply_overrides, config_from_dict, load_config
+
+    sets = list(getattr(args, "set", None) or [])
+    if getattr(args, "recipe", None):
+        cfg = load_config(args.recipe, sets)
+        raw = cfg.model_dump(mode="json")
+    else:
+        raw = apply_overrides({}, sets)
+    data = raw.setdefault("data", {})
+    if sources:
+        data["sources"] = sources
+    for flag, field in (("cache_dir", "cache_dir"), ("output", "output_dir"), ("num_proc", "num_proc"),
+                        ("validation_share", "validation_share"), ("seed", "seed")):
+        if getattr(args, flag, None) is not None:
+            data[field] = getattr(args, flag)
+    if getattr(args, "offline", False):
+        data["offline"] = True
+    tok = data.setdefault("tokenizer", {})
+    for flag, field in (("tokenizer", "path"), ("vocab_size", "vocab_size"), ("min_frequency", "min_frequency")):
+        if getattr(args, flag, None) is not None:
+            tok[field] = getattr(args, flag)
+    return config_from_dict(raw, source=args.recipe or "command line").data
+
+
+def _cmd_tokenizer(args: argparse.Namespace) -> int:
+    from smelt_ds.data.prepare import build_tokenizer
+    from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash
+
+    cfg = _data_config(args, _input_sources(args.input))
+    path, trained = build_tokenizer(cfg, args.cache_dir)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, out)
+    tok = load_tokenizer(out)
+    state = "trained" if trained else "reused from cache"
+    print(f"tokenizer {state}: {out} (vocab {tok.get_vocab_size()} tokens, sha256 {tokenizer_hash(tok)}, "
+          f"cache {path})")
+    return 0
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from smelt_ds.data.prepare import prepare_from_config
+
+    sources = [parse_source_spec(s) for s in args.source] if args.source else None
+    cfg = _data_config(args, sources)
+    prepared = prepare_from_config(cfg, args.cache_dir)
+    print(("prepared now" if prepared.created else "reused prepared output") + f" (key {prepared.key[:16]})")
+    print(prepared.summary())
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from smelt_ds.data.prepare import PreparedData
+
+    prepared = PreparedData.load(args.dir, verify="checksum")
+    print(prepared.summary())
+    print(f"ok: {len(prepared.meta['shards'])} shards match their sizes and sha256")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# parser
+# --------------------------------------------------------------------------------------------
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", help="cache directory (default $SMELT_DS_CACHE or ~/.cache/smelt-ds)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="recipe override, e.g. --set data.validation_share=0.1 (repeatable)")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``smelt-ds data {builtin,tokenizer,prepare,verify}``."""
+    data = subparsers.add_parser("data", help="build the built-in corpus, train a tokenizer, prepare shards",
+                                 description="Data pipeline: built-in corpus, tokenizer, token shards.")
+    sub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
+
+    p = sub.add_parser("builtin", help="build the two-domain corpus (code, text) from this Python installation")
+    p.add_argument("out_dir", help="output directory (code.jsonl, text.jsonl, manifest.json)")
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="cap per domain (UTF-8 bytes; default 2000000)")
+    p.set_defaults(func=_cmd_builtin)
+
+    p = sub.add_parser("tokenizer", help="train (or reuse from cache) a byte-level BPE tokenizer")
+    p.add_argument("--input", action="append", required=True, metavar="SOURCE",
+                   help="a file or directory, 'builtin' (both domains), builtin:code, builtin:text, "
+                        "or KEY=VALUE,... as for --source (repeatable)")
+    p.add_argument("--vocab-size", type=int, required=True, help="vocabulary size (tokens, specials included)")
+    p.add_argument("--min-frequency", type=int, help="minimum pair count for a merge (default 2)")
+    p.add_argument("-o", "--output", required=True, help="where to write tokenizer.json")
+    _add_common(p)
+    p.set_defaults(func=_cmd_tokenizer, recipe=None)
+
+    p = sub.add_parser("prepare", help="tokenise sources into train/validation shards (cached)")
+    p.add_argument("--recipe", help="YAML recipe whose `data` section to use (default: built-in corpus)")
+    p.add_argument("--source", action="append", metavar="SPEC",
+                   help="replaces data.sources: KEY=VALUE,... (path=, dataset=, builtin=, domain=, weight=, "
+                        "sample_by=, text_field=, ...) or a path or builtin:DOMAIN (repeatable)")
+    p.add_argument("--tokenizer", help="existing tokenizer.json (data.tokenizer.path)")
+    p.add_argument("--vocab-size", type=int, help="vocabulary size to train (data.tokenizer.vocab_size)")
+    p.add_argument("--validation-share", type=float, help="documents held out per source (data.validation_share)")
+    p.add_argument("--seed", type=int, help="split and shuffle seed (data.seed)")
+    p.add_argument("--num-proc", type=int, help="tokenising processes (data.num_proc)")
+    p.add_argument("--offline", action="store_true", help="never use the network for dataset sources")
+    p.add_argument("-o", "--output", help="output directory (data.output_dir; default: in the cache)")
+    _add_common(p)
+    p.set_defaults(func=_cmd_prepare)
+
+    p = sub.add_parser("verify", help="check a prepared directory's shard sizes and checksums, print counts")
+    p.add_argument("dir", help="prepared directory (holds meta.json)")
+    p.set_defaults(func=_cmd_verify)

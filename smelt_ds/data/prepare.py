@@ -1,0 +1,484 @@
+"""Preparation: documents -> token ids (+ end-of-text) -> train/validation shards + metadata.
+
+Output directory layout::
+
+    meta.json                      tokenizer hash, dtype, counts per split and domain, shards
+    tokenizer.json                 the tokenizer the shards were made with
+    train/<domain>-s<SS>-<KKKK>.bin       token ids of source SS, shard KKKK (numpy memmap, raw)
+    validation/<domain>-s<SS>-<KKKK>.bin
+    _COMPLETE                      written last, before the directory is renamed into place
+
+Every document is tokenised (``datasets.map(batched=True)``), followed by exactly one
+end-of-text token, and the documents of a source are concatenated in source order. Special-token
+text inside a document (a literal ``<|endoftext|>``) is encoded as plain text, so the only
+end-of-text ids in a shard are the separators: a shard holds as many end-of-text ids as documents
+end in it, which is checked while writing. Documents are split into train and validation per
+source (no document in both); validation shards of a domain are its sources' validation shards.
+
+Token dtype: uint16 when every id fits (vocabulary <= 65,536 tokens), else uint32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import tokenizers
+from tokenizers import Tokenizer
+
+import smelt_ds
+from smelt_ds.data.cache import cache_root, is_complete, sha256_file, sha256_json, write_json
+from smelt_ds.data.config import DataConfig
+from smelt_ds.data.distributed import rank_info, run_once
+from smelt_ds.data.sources import SourceData, read_sources, source_fingerprint
+from smelt_ds.data.tokenizer import (TOKENIZER_FILE, cached_tokenizer, load_tokenizer, special_ids,
+                                     tokenizer_hash, tokenizer_key)
+from smelt_ds.errors import ConfigError
+
+__all__ = ["FORMAT_VERSION", "META_FILE", "SPLITS", "token_dtype", "validation_mask", "tokenise",
+           "PreparedData", "preparation_key", "build_tokenizer", "prepare_from_config"]
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+SPLITS = ("train", "validation")
+_ARROW_BATCH_ROWS = 4096
+_MAP_BATCH_ROWS = 1000
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 if every id of a ``vocab_size``-token vocabulary fits (ids < 65,536), else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+# --------------------------------------------------------------------------------------------
+# tokenising
+# --------------------------------------------------------------------------------------------
+
+
+def _encode_batch(batch: dict[str, list], tokenizer: Tokenizer, eot_id: int) -> dict[str, list]:
+    """``{"text": [doc, ...]}`` -> ``{"input_ids": [ids + [eot_id], ...]}`` (one row per document)."""
+    tokenizer.encode_special_tokens = True  # a literal "<|endoftext|>" in a document is plain text
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    return {"input_ids": [e.ids + [eot_id] for e in encode(batch["text"])]}
+
+
+def _ids_features() -> datasets.Features:
+    list_type = getattr(datasets, "List", datasets.Sequence)
+    return datasets.Features({"input_ids": list_type(datasets.Value("int32"))})
+
+
+def _map_fingerprint(docs: datasets.Dataset, tokenizer: Tokenizer, eot_id: int) -> str:
+    """Fingerprint of the map's output, given so datasets need not pickle and hash the tokenizer."""
+    return sha256_json([docs._fingerprint, tokenizer_hash(tokenizer), eot_id, FORMAT_VERSION])[:32]
+
+
+@contextlib.contextmanager
+def _tokenizers_parallelism_off(active: bool):
+    """TOKENIZERS_PARALLELISM=false for the duration (when ``active``), then the previous value."""
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    if active:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if active and saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        elif active:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
+def tokenise(docs: datasets.Dataset, tokenizer: Tokenizer, eot_id: int, num_proc: int,
+             cache_file: Path, where: str = "source") -> datasets.Dataset:
+    """Token ids of every document, end-of-text appended: one ``input_ids`` row per document.
+
+    ``num_proc > 1`` runs ``datasets.map`` in forked workers; TOKENIZERS_PARALLELISM is set to
+    false around the call so a tokenizer whose thread pool ran in this process cannot deadlock in
+    a forked child (the tokenizers library only guards this itself when the variable is unset).
+    ``num_proc == 1`` runs in this process and lets the tokenizer use its own threads.
+
+    Raises ConfigError if the map returns a different number of rows than documents it received.
+    """
+    with _tokenizers_parallelism_off(num_proc > 1):
+        out = docs.map(_encode_batch, batched=True, batch_size=_MAP_BATCH_ROWS,
+                       num_proc=num_proc if num_proc > 1 else None,
+                       fn_kwargs={"tokenizer": tokenizer, "eot_id": eot_id}, remove_columns=docs.column_names,
+                       features=_ids_features(), cache_file_name=str(cache_file), desc=f"tokenise {where}",
+                       new_fingerprint=_map_fingerprint(docs, tokenizer, eot_id))
+    if len(out) != len(docs):
+        raise ConfigError(f"{where}: tokenising returned {len(out)} rows for {len(docs)} documents: the map "
+                          "function must return exactly one row per document; nothing was written")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# train / validation split
+# --------------------------------------------------------------------------------------------
+
+
+def validation_mask(num_docs: int, share: float, seed: int, source_key: str, where: str = "source") -> np.ndarray:
+    """Boolean mask (num_docs,) of the documents held out for validation.
+
+    ``max(1, round(share * num_docs))`` documents when ``share > 0`` (0 otherwise), drawn without
+    replacement by a generator seeded with ``(seed, crc32(source_key))``: the split of a source
+    does not change when other sources are added or reordered. Raises ConfigError when the source
+    has too few documents to keep at least one for training.
+    """
+    mask = np.zeros(num_docs, dtype=bool)
+    if share <= 0:
+        return mask
+    n_val = max(1, round(share * num_docs))
+    if n_val >= num_docs:
+        raise ConfigError(f"{where}: {num_docs} document(s) cannot be split into train and validation with "
+                          f"data.validation_share={share}: add documents, split files into more documents "
+                          "(sample_by: paragraph or line), or set data.validation_share=0")
+    rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(source_key.encode())]))
+    mask[rng.choice(num_docs, size=n_val, replace=False)] = True
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# shards
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _ShardWriter:
+    """Writes one (split, source) token stream into memmap shards of at most ``max_tokens`` tokens."""
+
+    root: Path
+    split: str
+    domain: str
+    source: int
+    total_tokens: int
+    dtype: np.dtype
+    max_tokens: int
+    eot_id: int
+    shards: list[dict] = field(default_factory=list)
+    _mm: Any = None
+    _pos: int = 0
+    _hash: Any = None
+
+    def _open(self) -> None:
+        k = len(self.shards)
+        size = min(self.max_tokens, self.total_tokens - k * self.max_tokens)
+        rel = f"{self.split}/{self.domain}-s{self.source:02d}-{k:04d}.bin"
+        (self.root / self.split).mkdir(parents=True, exist_ok=True)
+        self._mm = np.memmap(self.root / rel, dtype=self.dtype, mode="w+", shape=(size,))
+        self._pos, self._hash = 0, hashlib.sha256()
+        self.shards.append({"file": rel, "split": self.split, "domain": self.domain, "source": self.source,
+                            "tokens": size, "documents": 0, "max_token_id": -1})
+
+    def _close(self) -> None:
+        self._mm.flush()
+        info = self.shards[-1]
+        info["bytes"] = int(self._mm.nbytes)
+        info["sha256"] = self._hash.hexdigest()
+        self._mm = None
+
+    def write(self, ids: np.ndarray) -> None:
+        """Append token ids (any integer dtype, values < 2**bits of the shard dtype)."""
+        while ids.size:
+            if self._mm is None:
+                self._open()
+            take = min(ids.size, self._mm.shape[0] - self._pos)
+            chunk = ids[:take].astype(self.dtype, copy=False)
+            self._mm[self._pos:self._pos + take] = chunk
+            self._hash.update(chunk.tobytes())
+            info = self.shards[-1]
+            info["documents"] += int(np.count_nonzero(chunk == self.eot_id))
+            info["max_token_id"] = max(info["max_token_id"], int(chunk.max()))
+            self._pos += take
+            ids = ids[take:]
+            if self._pos == self._mm.shape[0]:
+                self._close()
+
+    def finish(self, expected_documents: int, where: str) -> list[dict]:
+        written = sum(s["tokens"] for s in self.shards)
+        docs = sum(s["documents"] for s in self.shards)
+        if self._mm is not None or written != self.total_tokens or docs != expected_documents:
+            raise ConfigError(f"{where}: wrote {written} of {self.total_tokens} tokens and {docs} end-of-text "
+                              f"ids for {expected_documents} documents ({self.split}): the token stream is "
+                              "inconsistent; nothing was kept (report this as a bug)")
+        return self.shards
+
+
+def _write_source(root: Path, sd: SourceData, ids: datasets.Dataset, val: np.ndarray, dtype: np.dtype,
+                  cfg: DataConfig, eot_id: int) -> list[dict]:
+    """Route each document's ids to the train or validation writer of its source."""
+    table = ids.data.table
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy()
+    masks = {"train": ~val, "validation": val}
+    writers = {split: _ShardWriter(root, split, sd.domain, sd.index, int(lengths[m].sum()), dtype,
+                                   cfg.shard_max_tokens, eot_id) for split, m in masks.items()}
+    start = 0
+    for batch in table.to_batches(max_chunksize=_ARROW_BATCH_ROWS):
+        col, stop = batch.column(0), start + batch.num_rows
+        for split, m in masks.items():
+            picked = pc.filter(col, pa.array(m[start:stop]))
+            if len(picked):
+                writers[split].write(pc.list_flatten(picked).to_numpy(zero_copy_only=False))
+        start = stop
+    return [s for split, w in writers.items() for s in w.finish(int(masks[split].sum()), sd.where)]
+
+
+# --------------------------------------------------------------------------------------------
+# metadata and the prepared directory
+# --------------------------------------------------------------------------------------------
+
+
+def _split_counts(shards: list[dict]) -> dict[str, dict[str, dict[str, int]]]:
+    out: dict[str, dict[str, dict[str, int]]] = {s: {} for s in SPLITS}
+    for sh in shards:
+        d = out[sh["split"]].setdefault(sh["domain"], {"documents": 0, "tokens": 0})
+        d["documents"] += sh["documents"]
+        d["tokens"] += sh["tokens"]
+    return out
+
+
+def _source_meta(sd: SourceData, val: np.ndarray, shards: list[dict], fingerprint: str) -> dict:
+    mine = [s for s in shards if s["source"] == sd.index]
+    return {"index": sd.index, "label": sd.config.label(), "domain": sd.domain, "weight": sd.config.weight,
+            **{k: v for k, v in sd.report.items() if k != "fingerprint"}, "fingerprint": fingerprint,
+            "dataset_fingerprint": getattr(sd.dataset, "_fingerprint", None),
+            "train_documents": int((~val).sum()), "validation_documents": int(val.sum()),
+            "train_tokens": sum(s["tokens"] for s in mine if s["split"] == "train"),
+            "validation_tokens": sum(s["tokens"] for s in mine if s["split"] == "validation")}
+
+
+@dataclass
+class PreparedData:
+    """A prepared directory: metadata, tokenizer and token shards (numpy memmaps).
+
+    ``created`` is True when this process prepared it (False when it was reused or another rank
+    prepared it).
+    """
+
+    root: Path
+    meta: dict
+    created: bool = False
+
+    @classmethod
+    def load(cls, root: str | Path, verify: str = "checksum") -> "PreparedData":
+        """Open a prepared directory and check it.
+
+        ``verify``: ``"checksum"`` (sizes and sha256 of every shard) or ``"size"``.
+        Raises ConfigError for an incomplete directory, a tokenizer that does not match the
+        metadata, or a missing, truncated or modified shard.
+        """
+        root = Path(root)
+        if not is_complete(root):
+            raise ConfigError(f"prepared directory {str(root)!r} is missing or incomplete (no _COMPLETE marker): "
+                              "run `smelt-ds data prepare` (a partial output is never used)")
+        try:
+            prepared = cls(root, json.loads((root / META_FILE).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{str(root / META_FILE)!r} cannot be read ({e}): the prepared directory is damaged; "
+                              "delete it and prepare again") from None
+        if prepared.meta.get("format_version") != FORMAT_VERSION:
+            raise ConfigError(f"{str(root / META_FILE)!r}: format_version {prepared.meta.get('format_version')} "
+                              f"is not {FORMAT_VERSION}: prepare the data again with this smelt-ds")
+        prepared.verify(verify)
+        return prepared
+
+    # -- metadata views ----------------------------------------------------------------------
+    @property
+    def key(self) -> str:
+        return self.meta["key"]
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return self.meta["tokenizer"]["sha256"]
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the tokenizer (tokens)."""
+        return self.meta["tokenizer"]["vocab_size"]
+
+    @property
+    def eot_id(self) -> int:
+        return self.meta["tokenizer"]["eot_id"]
+
+    @property
+    def pad_id(self) -> int:
+        return self.meta["tokenizer"]["pad_id"]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.meta["dtype"])
+
+    @property
+    def domains(self) -> list[str]:
+        """Domains in source order."""
+        return list(dict.fromkeys(s["domain"] for s in self.meta["sources"]))
+
+    def shards(self, split: str, domain: str | None = None, source: int | None = None) -> list[dict]:
+        """Shard records of ``split`` (optionally one domain or source), in metadata order."""
+        return [s for s in self.meta["shards"] if s["split"] == split
+                and (domain is None or s["domain"] == domain) and (source is None or s["source"] == source)]
+
+    def tokens(self, shard: dict) -> np.memmap:
+        """Token ids of a shard, shape (shard["tokens"],), read-only memmap."""
+        return np.memmap(self.root / shard["file"], dtype=self.dtype, mode="r", shape=(shard["tokens"],))
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_file(str(self.root / TOKENIZER_FILE))
+
+    # -- checks --------------------------------------------------------------------------------
+    def verify(self, level: str = "checksum") -> None:
+        """Check the tokenizer hash and every shard's size (and sha256 with ``level="checksum"``)."""
+        tok_hash = tokenizer_hash(self.tokenizer())
+        if tok_hash != self.tokenizer_hash:
+            raise ConfigError(f"{str(self.root / TOKENIZER_FILE)!r}: tokenizer hash {tok_hash[:12]} does not match "
+                              f"meta.json ({self.tokenizer_hash[:12]}): the directory was modified; prepare again")
+        for shard in self.meta["shards"]:
+            self._verify_shard(shard, level)
+
+    def _verify_shard(self, shard: dict, level: str) -> None:
+        path = self.root / shard["file"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != shard["bytes"]:
+            raise ConfigError(f"shard {str(path)!r} has {size} bytes, meta.json says {shard['bytes']} "
+                              f"({shard['tokens']} tokens of {self.meta['dtype']}): the shard is missing or "
+                              "truncated; delete the prepared directory and prepare again")
+        if level == "checksum" and (digest := sha256_file(path)) != shard["sha256"]:
+            raise ConfigError(f"shard {str(path)!r}: sha256 {digest[:12]} does not match meta.json "
+                              f"({shard['sha256'][:12]}): the shard was modified; delete the prepared directory "
+                              "and prepare again")
+
+    def summary(self) -> str:
+        """A table of documents and tokens per split and domain."""
+        lines = [f"prepared {self.root}", f"tokenizer {self.tokenizer_hash[:16]}  vocab {self.vocab_size}  "
+                 f"dtype {self.meta['dtype']}  eot id {self.eot_id}",
+                 f"{'split':<11}{'domain':<16}{'documents':>11}{'tokens':>13}"]
+        for split, per_domain in self.meta["splits"].items():
+            for domain, c in per_domain.items():
+                lines.append(f"{split:<11}{domain:<16}{c['documents']:>11,}{c['tokens']:>13,}")
+        for s in self.meta["sources"]:
+            skipped = {k: v for k, v in s["skipped"].items() if v}
+            lines.append(f"source {s['index']} {s['label']}: {s['documents']:,} documents, skipped {skipped or 0}, "
+                         f"invalid UTF-8 replaced {s['replaced_invalid_utf8']}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# keys, tokenizer, the high-level entry point
+# --------------------------------------------------------------------------------------------
+
+
+def _tokenizer_identity(cfg: DataConfig, fingerprints: list[str]) -> str:
+    if cfg.tokenizer.path is not None:
+        return tokenizer_hash(load_tokenizer(cfg.tokenizer.path, "data.tokenizer.path"))
+    return tokenizer_key(fingerprints, cfg.tokenizer)
+
+
+def preparation_key(cfg: DataConfig) -> str:
+    """Cache key of a preparation: sources' fingerprints, tokenizer identity, split and policies.
+
+    Cheap (file stats, no content read), so every rank can compute it.
+    """
+    fps = [source_fingerprint(s, i, cfg) for i, s in enumerate(cfg.sources)]
+    settings = cfg.model_dump(mode="json", include={"validation_share", "seed", "non_utf8", "bad_jsonl_lines",
+                                                     "shard_max_tokens", "builtin_max_bytes"})
+    return sha256_json({"format": FORMAT_VERSION, "sources": fps, "tokenizer": _tokenizer_identity(cfg, fps),
+                        "eot": cfg.tokenizer.eot_token, "pad": cfg.tokenizer.pad_token, **settings})
+
+
+def _text_batches(sources: list[SourceData]) -> Iterator[list[str]]:
+    for sd in sources:
+        for batch in sd.dataset.iter(batch_size=_MAP_BATCH_ROWS):
+            yield batch["text"]
+
+
+def build_tokenizer(cfg: DataConfig, cache_dir: str | Path | None = None,
+                    sources: list[SourceData] | None = None) -> tuple[Path, bool]:
+    """The tokenizer file for ``cfg``: ``cfg.tokenizer.path``, or a BPE trained on the sources.
+
+    Trained tokenizers are cached by :func:`~smelt_ds.data.tokenizer.tokenizer_key`; the sources
+    are only read when the cache misses. Returns the path and whether this call trained it.
+    """
+    if cfg.tokenizer.path is not None:
+        load_tokenizer(cfg.tokenizer.path, "data.tokenizer.path")
+        return Path(cfg.tokenizer.path).expanduser(), False
+    root = cache_root(cache_dir if cache_dir is not None else cfg.cache_dir)
+    key = tokenizer_key([source_fingerprint(s, i, cfg) for i, s in enumerate(cfg.sources)], cfg.tokenizer)
+    work = root / "tmp" / f"tokenizer-{os.getpid()}-{time.time_ns()}"
+
+    def batches() -> Iterator[list[str]]:
+        yield from _text_batches(sources if sources is not None else read_sources(cfg, work, root))
+
+    try:
+        return cached_tokenizer(root, key, batches, cfg.tokenizer)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _prepare_into(tmp: Path, cfg: DataConfig, root: Path, key: str) -> None:
+    t0 = time.time()
+    work = tmp / "_work"
+    sources = read_sources(cfg, work, root)
+    tok_path, trained = build_tokenizer(cfg, root, sources)
+    shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
+    tok = load_tokenizer(tmp / TOKENIZER_FILE)
+    eot_id, pad_id = special_ids(tok, cfg.tokenizer)
+    dtype = token_dtype(tok.get_vocab_size())
+    shards, source_meta = [], []
+    for sd in sources:
+        ids = tokenise(sd.dataset, tok, eot_id, cfg.num_proc, work / f"ids-{sd.index}.arrow", sd.where)
+        val = validation_mask(len(ids), cfg.validation_share, cfg.seed, f"{sd.config.label()}|{sd.domain}", sd.where)
+        new = _write_source(tmp, sd, ids, val, dtype, cfg, eot_id)
+        shards += new
+        source_meta.append(_source_meta(sd, val, new, sd.report["fingerprint"]))
+        del ids
+    shutil.rmtree(work, ignore_errors=True)
+    info = rank_info()
+    write_json(tmp / META_FILE, {
+        "format_version": FORMAT_VERSION, "key": key, "dtype": dtype.name,
+        "tokenizer": {"file": TOKENIZER_FILE, "sha256": tokenizer_hash(tok), "vocab_size": tok.get_vocab_size(),
+                      "eot_token": cfg.tokenizer.eot_token, "eot_id": eot_id, "pad_token": cfg.tokenizer.pad_token,
+                      "pad_id": pad_id, "trained_now": trained},
+        "validation_share": cfg.validation_share, "seed": cfg.seed, "splits": _split_counts(shards),
+        "sources": source_meta, "shards": shards,
+        "created": {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(time.time() - t0, 3),
+                    "host": socket.gethostname(), "pid": os.getpid(), "rank": info.rank},
+        "versions": {"smelt_ds": smelt_ds.__version__, "datasets": datasets.__version__,
+                     "tokenizers": tokenizers.__version__, "numpy": np.__version__},
+        "config": cfg.model_dump(mode="json")})
+
+
+def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None) -> PreparedData:
+    """Build (or reuse) everything the ``data`` section describes and open it.
+
+    Builds the built-in corpus if a source needs it, trains or reuses the tokenizer, tokenises and
+    writes shards, all cached under ``cache_dir`` (argument, else ``cfg.cache_dir``, else
+    ``$SMELT_DS_CACHE``, else ``~/.cache/smelt-ds``); the shards go to ``cfg.output_dir`` when set,
+    else ``<cache>/prepared/<key>``. In a distributed run only the preparing rank (see
+    :mod:`smelt_ds.data.distributed`) does the work; the others wait for its completion marker.
+
+    Returns the opened :class:`PreparedData` (shards verified per ``cfg.verify``).
+    Raises ConfigError for bad sources or inputs, a failed preparation on the preparing rank, a
+    timeout while waiting, or an ``output_dir`` that holds data prepared with other settings.
+    """
+    root = cache_root(cache_dir if cache_dir is not None else cfg.cache_dir)
+    key = preparation_key(cfg)
+    out = Path(cfg.output_dir).expanduser() if cfg.output_dir else root / "prepared" / key[:20]
+    created = run_once(out, lambda tmp: _prepare_into(tmp, cfg, root, key),
+                       shared_filesystem=cfg.shared_filesystem, timeout_s=cfg.prepare_timeout_s)
+    prepared = PreparedData.load(out, verify=cfg.verify)
+    if prepared.key != key:
+        raise ConfigError(f"`data.output_dir` ({str(out)!r}) holds data prepared from other sources or settings "
+                          f"(key {prepared.key[:12]}, wanted {key[:12]}): delete it or choose another output_dir")
+    prepared.created = created
+    return prepared
