@@ -32,7 +32,8 @@ SHAPES = {
 def _cfg(raw):
     base = {"model": {"vocab_size": 97, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 4,
                       "dense_ffn_size": 40, "max_seq_len": 64},
-            "moe": {"num_experts": 6, "top_k": 2, "expert_ffn_size": 24, "expert_impl": "loop"}}
+            "moe": {"num_experts": 6, "top_k": 2, "expert_ffn_size": 24, "expert_impl": "loop"},
+            "train": {"seq_len": 32}}
     for k, v in raw.items():
         base[k] = {**base.get(k, {}), **v}
     return config_from_dict(base)
@@ -98,7 +99,7 @@ def _baseline_raw(depth, hidden):
     heads = hidden // 64
     return {"name": f"b{depth}x{hidden}",
             "model": {"vocab_size": 32000, "hidden_size": hidden, "num_layers": depth, "num_heads": heads,
-                      "num_kv_heads": max(1, heads // 4)},
+                      "num_kv_heads": max(1, heads // 4), "max_seq_len": 4096},
             "moe": {"num_experts": 64, "top_k": 8, "expert_ffn_size": hidden},
             "loop": {"position": "none"}, "train": {"seq_len": 2048}}
 

@@ -160,3 +160,11 @@ def test_run_directory_summary_and_export(tmp_path, cache):
         num = sum(float(model(b.input_ids, labels=b.labels).lm_loss) * b.labels.numel() for b in batches)
     den = sum(b.labels.numel() for b in batches)
     assert num / den == pytest.approx(res["val"]["code"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_resume_equals_uninterrupted_autoep_zero3(tmp_path, cache):
+    """AutoEP with ZeRO-3 and autoep_size 2: each rank holds its own experts, so a resume that
+    restored another rank's experts (or the wrong shard) would change the losses."""
+    _resume_case(tmp_path, cache, {"moe": {"backend": "autoep", "ep_size": 2}, "deepspeed": {"zero_stage": 3}},
+                 world=2)

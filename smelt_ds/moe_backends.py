@@ -1,0 +1,720 @@
+"""MoE backends: run the reference MoE layers of a built :class:`SmeltLM` through DeepSpeed.
+
+The model package never imports DeepSpeed; this module does and is applied from outside, like
+torchtitan's ``parallelize.py``. One recipe field, ``moe.backend``, picks how the same reference
+layout (``mlp.gate.weight [E, H]``, ``mlp.experts.gate_up_proj [E, 2F, H]``,
+``mlp.experts.down_proj [E, H, F]``, optional ``mlp.shared_expert`` + ``mlp.shared_expert_gate``)
+runs:
+
+==========  =======================================================  ======  ================
+backend     what runs                                                ZeRO    expert parallel
+==========  =======================================================  ======  ================
+reference   ``smelt_ds.model.moe.MoE`` (dropless, plain PyTorch)     0-3     no
+deepspeed   :class:`DeepSpeedMoE` around ``deepspeed.moe.layer.MoE``  0-2     ``moe.ep_size``
+autoep      DeepSpeed AutoEP replaces ``layers.{i}.mlp`` in           0-3     ``autoep_size =
+            ``deepspeed.initialize`` (``expert_parallel`` section)            moe.ep_size``
+==========  =======================================================  ======  ================
+
+How the engine uses it (all ranks, same order)::
+
+    deepspeed.init_distributed(dist_backend=...)          # process group first
+    model = SmeltLM(cfg)
+    model = apply_backend(model, cfg)                     # BEFORE deepspeed.initialize; raises ConfigError
+    ds_config = {..., "zero_optimization": {"stage": s}}
+    if cfg.moe.backend == "autoep":
+        ds_config["expert_parallel"] = autoep_config_section(cfg)
+    groups = optimizer_param_groups(model, my_groups, cfg)   # splits expert params for 'deepspeed'
+    engine, *_ = deepspeed.initialize(
+        model=model, config=ds_config, model_parameters=groups,
+        optimizer=moe_optimizer(torch.optim.AdamW, lr=...))   # a callable: DeepSpeed calls it
+                                                              # after AutoEP replaced the layers
+    out = engine(input_ids, labels=labels); engine.backward(out.loss); engine.step()
+
+``out.loss`` already holds ``aux_loss_coef * aux + z_loss_coef * z`` for every backend (mean over
+MoE *visits*, the reference definitions), so the training loop does not change with the backend.
+
+What we found out about DeepSpeed 0.19.8 on this machine (torch 2.13 CPU, DeepSpeed's CPU
+accelerator, 2 gloo ranks, fp32), each checked by ``tests/test_moe_backends.py`` or by hand:
+
+Native DeepSpeed-MoE (``deepspeed.moe.layer.MoE``, backend ``deepspeed``)
+    * Experts are ``Experts(expert, E / ep_size)``: a ModuleList of deep copies of one expert
+      module; each receives ``(ep_size, 1, capacity, H)``. Our expert is
+      :class:`smelt_ds.model.moe.SwiGLU` (``down(silu(gate(x)) * up(x))``), filled from
+      ``gate_up_proj[e, :F]`` (gate), ``gate_up_proj[e, F:]`` (up), ``down_proj[e]``. Rank ``r`` of
+      the expert-parallel group owns global experts ``r * E/ep .. (r+1) * E/ep - 1`` (the
+      all-to-all splits the expert dimension in group-rank order). Expert params get
+      ``allreduce = False`` and ``group_name = "ep_size_{ep}"``; that is how DeepSpeed finds them.
+    * ``TopKGate``: softmax only (-> ConfigError for ``score_func: sigmoid``); no expert bias
+      (-> ConfigError for ``aux_loss_free_bias``); k = 1 (``top1gating``, Random Token
+      Selection, raw softmax combine weight, asserts ``T >= min_capacity``), k = 2
+      (``top2gating``, weights renormalised over the kept routes; by default the 2nd expert is
+      *sampled* with Gumbel noise, we turn that off) and k > 2 (``topkgating``, renormalised) all
+      work although the docstring says "only supports k=1 or k=2". So ``norm_topk_prob`` must be
+      false for k = 1 and true for k >= 2 (-> ConfigError otherwise). Capacity per expert =
+      ``max(ceil(T / E * capacity_factor * k), min_capacity)`` (``eval_capacity_factor`` in eval);
+      ``drop_tokens: false`` makes the capacity the largest per-expert count, all-reduced (MAX)
+      over the EP group, so nothing drops. Dropping keeps first choices first (top-2) or the
+      highest gate values (k > 2, ``drop_policy='probs'``); dropped copies contribute 0. With
+      ``drop_tokens: true`` evaluation and generation drop too (``eval_capacity_factor``).
+      ``noisy_gate_policy='Jitter'`` uses a fixed 1e-2; :class:`SmeltTopKGate` uses
+      ``moe.router_jitter`` instead.
+    * ``l_aux``: k = 1: ``E * sum_e P_e f_e`` (= ours); k > 2: ``E^2 / k * mean_e(P_e c_e)``
+      (= ours, c_e = routed copies / T); **k = 2: ``E * sum_e P_e f1_e`` with f1_e counting only
+      the tokens' first choice** (differs from ours; e.g. 1.0295 vs 1.0097 on a tiny model).
+      The router logits are not returned, so :class:`SmeltTopKGate` keeps them and
+      :class:`DeepSpeedMoE` computes *our* aux loss (over the T*K choices before dropping) and
+      z-loss from them: with nothing dropped the backend equals the reference to fp32 rounding
+      (forward, losses and gradients; ``test_deepspeed_conversion_matches_reference``). DeepSpeed's
+      ``l_aux`` is kept, detached, as ``last_route.ds_l_aux``; it is not in the loss.
+    * Router statistics per visit: ``last_route`` is a :class:`CapacityRouterOutput` with
+      ``topk_idx_TK`` (choices), ``kept_TK`` (fit into capacity), ``dropped_share``,
+      ``capacity`` (tokens per expert). ``VisitRecorder.router_stats()`` still reports
+      ``dropped_share`` 0.0 for every backend (it does not read the route's field); read
+      ``model.recorder.routes[visit].dropped_share`` until it does.
+    * ZeRO-3: ``deepspeed.initialize`` raises ``AssertionError: Native DeepSpeed MoE is not
+      supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.``
+      :func:`check_backend_compat` raises a ConfigError before that, pointing to ``autoep``.
+    * Optimizer groups: with an optimizer from the DeepSpeed config the engine splits MoE groups
+      itself (``configure_moe_param_groups``). A client optimizer must already hold groups with
+      ``moe: True`` holding only expert params (``split_params_into_different_moe_groups_for_
+      optimizer``), else ZeRO-1/2 raise ``AssertionError: The model has moe layers, but None of
+      the param groups are marked as MoE``; that function also needs a ``name`` key in every group
+      (KeyError otherwise) -- :func:`split_params_into_moe_groups` adds one. ZeRO-2 for MoE also
+      asserts ``contiguous_gradients`` and ``reduce_scatter`` true (the defaults). A torch SGD
+      client optimizer needs ``"zero_allow_untested_optimizer": true`` with ZeRO.
+    * Expert gradients are averaged over the *whole* data-parallel world (not the expert-data
+      group), so ``ep_size`` 1 and 2 give the same expert gradients, losses and ZeRO-2 updates on
+      the same global batch (checked; no EP-size scaling bug in 0.19.8), and the global gradient
+      norm used for clipping is the same for both.
+    * DeepSpeed 0.19.8 clips gradients at norm **1.0 by default** (``GRADIENT_CLIPPING_DEFAULT``):
+      always write ``gradient_clipping`` into the config (0 disables).
+    * ``deepspeed.moe.layer.MoE`` works in a single process without ``torch.distributed``
+      (ep_size 1). For ``ep_size > 1`` the expert groups must exist before the local experts are
+      picked: :func:`expert_parallel_rank` creates DeepSpeed's ``ep_size_{n}`` groups exactly as
+      the engine would (``use_data_before_expert_parallel`` must match the DeepSpeed config key
+      ``use_data_before_expert_parallel_``), and the engine then reuses them.
+    * All EP ranks must feed the same number of tokens per micro-batch when ``drop_tokens`` is
+      true (the capacity, hence the all-to-all size, is computed from the local T).
+    * ``use_tutel``: DeepSpeed silently falls back to its own dispatch when tutel is missing
+      (only a log warning); we raise a ConfigError instead. tutel is not on the package index
+      (``pip install git+https://github.com/microsoft/tutel@main``, CUDA only).
+    * An expert that receives no tokens still runs on its zero-padded capacity buffer; the step
+      completes (``test_empty_expert_no_hang``).
+
+AutoEP (backend ``autoep``; ``deepspeed/module_inject/auto_ep*.py``)
+    * The engine applies it in ``DeepSpeedEngine.__init__`` (``_configure_expert_parallel``)
+      when the config has ``expert_parallel: {enabled: true, ...}``: ``AutoEP(model,
+      cfg).ep_parser()`` matches ``re.fullmatch(moe_layer_pattern, name)`` over
+      ``named_modules()``, requires the ``router_pattern`` and ``expert_pattern`` children (note:
+      the DeepSpeed key is ``expert_pattern``, the preset field ``experts_pattern``), replaces each
+      layer by ``AutoEPMoELayer`` (router ``TokenChoiceTopKRouter`` as ``mlp.router.gate.weight``,
+      local experts ``mlp.experts.w1/w2/w3 [E/ep, ...]``), then creates the EP groups. This
+      happens before ZeRO-3 partitioning. Dense layers (no ``experts`` child) are skipped.
+    * Our layers match a custom pattern (no preset; SmeltLM has no HF ``model.config``, so
+      ``num_experts_attr``/``top_k_attr`` are never read: E comes from the router weight shape
+      and ``top_k`` must be given explicitly). ``expert_w3: null`` means fused gate+up in
+      ``gate_up_proj`` (``[E, 2F, H]``, gate first: the "gate_up_first" layout).
+      ``score_func`` softmax and sigmoid, ``route_norm`` (= ``norm_topk_prob``) and the shared
+      expert with its sigmoid gate all reproduce the reference exactly.
+    * Rejected by AutoEP: ``load_balance_coeff`` (any non-null value raises ``ValueError:
+      load_balance_coeff=... is not supported in this AutoEP build``) -> our
+      ``aux_loss_free_bias`` is refused with a ConfigError; router jitter is not implemented
+      (DeepSpeed only warns for HF configs) -> refused. No capacity / token dropping: AutoEP is
+      dropless, so ``capacity_factor``, ``min_capacity`` and ``drop_tokens`` do not apply.
+    * Aux loss / router logits: ``AutoEPMoELayer.forward`` returns only the output tensor for our
+      layers (``return_router_logits`` is only set for HF modules with ``_can_record_outputs``)
+      and implements neither aux loss nor z-loss. :func:`attach_autoep_hooks` adds forward hooks
+      on ``router.gate`` (logits) and ``router`` (choices) and sets ``last_route`` /
+      ``last_losses`` on the layer exactly as the reference MoE does; :func:`apply_backend`
+      registers a pre-hook that attaches them on the first forward after ``deepspeed.initialize``.
+      The aux loss is per rank over the local tokens, as it is for DDP with the reference backend.
+    * ``torch._grouped_mm`` runs on CPU when the row strides are multiples of 16 bytes;
+      ``autoep_config_section`` sets ``use_grouped_mm: false`` (per-expert loop) otherwise.
+    * Looped layers (called twice per forward) work with AutoEP at ZeRO 0-3 and ``autoep_size``
+      2: loss, aux and z over 3 AdamW steps equal the single-process reference to 2.4e-7
+      (``test_autoep_zero3_matches_reference``), also under *non-reentrant* activation
+      checkpointing (``torch.utils.checkpoint(use_reentrant=False)`` or DeepSpeed's
+      ``non_reentrant_checkpoint``).
+    * Client optimizers: an optimizer object built before ``deepspeed.initialize`` is remapped by
+      the engine to the replaced parameters, which works at ZeRO-0 and ZeRO-3 but fails at ZeRO-1/2
+      (``None of the param groups are marked as MoE``: the replaced expert params land in the
+      source's ordinary group). Pass a *callable* instead (:func:`moe_optimizer`, with
+      ``model_parameters=groups``), which works at every stage for every backend, or put the
+      optimizer in the DeepSpeed config (the engine splits MoE groups itself; on CPU use
+      ``"torch_adam": true``, else DeepSpeed JIT-builds its CPU Adam op for minutes). A layer's
+      expert tensors must all sit in one source param group (else RuntimeError).
+
+Reentrant activation checkpointing (``deepspeed.checkpointing.checkpoint``, torch
+``use_reentrant=True``) -- applies to every backend, not only AutoEP:
+    * The aux and z losses recorded inside a checkpointed visit are computed under ``no_grad``
+      and carry no gradient: the run trains, but without load balancing and z-loss for those
+      visits (losses equal a reference with ``aux.detach()``, ``z.detach()``).
+    * Checkpointing *looped* visits: ZeRO-2 raises ``AssertionError: The parameter ... has
+      already been reduced``; ZeRO-3 with the reference backend raises ``AssertionError`` in
+      ``__reduce_and_partition_ipg_grads`` (duplicate ``ds_id``); **ZeRO-3 with AutoEP raises
+      nothing but the gradients of the looped layers are wrong** (about half of the attention
+      gradient is lost). ZeRO-0/1 are fine apart from the lost aux/z gradient.
+    * Non-reentrant checkpointing has none of these problems. Use it for every policy.
+
+Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``, 2 ranks, ``ep_size`` 2)
+    * Both EP backends write one file per expert (``layer_{l}_expert_{e}_mp_rank_00_model_states
+      .pt``) from every expert-parallel rank and load them back by global expert id.
+    * But ``SmeltLM`` registers its unique layers twice (``layers.*`` and, through
+      ``LoopingBlockManager``, ``blocks.layers.*``), so ``state_dict()`` holds every layer tensor
+      under two names. The model file (written by rank 0) carries rank 0's local experts under
+      ``blocks.layers.*``, and ``load_state_dict`` applies them after the per-expert files: rank 1
+      **silently resumes with rank 0's experts** (deepspeed backend at ZeRO-0/2, AutoEP at
+      ZeRO-2), and AutoEP at ZeRO-3 fails to load (``size mismatch for
+      blocks.layers.3.mlp.experts.w1: copying a param with shape torch.Size([0])``). Keeping the
+      manager's reference unregistered (``object.__setattr__(self, "layers", layers)`` in
+      ``LoopingBlockManager.__init__``) fixes all three (checked by hand).
+    * Parameter names differ between backends (``mlp.moe.deepspeed_moe...``,
+      ``mlp.router.gate.weight`` / ``mlp.experts.w1,w2,w3``), so checkpoints do not move between
+      backends; there is no converter to the reference layout yet.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import deepspeed
+import torch
+import torch.nn.functional as F
+from deepspeed.moe import sharded_moe
+from deepspeed.moe.layer import MoE as DeepSpeedMoELayer
+from deepspeed.moe.sharded_moe import TopKGate
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from torch import nn
+
+from smelt_ds.errors import ConfigError
+from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU, load_balancing_loss, router_z_loss
+
+__all__ = ["BACKENDS", "AUTOEP_LAYER_PATTERN", "apply_backend", "check_backend_compat", "effective_zero_stage",
+           "tutel_available", "CapacityRouterOutput", "SmeltTopKGate", "DeepSpeedMoE", "convert_to_deepspeed_moe",
+           "expert_parallel_rank", "optimizer_param_groups", "split_params_into_moe_groups", "moe_optimizer",
+           "autoep_config_section", "attach_autoep_hooks", "autoep_layers"]
+
+BACKENDS = ("reference", "deepspeed", "autoep")
+
+#: Module-name regex AutoEP matches against ``named_modules()`` of the model given to
+#: ``deepspeed.initialize`` (``re.fullmatch``): our MoE FFNs are ``layers.{i}.mlp``.
+AUTOEP_LAYER_PATTERN = r"layers\.\d+\.mlp"
+
+TUTEL_INSTALL_HINT = ("pip install --upgrade git+https://github.com/microsoft/tutel@main "
+                      "(tutel is not on the package index; needs a CUDA build)")
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------
+
+
+def tutel_available() -> bool:
+    """Whether the optional ``tutel`` package can be imported (DeepSpeed checks the same import)."""
+    return importlib.util.find_spec("tutel") is not None and sharded_moe.TUTEL_INSTALLED
+
+
+def effective_zero_stage(cfg) -> int:
+    """The ZeRO stage DeepSpeed will see: ``deepspeed.config.zero_optimization.stage`` (passed
+    through last) wins over ``deepspeed.zero_stage``."""
+    raw = cfg.deepspeed.config.get("zero_optimization", {}) or {}
+    return int(raw.get("stage", cfg.deepspeed.zero_stage))
+
+
+def _fail(path: str, value: Any, rule: str, fix: str) -> None:
+    raise ConfigError(f"`{path}` ({value!r}) {rule}: {fix}")
+
+
+def check_backend_compat(cfg, zero_stage: int | None = None, world_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` for a recipe the chosen ``moe.backend`` cannot run.
+
+    Args:
+        cfg: a :class:`smelt_ds.config.RunConfig`.
+        zero_stage: the ZeRO stage of the DeepSpeed config (default: :func:`effective_zero_stage`).
+        world_size: number of ranks, when known (``moe.ep_size`` must divide it).
+
+    Raises:
+        ConfigError: naming the field path, the value and the fix. ``deepspeed`` backend: ZeRO-3
+            (DeepSpeed raises ``AssertionError: Native DeepSpeed MoE is not supported with ZeRO
+            Stage 3`` inside ``deepspeed.initialize``; use ``autoep``), ``score_func: sigmoid``
+            (TopKGate is softmax-only), ``aux_loss_free_bias`` (no expert bias in TopKGate),
+            ``norm_topk_prob`` other than DeepSpeed's fixed choice (top-1: raw softmax weight,
+            top-k >= 2: renormalised), ``use_tutel`` without the ``tutel`` package.
+            ``autoep`` backend: ``aux_loss_free_bias`` (AutoEP rejects ``load_balance_coeff``),
+            ``router_jitter`` > 0 (AutoEP's router has no jitter), ``use_tutel``.
+            Any EP backend: ``moe.ep_size`` not dividing ``world_size``.
+    """
+    moe = cfg.moe
+    stage = effective_zero_stage(cfg) if zero_stage is None else zero_stage
+    if moe.backend not in BACKENDS:
+        _fail("moe.backend", moe.backend, "is unknown", f"use one of {list(BACKENDS)}")
+    if moe.backend == "reference":
+        return
+    if world_size is not None and world_size % moe.ep_size:
+        _fail("moe.ep_size", moe.ep_size, f"must divide the number of ranks ({world_size})",
+              "launch a multiple of ep_size ranks or lower moe.ep_size")
+    if moe.backend == "deepspeed":
+        _check_deepspeed_backend(moe, stage)
+    else:
+        _check_autoep_backend(moe)
+
+
+def _check_deepspeed_backend(moe, stage: int) -> None:
+    if stage == 3:
+        _fail("moe.backend", "deepspeed", "does not support ZeRO stage 3 (DeepSpeed raises 'Native DeepSpeed "
+              "MoE is not supported with ZeRO Stage 3')", "use moe.backend 'autoep' for ZeRO-3, or "
+              "deepspeed.zero_stage <= 2")
+    if moe.score_func != "softmax":
+        _fail("moe.score_func", moe.score_func, "is not supported by moe.backend 'deepspeed' (TopKGate is "
+              "softmax-only)", "set moe.score_func to 'softmax', or use moe.backend 'autoep' or 'reference'")
+    if moe.aux_loss_free_bias:
+        _fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'deepspeed' (TopKGate has no "
+              "expert bias)", "set moe.aux_loss_free_bias to false, or use moe.backend 'reference'")
+    want = moe.top_k >= 2
+    if moe.norm_topk_prob != want:
+        how = ("renormalises the top-k weights to sum to 1" if want else
+               "weights the top-1 expert by its raw softmax probability")
+        _fail("moe.norm_topk_prob", moe.norm_topk_prob, f"differs from DeepSpeed's gate, which for top_k "
+              f"{moe.top_k} {how}", f"set moe.norm_topk_prob to {str(want).lower()}, or use moe.backend "
+              "'autoep' or 'reference'")
+    if moe.use_tutel and not tutel_available():
+        _fail("moe.use_tutel", True, "needs the optional package `tutel`, which is not installed",
+              f"install it ({TUTEL_INSTALL_HINT}) or set moe.use_tutel to false")
+
+
+def _check_autoep_backend(moe) -> None:
+    if moe.aux_loss_free_bias:
+        _fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'autoep' (DeepSpeed AutoEP "
+              "rejects expert_parallel.load_balance_coeff)", "set moe.aux_loss_free_bias to false, or use "
+              "moe.backend 'reference'")
+    if moe.router_jitter > 0:
+        _fail("moe.router_jitter", moe.router_jitter, "is not supported by moe.backend 'autoep' (AutoEP's "
+              "TokenChoiceTopKRouter has no input jitter)", "set moe.router_jitter to 0, or use moe.backend "
+              "'deepspeed' or 'reference'")
+    if moe.use_tutel:
+        _fail("moe.use_tutel", True, "only applies to moe.backend 'deepspeed'", "set moe.use_tutel to false")
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def apply_backend(model: nn.Module, cfg, zero_stage: int | None = None, world_size: int | None = None,
+                  use_data_before_expert_parallel: bool = False) -> nn.Module:
+    """Prepare ``model`` (a :class:`SmeltLM` with reference MoE layers) for ``cfg.moe.backend``.
+
+    Call it after the process group is initialised and *before* ``deepspeed.initialize``.
+
+    * ``reference``: returns ``model`` unchanged.
+    * ``deepspeed``: replaces every ``layers.{i}.mlp`` :class:`MoE` in place by a
+      :class:`DeepSpeedMoE` holding this rank's experts (``ep_size > 1`` creates DeepSpeed's
+      ``ep_size_{n}`` expert groups now, so the local experts can be picked).
+    * ``autoep``: the layers are replaced later by ``deepspeed.initialize`` from the
+      ``expert_parallel`` section (:func:`autoep_config_section`); this registers a forward
+      pre-hook on ``model`` that attaches the router hooks (:func:`attach_autoep_hooks`) to the
+      replaced layers on the first forward, so the aux and z losses reach ``SmeltLM``'s loss.
+
+    ``world_size`` defaults to ``torch.distributed``'s when initialised. Returns ``model``.
+    Raises ConfigError (see :func:`check_backend_compat`).
+    """
+    if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        world_size = torch.distributed.get_world_size()
+    check_backend_compat(cfg, zero_stage, world_size)
+    if cfg.moe.backend == "deepspeed":
+        convert_to_deepspeed_moe(model, cfg, use_data_before_expert_parallel)
+    elif cfg.moe.backend == "autoep" and not getattr(model, "_smelt_autoep_prehook", False):
+        model.register_forward_pre_hook(_autoep_prehook)
+        model._smelt_autoep_prehook = True
+    return model
+
+
+def _moe_blocks(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """``(name, block)`` for every decoder block whose FFN slot holds an MoE."""
+    for i, block in enumerate(getattr(model, "layers", [])):
+        if getattr(block, "is_moe", False):
+            yield f"layers.{i}", block
+
+
+# ---------------------------------------------------------------------------------------------
+# deepspeed backend
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CapacityRouterOutput(RouterOutput):
+    """A :class:`RouterOutput` of a capacity-limited gate (DeepSpeed's TopKGate).
+
+    ``topk_idx_TK`` are the experts the router chose (before capacity dropping, as the reference
+    router would choose them); ``kept_TK`` (bool) marks the routed copies that fit into their
+    expert's capacity; ``topk_weight_TK`` are the combine weights DeepSpeed applied (0 for dropped
+    copies). ``capacity`` is in tokens per expert; ``ds_l_aux`` is DeepSpeed's own l_aux
+    (detached, for comparison; it does not enter the loss).
+    """
+
+    kept_TK: torch.Tensor | None = None
+    capacity: int = 0
+    ds_l_aux: torch.Tensor | None = None
+
+    @property
+    def dropped_share(self) -> float:
+        """Share of the T*K routed copies dropped by the capacity limit (0..1)."""
+        return 0.0 if self.kept_TK is None else 1.0 - self.kept_TK.float().mean().item()
+
+    def tokens_per_expert(self) -> list[int]:
+        """Routed copies per expert before dropping (what the router asked for)."""
+        return torch.bincount(self.topk_idx_TK.reshape(-1), minlength=self.logits_TE.shape[-1]).tolist()
+
+
+class SmeltTopKGate(TopKGate):
+    """DeepSpeed's :class:`TopKGate` that keeps the router logits of its last call.
+
+    Same dispatch maths as ``TopKGate.forward`` (``top1gating`` for k=1, ``top2gating`` for k=2,
+    ``topkgating`` for k>2, with ``sparse_routes``), with three differences: the fp32 logits
+    ``(T, E)`` and the gating result are kept in ``last_logits_TE`` / ``last_gate_out`` so the
+    wrapper can compute our aux loss, z-loss and statistics; router jitter is the reference
+    router's (``x * U(1 - jitter, 1 + jitter)`` in training) instead of DeepSpeed's fixed 1e-2;
+    ``min_capacity`` is clipped to the token count, because ``top1gating`` asserts
+    ``T >= min_capacity`` (which a 1-token decode step would fail). Top-2 never samples its
+    second expert (``top2_2nd_expert_sampling=False``), so routing is deterministic like ours.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, k: int, capacity_factor: float,
+                 eval_capacity_factor: float, min_capacity: int, drop_tokens: bool, use_rts: bool = True,
+                 jitter: float = 0.0):
+        super().__init__(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                         noisy_gate_policy=None, drop_tokens=drop_tokens, use_rts=use_rts, ep_group=None,
+                         top2_2nd_expert_sampling=False)
+        self.jitter = jitter
+        self.last_logits_TE: torch.Tensor | None = None
+        self.last_gate_out: tuple | None = None
+
+    def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None, sparse_routes: bool = False,
+                use_tutel: bool = False):
+        x_TH = input.float()
+        if self.training and self.jitter > 0:
+            x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        logits_TE = F.linear(x_TH, self.wg.weight.float())
+        cf = self.capacity_factor if self.training else self.eval_capacity_factor
+        min_cap = min(self.min_capacity, logits_TE.shape[0])
+        if self.k == 1:
+            out = sharded_moe.top1gating(logits_TE, cf, min_cap, used_token, None, self.drop_tokens, self.use_rts,
+                                         self.ep_group, sparse_routes, use_tutel)
+        elif self.k == 2:
+            out = sharded_moe.top2gating(logits_TE, cf, min_cap, self.drop_tokens, self.ep_group, False,
+                                         sparse_routes)
+        else:
+            out = sharded_moe.topkgating(logits_TE, self.k, cf, min_cap, self.drop_tokens, self.ep_group,
+                                         sparse_routes=sparse_routes)
+        self.last_logits_TE, self.last_gate_out = logits_TE, out
+        return out
+
+
+class DeepSpeedMoE(nn.Module):
+    """The ``deepspeed`` backend's FFN: ``deepspeed.moe.layer.MoE`` + our losses and statistics.
+
+    ``forward(x)``: ``(B, S, H)`` -> ``(B, S, H)``, like the reference :class:`MoE`, and leaves
+    ``last_route`` (a :class:`CapacityRouterOutput`) and ``last_losses`` (``{"aux", "z"}``, the
+    reference definitions: ``aux = E * sum_e f_e P_e`` over the T*K routed copies before capacity
+    dropping, ``z = mean_t logsumexp(logits_t)^2``) for the block's visit recorder.
+
+    Parameters: ``moe.deepspeed_moe.gate.wg.weight`` ``[E, H]`` (replicated, data-parallel) and
+    ``moe.deepspeed_moe.experts.deepspeed_experts.{j}.{gate_proj,up_proj,down_proj}.weight``
+    for the ``E / ep_size`` local experts ``j`` (global expert ``ep_rank * E / ep_size + j``;
+    ``param.allreduce = False``, ``param.group_name = "ep_size_{ep_size}"``), plus the unchanged
+    ``shared_expert`` / ``shared_expert_gate`` of the reference layout.
+    """
+
+    def __init__(self, hidden_size: int, moe_cfg, ep_size: int = 1):
+        super().__init__()
+        self.num_experts, self.num_experts_per_tok = moe_cfg.num_experts, moe_cfg.top_k
+        self.ep_size, self.hidden_size, self.ffn_size = ep_size, hidden_size, moe_cfg.expert_ffn_size
+        self.moe = DeepSpeedMoELayer(hidden_size, SwiGLU(hidden_size, moe_cfg.expert_ffn_size),
+                                     num_experts=moe_cfg.num_experts, ep_size=ep_size, k=moe_cfg.top_k,
+                                     capacity_factor=moe_cfg.capacity_factor,
+                                     eval_capacity_factor=moe_cfg.eval_capacity_factor,
+                                     min_capacity=moe_cfg.min_capacity, drop_tokens=moe_cfg.drop_tokens,
+                                     use_rts=True, use_tutel=moe_cfg.use_tutel, top2_2nd_expert_sampling=False)
+        self.moe.deepspeed_moe.gate = SmeltTopKGate(hidden_size, moe_cfg.num_experts, moe_cfg.top_k,
+                                                    moe_cfg.capacity_factor, moe_cfg.eval_capacity_factor,
+                                                    moe_cfg.min_capacity, moe_cfg.drop_tokens,
+                                                    jitter=moe_cfg.router_jitter)
+        self.shared_expert: nn.Module | None = None
+        self.shared_expert_gate: nn.Module | None = None
+        self.last_route: CapacityRouterOutput | None = None
+        self.last_losses: dict[str, torch.Tensor] = {}
+
+    @property
+    def gate(self) -> SmeltTopKGate:
+        return self.moe.deepspeed_moe.gate
+
+    @property
+    def local_experts(self) -> nn.ModuleList:
+        return self.moe.deepspeed_moe.experts.deepspeed_experts
+
+    @classmethod
+    @torch.no_grad()
+    def from_reference(cls, ref: MoE, moe_cfg, ep_size: int = 1, ep_rank: int = 0) -> "DeepSpeedMoE":
+        """Build from a reference :class:`MoE`, copying the router and this rank's experts
+        (``gate_up_proj[e]`` rows ``[:F]`` -> ``gate_proj``, ``[F:]`` -> ``up_proj``,
+        ``down_proj[e]`` -> ``down_proj``) and taking over the shared expert modules."""
+        hidden = ref.gate.weight.shape[1]
+        new = cls(hidden, moe_cfg, ep_size).to(device=ref.gate.weight.device, dtype=ref.gate.weight.dtype)
+        new.gate.wg.weight.copy_(ref.gate.weight)
+        F_ = moe_cfg.expert_ffn_size
+        first = ep_rank * (moe_cfg.num_experts // ep_size)
+        for j, expert in enumerate(new.local_experts):
+            e = first + j
+            expert.gate_proj.weight.copy_(ref.experts.gate_up_proj[e, :F_])
+            expert.up_proj.weight.copy_(ref.experts.gate_up_proj[e, F_:])
+            expert.down_proj.weight.copy_(ref.experts.down_proj[e])
+        new.shared_expert, new.shared_expert_gate = ref.shared_expert, ref.shared_expert_gate
+        new.train(ref.training)
+        return new
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        B, S, H = x_BSH.shape
+        out_BSH, _, _ = self.moe(x_BSH)
+        route = self._route()
+        if self.shared_expert is not None:
+            x_TH = x_BSH.reshape(B * S, H)
+            shared_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+            out_BSH = out_BSH + shared_TH.reshape(B, S, H)
+        self.last_route = route
+        self.last_losses = {"aux": load_balancing_loss(route.probs_TE, route.topk_idx_TK),
+                            "z": router_z_loss(route.logits_TE)}
+        return out_BSH
+
+    def _route(self) -> CapacityRouterOutput:
+        """Our :class:`RouterOutput` view of the gate's last call (``sparse_routes`` layout:
+        ``indices [K, T]`` with -1 for dropped copies, ``gates [K, T]``)."""
+        logits_TE = self.gate.last_logits_TE
+        l_aux, capacity, _, idx_KT, _, gates_KT, _ = self.gate.last_gate_out
+        probs_TE = logits_TE.softmax(dim=-1)
+        topk_idx_TK = _gate_choices(logits_TE, probs_TE, self.num_experts_per_tok)
+        return CapacityRouterOutput(logits_TE, probs_TE, topk_idx_TK, gates_KT.t(), kept_TK=idx_KT.t() >= 0,
+                                    capacity=int(capacity), ds_l_aux=l_aux.detach())
+
+
+def _gate_choices(logits_TE: torch.Tensor, probs_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """The experts DeepSpeed's gating functions choose, before capacity dropping, as ``(T, K)``
+    (``argmax`` for k=1, ``argmax`` twice for k=2, ``topk`` for k>2: the same as the reference
+    router's ``topk`` except for exact ties)."""
+    if k > 2:
+        return probs_TE.topk(k, dim=-1).indices
+    first_T = probs_TE.argmax(dim=-1)
+    if k == 1:
+        return first_T[:, None]
+    masked_TE = logits_TE.masked_fill(F.one_hot(first_T, logits_TE.shape[-1]).bool(), float("-inf"))
+    return torch.stack([first_T, masked_TE.argmax(dim=-1)], dim=-1)
+
+
+def expert_parallel_rank(ep_size: int, use_data_before_expert_parallel: bool = False) -> int:
+    """This rank's index in its DeepSpeed expert-parallel group ``ep_size_{ep_size}``.
+
+    Creates DeepSpeed's expert and expert-data groups if they do not exist yet (every rank must
+    call this, in the same order), exactly as the engine would in ``deepspeed.initialize``.
+    Raises RuntimeError when ``ep_size > 1`` and torch.distributed is not initialised.
+    """
+    if ep_size == 1:
+        return 0
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError(f"moe.ep_size ({ep_size}) > 1 needs torch.distributed initialised before "
+                           "apply_backend (e.g. deepspeed.init_distributed())")
+    from deepspeed import comm as ds_dist
+    from deepspeed.utils import groups
+
+    if not ds_dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
+    name = f"ep_size_{ep_size}"
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep_size,
+                                                use_data_before_expert_parallel_=use_data_before_expert_parallel)
+    return groups._get_expert_parallel_rank(name)
+
+
+def convert_to_deepspeed_moe(model: nn.Module, cfg, use_data_before_expert_parallel: bool = False) -> int:
+    """Replace every reference :class:`MoE` in ``model.layers[i].mlp`` by a :class:`DeepSpeedMoE`
+    built from the same weights (this rank's experts only). Returns the number of layers converted.
+
+    Must run on every rank before ``deepspeed.initialize`` (the engine then binds the expert
+    groups via ``set_deepspeed_parallelism``). Raises RuntimeError as :func:`expert_parallel_rank`.
+    """
+    ep_rank = expert_parallel_rank(cfg.moe.ep_size, use_data_before_expert_parallel)
+    n = 0
+    for _, block in _moe_blocks(model):
+        if isinstance(block.mlp, MoE):
+            block.mlp = DeepSpeedMoE.from_reference(block.mlp, cfg.moe, cfg.moe.ep_size, ep_rank)
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer parameter groups
+# ---------------------------------------------------------------------------------------------
+
+
+def split_params_into_moe_groups(param_groups: Iterable[dict[str, Any]] | dict[str, Any] | Iterable[nn.Parameter]
+                                 ) -> list[dict[str, Any]]:
+    """DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` made safe for our groups.
+
+    Every group gets a ``name`` if it has none (DeepSpeed indexes by it); expert parameters
+    (``param.allreduce is False``) move into copies of their group with ``moe: True`` and
+    ``name: "ep_size_{n}"`` (all other keys, e.g. ``lr_scale`` and ``weight_decay``, are kept);
+    empty groups are dropped. ZeRO-1/2 refuse MoE models whose optimizer has no ``moe`` group
+    (``AssertionError: The model has moe layers, but None of the param groups are marked as MoE``).
+    """
+    groups = [param_groups] if isinstance(param_groups, dict) else list(param_groups)
+    if groups and not isinstance(groups[0], dict):  # a plain iterable of parameters
+        groups = [{"params": groups}]
+    groups = [{**g, "params": list(g["params"]), "name": g.get("name", f"group{i}")} for i, g in enumerate(groups)]
+    if any(g.get("moe") for g in groups):
+        return groups
+    out = split_params_into_different_moe_groups_for_optimizer(groups)
+    return [g for g in out if g["params"]]
+
+
+class moe_optimizer:  # noqa: N801 - used like a function: optimizer=moe_optimizer(AdamW, lr=...)
+    """A client optimizer *factory* for ``deepspeed.initialize(optimizer=..., model_parameters=groups)``.
+
+    DeepSpeed calls it with ``model_parameters`` after AutoEP has replaced the MoE layers (and
+    remapped the groups to the new parameters); it splits expert parameters into ``moe`` groups
+    (:func:`split_params_into_moe_groups`) and builds ``optimizer_cls(groups, **kwargs)``. Works
+    for every backend and ZeRO stage; for the reference backend the split is a no-op.
+    """
+
+    def __init__(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
+        self.optimizer_cls, self.kwargs = optimizer_cls, kwargs
+
+    def __call__(self, param_groups) -> torch.optim.Optimizer:
+        return self.optimizer_cls(split_params_into_moe_groups(param_groups), **self.kwargs)
+
+
+def optimizer_param_groups(model: nn.Module, param_groups: list[dict[str, Any]], cfg) -> list[dict[str, Any]]:
+    """Optimizer parameter groups for ``cfg.moe.backend``; call after :func:`apply_backend`.
+
+    * ``reference`` / ``autoep``: ``param_groups`` unchanged. (AutoEP's expert parameters do not
+      exist before ``deepspeed.initialize``; DeepSpeed remaps a client optimizer's groups to the
+      replaced parameters and, for a DeepSpeed-config optimizer, splits MoE groups itself.)
+    * ``deepspeed``: :func:`split_params_into_moe_groups`.
+    """
+    if cfg.moe.backend == "deepspeed":
+        return split_params_into_moe_groups(param_groups)
+    return param_groups
+
+
+# ---------------------------------------------------------------------------------------------
+# autoep backend
+# ---------------------------------------------------------------------------------------------
+
+
+def _fits_grouped_mm(cfg) -> bool:
+    """torch._grouped_mm (CPU and CUDA) needs 16-byte-aligned row strides of H and F in fp32/bf16."""
+    return all((n * 2) % 16 == 0 for n in (cfg.model.hidden_size, cfg.moe.expert_ffn_size))
+
+
+def autoep_config_section(cfg, module_prefix: str = "") -> dict[str, Any]:
+    """The ``expert_parallel`` section of the DeepSpeed config for ``moe.backend: autoep``.
+
+    A custom AutoEP layer pattern (no ``preset_model``): our MoE FFNs are the modules named
+    ``{module_prefix}layers.{i}.mlp`` (dense FFN layers have no ``experts`` child and are
+    skipped by AutoEP) with children ``gate`` (``[E, H]`` Linear) and ``experts`` holding the
+    fused ``gate_up_proj [E, 2F, H]`` (``expert_w3: null`` = gate and up fused, gate first) and
+    ``down_proj [E, H, F]``, optional ``shared_expert`` + ``shared_expert_gate`` (sigmoid).
+    ``top_k`` is set explicitly: AutoEP reads ``num_experts_per_tok`` only from ``model.config``,
+    which SmeltLM does not have (E is read from the router weight shape).
+
+    ``module_prefix`` is prepended when the model given to ``deepspeed.initialize`` wraps SmeltLM
+    (e.g. ``"model."``). Raises ConfigError (see :func:`check_backend_compat`).
+    """
+    moe = cfg.moe
+    if moe.aux_loss_free_bias or moe.router_jitter > 0 or moe.use_tutel:
+        _check_autoep_backend(moe)
+    prefix = module_prefix.replace(".", r"\.")
+    section: dict[str, Any] = {
+        "enabled": True,
+        "autoep_size": moe.ep_size,
+        "moe_layer_pattern": prefix + AUTOEP_LAYER_PATTERN,
+        "router_pattern": "gate",
+        "expert_pattern": "experts",
+        "expert_w1": "gate_up_proj",
+        "expert_w2": "down_proj",
+        "expert_w3": None,
+        "top_k": moe.top_k,
+        "score_func": moe.score_func,
+        "score_apply": "post",
+        "route_norm": moe.norm_topk_prob,
+        "route_scale": 1.0,
+        "expert_activation": "swiglu",
+        "use_grouped_mm": _fits_grouped_mm(cfg),
+        "has_shared_experts": bool(moe.shared_expert_ffn_size),
+    }
+    if moe.shared_expert_ffn_size:
+        section["shared_experts_pattern"] = "shared_expert"
+        section["shared_experts_gate_pattern"] = "shared_expert_gate"
+    return section
+
+
+def autoep_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, AutoEPMoELayer)`` pairs of ``model`` (empty before ``deepspeed.initialize``)."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    return [(f"{name}.mlp", block.mlp) for name, block in _moe_blocks(model)
+            if isinstance(block.mlp, AutoEPMoELayer)]
+
+
+def attach_autoep_hooks(model: nn.Module) -> int:
+    """Give every AutoEP layer of ``model`` the reference MoE's ``last_route`` / ``last_losses``.
+
+    AutoEP's layer returns only the output tensor (our modules have no HF ``_can_record_outputs``,
+    so ``return_router_logits`` is off). Forward hooks on ``layer.router.gate`` (logits ``(T, E)``)
+    and ``layer.router`` (``(top_scores, selected_experts, counts)``) capture the routing, and a
+    hook on the layer computes ``aux``/``z`` exactly as the reference MoE does, so
+    ``SmeltLM`` adds ``aux_loss_coef * mean_visits(aux) + z_loss_coef * mean_visits(z)`` the same
+    way for every backend. Idempotent; returns the number of layers newly hooked.
+    """
+    n = 0
+    for _, layer in autoep_layers(model):
+        if getattr(layer, "_smelt_hooked", False):
+            continue
+        layer.last_route, layer.last_losses, layer._smelt_capture = None, {}, {}
+        layer.router.gate.register_forward_hook(_capture_logits_hook(layer))
+        layer.router.register_forward_hook(_capture_route_hook(layer))
+        layer.register_forward_hook(_finish_route_hook)
+        layer._smelt_hooked = True
+        n += 1
+    return n
+
+
+def _autoep_prehook(model: nn.Module, args) -> None:
+    attach_autoep_hooks(model)  # returns nothing: a forward pre-hook's return value replaces the inputs
+
+
+def _capture_logits_hook(layer: nn.Module):
+    def hook(module, args, logits_TE):
+        layer._smelt_capture["logits_TE"] = logits_TE
+
+    return hook
+
+
+def _capture_route_hook(layer: nn.Module):
+    def hook(module, args, out):
+        layer._smelt_capture["top_scores_TK"], layer._smelt_capture["selected_TK"] = out[0], out[1]
+
+    return hook
+
+
+def _finish_route_hook(layer: nn.Module, args, output) -> None:
+    cap = layer._smelt_capture
+    logits_TE = cap.pop("logits_TE").float()
+    if layer.router.score_func == "softmax":
+        probs_TE = logits_TE.softmax(dim=-1)
+    else:
+        scores_TE = logits_TE.sigmoid()
+        probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+    idx_TK = cap.pop("selected_TK")
+    route = RouterOutput(logits_TE, probs_TE, idx_TK, cap.pop("top_scores_TK"))
+    layer.last_route = route
+    layer.last_losses = {"aux": load_balancing_loss(probs_TE, idx_TK), "z": router_z_loss(logits_TE)}
