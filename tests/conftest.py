@@ -1,0 +1,32 @@
+"""Shared test helpers: tiny configs built from plain dicts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+TINY = {
+    "model": {"vocab_size": 61, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+              "max_seq_len": 32, "dense_ffn_size": 48, "init_std": 0.2},
+    "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 24},
+    "train": {"seq_len": 16},
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@pytest.fixture
+def tiny_cfg():
+    """``tiny_cfg({"loop": {...}})`` -> a validated RunConfig of a 4-layer, 32-wide model."""
+    from smelt_ds.config import config_from_dict
+
+    def make(overrides: dict | None = None):
+        return config_from_dict(_merge(TINY, overrides or {}))
+
+    return make

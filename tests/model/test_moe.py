@@ -1,0 +1,269 @@
+"""Reference MoE: naive per-token parity, grouped_mm vs loop, transformers parity, aux and z losses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from smelt_ds.model.moe import MoE, SwiGLU, has_grouped_mm, load_balancing_loss, router_z_loss
+
+H, E, K, FF = 16, 6, 2, 8
+
+
+def make_moe(impl="loop", score_func="softmax", norm=True, shared=0, num_experts=E, top_k=K, hidden=H, ffn=FF):
+    moe = MoE(hidden, num_experts, top_k, ffn, shared_ffn_size=shared, score_func=score_func,
+              norm_topk_prob=norm, expert_impl=impl)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.5)
+    return moe
+
+
+def naive_moe(moe: MoE, x_TH: torch.Tensor, score_func: str, norm: bool) -> torch.Tensor:
+    """Token by token, expert by expert, with the weights read straight from the layout."""
+    Wg = moe.gate.weight
+    gu, down = moe.experts.gate_up_proj, moe.experts.down_proj
+    Fi = down.shape[-1]
+    rows = []
+    for x in x_TH:
+        logits = [float(Wg[e] @ x) for e in range(Wg.shape[0])]
+        if score_func == "softmax":
+            z = sum(math.exp(v) for v in logits)
+            scores = [math.exp(v) / z for v in logits]
+        else:
+            scores = [1 / (1 + math.exp(-v)) for v in logits]
+        chosen = sorted(range(len(scores)), key=lambda e: -scores[e])[:moe.num_experts_per_tok]
+        w = [scores[e] for e in chosen]
+        if norm:
+            w = [v / sum(w) for v in w]
+        y = torch.zeros_like(x)
+        for e, we in zip(chosen, w):
+            g, u = gu[e, :Fi] @ x, gu[e, Fi:] @ x
+            y = y + we * (down[e] @ (g * torch.sigmoid(g) * u))
+        if moe.shared_expert is not None:
+            s = moe.shared_expert
+            h = s.down_proj.weight @ (F.silu(s.gate_proj.weight @ x) * (s.up_proj.weight @ x))
+            y = y + torch.sigmoid(moe.shared_expert_gate.weight[0] @ x) * h
+        rows.append(y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("shared", [0, 12])
+def test_moe_equals_naive_per_token_loop(impl, score_func, norm, shared):
+    if impl == "grouped_mm" and not has_grouped_mm():
+        pytest.skip("torch._grouped_mm not available in this torch")
+    moe = make_moe(impl, score_func, norm, shared)
+    x = torch.randn(2, 5, H)
+    with torch.no_grad():
+        got = moe(x)
+        want = naive_moe(moe, x.reshape(-1, H), score_func, norm).reshape(2, 5, H)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.abs().max() > 0.1  # not a trivially small output
+
+
+def _zero_token_inputs():
+    """Positive inputs and a router whose rows 0, 3 and E-1 are strongly negative: those experts
+    never receive a token."""
+    torch.manual_seed(1)
+    x = torch.rand(3, 7, H) + 0.1
+    return x
+
+
+@pytest.mark.skipif(not has_grouped_mm(), reason="torch._grouped_mm not available in this torch")
+@pytest.mark.parametrize("score_func,norm,shared", [("softmax", True, 0), ("sigmoid", False, 10)])
+def test_grouped_mm_equals_loop_forward_and_grads_with_empty_experts(score_func, norm, shared):
+    loop = make_moe("loop", score_func, norm, shared)
+    grouped = make_moe("grouped_mm", score_func, norm, shared)
+    with torch.no_grad():
+        for e in (0, 3, E - 1):
+            loop.gate.weight[e] = -1.0
+    grouped.load_state_dict(loop.state_dict())
+    assert loop.experts.impl == "loop" and grouped.experts.impl == "grouped_mm"
+
+    x = _zero_token_inputs()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = loop(xa), grouped(xb)
+    counts = torch.bincount(grouped.last_route.topk_idx_TK.reshape(-1), minlength=E)
+    assert counts[0] == counts[3] == counts[E - 1] == 0 and counts.sum() == 21 * K
+    torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-6)
+
+    # a loss that touches the aux and z losses too, so the router gradient is compared as well
+    w = torch.randn_like(ya)
+    ((ya * w).sum() + loop.last_losses["aux"] + loop.last_losses["z"]).backward()
+    ((yb * w).sum() + grouped.last_losses["aux"] + grouped.last_losses["z"]).backward()
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-6)
+    for (n, pa), (_, pb) in zip(loop.named_parameters(), grouped.named_parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-5, atol=1e-6, msg=n)
+    for e in (0, 3, E - 1):  # experts without tokens get exactly zero gradient on both paths
+        assert torch.count_nonzero(grouped.experts.gate_up_proj.grad[e]) == 0
+        assert torch.count_nonzero(grouped.experts.down_proj.grad[e]) == 0
+    assert torch.count_nonzero(grouped.experts.down_proj.grad[1]) > 0
+
+
+@pytest.mark.skipif(not has_grouped_mm(), reason="torch._grouped_mm not available in this torch")
+def test_grouped_mm_single_token_and_all_on_one_expert():
+    loop, grouped = make_moe("loop", top_k=1), make_moe("grouped_mm", top_k=1)
+    with torch.no_grad():
+        loop.gate.weight.fill_(-1.0)
+        loop.gate.weight[2] = 1.0
+    grouped.load_state_dict(loop.state_dict())
+    for shape in [(1, 1, H), (2, 4, H)]:
+        x = torch.rand(*shape) + 0.1
+        ya, yb = loop(x), grouped(x)
+        assert set(grouped.last_route.topk_idx_TK.reshape(-1).tolist()) == {2}
+        torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# transformers parity (test-only dependency)
+# --------------------------------------------------------------------------------------------
+
+
+def _hf_impls():
+    return ["eager", "batched_mm", "grouped_mm"]
+
+
+@pytest.mark.parametrize("hf_impl", _hf_impls())
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+def test_moe_equals_transformers_qwen3_moe_block(hf_impl, norm, impl):
+    tr = pytest.importorskip("transformers", minversion="5.0",
+                             reason="transformers >= 5 (test-only dependency) provides the Qwen3-MoE reference")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    if impl == "grouped_mm" and not has_grouped_mm():
+        pytest.skip("torch._grouped_mm not available in this torch")
+    cfg = tr.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=FF, num_experts=E, num_experts_per_tok=K,
+                            norm_topk_prob=norm, hidden_act="silu", experts_implementation=hf_impl)
+    ref = Qwen3MoeSparseMoeBlock(cfg)
+    ours = make_moe(impl, "softmax", norm)
+    # Qwen3-MoE in transformers 5 has no shared expert; the state dicts have identical keys.
+    assert set(ref.state_dict()) == set(ours.state_dict()) == {"gate.weight", "experts.gate_up_proj",
+                                                               "experts.down_proj"}
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 9, H)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ref(xa), ours(xb)
+    torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
+    w = torch.randn_like(ya)
+    (ya * w).sum().backward()
+    (yb * w).sum().backward()
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-5)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(dict(ours.named_parameters())[n].grad, p.grad, rtol=1e-5, atol=1e-5, msg=n)
+
+
+def test_moe_with_shared_expert_equals_transformers_qwen2_moe_block():
+    tr = pytest.importorskip("transformers", minversion="5.0",
+                             reason="transformers >= 5 (test-only dependency) provides the Qwen2-MoE reference")
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    cfg = tr.Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=FF, num_experts=E, num_experts_per_tok=K,
+                            shared_expert_intermediate_size=12, norm_topk_prob=True, hidden_act="silu",
+                            experts_implementation="eager")
+    ref = Qwen2MoeSparseMoeBlock(cfg)
+    ours = make_moe("auto", "softmax", True, shared=12)
+    ref.load_state_dict(ours.state_dict())  # strict: same names, same shapes
+    x = torch.randn(3, 4, H)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# aux loss and z-loss on a constructed routing
+# --------------------------------------------------------------------------------------------
+
+# 4 tokens, 3 experts, top-2. Router weight = identity, token t's input = its logits:
+# log(a_t) + c_t, so softmax = a_t / sum(a_t) and logsumexp = log(sum a_t) + c_t.
+A = [[1, 2, 3], [4, 1, 3], [2, 5, 1], [1, 3, 4]]
+C = [0.0, 1.5, -2.0, 0.25]
+TOPK = [{2, 1}, {0, 2}, {1, 0}, {2, 1}]
+
+
+def _constructed_moe(score_func="softmax"):
+    moe = make_moe("auto", score_func, True, num_experts=3, top_k=2, hidden=3, ffn=4)
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.eye(3))
+    x = torch.tensor([[math.log(a) + c for a in row] for row, c in zip(A, C)]).reshape(1, 4, 3)
+    return moe, x
+
+
+def test_aux_and_z_loss_softmax_by_hand():
+    moe, x = _constructed_moe()
+    moe(x)
+    route = moe.last_route
+    assert [set(r) for r in route.topk_idx_TK.tolist()] == TOPK
+    # f_e: share of the 8 routed copies; P_e: mean probability
+    f = [2 / 8, 3 / 8, 3 / 8]
+    P = [(1 / 6 + 4 / 8 + 2 / 8 + 1 / 8) / 4, (2 / 6 + 1 / 8 + 5 / 8 + 3 / 8) / 4, (3 / 6 + 3 / 8 + 1 / 8 + 4 / 8) / 4]
+    aux = 3 * (f[0] * P[0] + f[1] * P[1] + f[2] * P[2])
+    z = ((math.log(6) + 0.0) ** 2 + (math.log(8) + 1.5) ** 2 + (math.log(8) - 2.0) ** 2
+         + (math.log(8) + 0.25) ** 2) / 4
+    assert moe.last_losses["aux"].item() == pytest.approx(aux, rel=1e-6)
+    assert moe.last_losses["z"].item() == pytest.approx(z, rel=1e-6)
+    # combine weights: renormalised top-2 probabilities of token 0: 3/5 for expert 2, 2/5 for expert 1
+    assert route.topk_weight_TK[0].tolist() == pytest.approx([3 / 5, 2 / 5], rel=1e-6)
+
+
+def test_aux_loss_sigmoid_by_hand():
+    moe, x = _constructed_moe("sigmoid")
+    moe(x)
+    sig = [[1 / (1 + math.exp(-(math.log(a) + c))) for a in row] for row, c in zip(A, C)]
+    probs = [[s / sum(row) for s in row] for row in sig]
+    top = [sorted(range(3), key=lambda e: -row[e])[:2] for row in sig]
+    f = [sum(e in t for t in top) / 8 for e in range(3)]
+    P = [sum(p[e] for p in probs) / 4 for e in range(3)]
+    assert moe.last_losses["aux"].item() == pytest.approx(3 * sum(fe * pe for fe, pe in zip(f, P)), rel=1e-6)
+    assert [set(t) for t in moe.last_route.topk_idx_TK.tolist()] == [set(t) for t in top]
+    w0 = [sig[0][top[0][0]], sig[0][top[0][1]]]
+    assert moe.last_route.topk_weight_TK[0].tolist() == pytest.approx([w / sum(w0) for w in w0], rel=1e-6)
+
+
+def test_load_balancing_loss_uniform_is_one_and_collapsed_is_E():
+    probs = torch.full((4, 4), 0.25)
+    assert load_balancing_loss(probs, torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]])).item() == pytest.approx(1.0)
+    onehot = torch.tensor([[1.0, 0, 0, 0]] * 4)
+    assert load_balancing_loss(onehot, torch.zeros(4, 1, dtype=torch.long)).item() == pytest.approx(4.0)
+    logits = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]])
+    assert router_z_loss(logits).item() == pytest.approx((math.log(2) ** 2 + math.log(4) ** 2) / 2)
+
+
+def test_aux_loss_free_bias_steers_selection_not_weights():
+    moe, x = _constructed_moe()
+    moe.gate.use_bias = True
+    with torch.no_grad():
+        moe.gate.expert_bias.copy_(torch.tensor([10.0, 0.0, 0.0]))  # expert 0 always selected
+    moe(x)
+    idx = moe.last_route.topk_idx_TK.tolist()
+    assert all(row[0] == 0 for row in idx)
+    # token 0: expert 0 (p=1/6) and expert 2 (p=3/6) -> weights 1/4, 3/4 from the unbiased scores
+    assert moe.last_route.topk_weight_TK[0].tolist() == pytest.approx([1 / 4, 3 / 4], rel=1e-6)
+    assert moe.gate.tokens_per_expert.tolist() == [4, sum(r[1] == 1 for r in idx), sum(r[1] == 2 for r in idx)]
+    moe.gate.update_bias(0.5)  # load [4, a, b], mean 8/3: expert 0 overloaded -> bias down
+    assert moe.gate.expert_bias[0].item() == pytest.approx(9.5)
+    assert moe.gate.tokens_per_expert.sum().item() == 0
+
+
+def test_swiglu_by_hand():
+    m = SwiGLU(4, 3)
+    x = torch.randn(5, 4)
+    g, u = x @ m.gate_proj.weight.T, x @ m.up_proj.weight.T
+    torch.testing.assert_close(m(x), (g / (1 + torch.exp(-g)) * u) @ m.down_proj.weight.T)
+
+
+@pytest.mark.skipif(not has_grouped_mm(), reason="torch._grouped_mm not available in this torch")
+def test_grouped_mm_unaligned_sizes_auto_falls_back_explicit_explains():
+    # torch._grouped_mm needs 16-byte row strides: H=6 fp32 rows are 24 bytes
+    auto, loop = make_moe("auto", hidden=6, ffn=8), make_moe("loop", hidden=6, ffn=8)
+    loop.load_state_dict(auto.state_dict())
+    x = torch.randn(2, 3, 6)
+    torch.testing.assert_close(auto(x), loop(x), rtol=0, atol=0)
+    explicit = make_moe("grouped_mm", hidden=8, ffn=6)
+    with pytest.raises(RuntimeError, match=r"expert_ffn_size \(6\).*16 bytes"):
+        explicit(torch.randn(2, 3, 8))
