@@ -1,0 +1,13 @@
+"""Evaluation and mechanism analysis of SMELT and Baseline checkpoints.
+
+- :mod:`smelt_ds.eval.runs`: open run directories / exports as CPU models.
+- :mod:`smelt_ds.eval.data`: validation windows per domain, bytes per token.
+- :mod:`smelt_ds.eval.loss`: loss per domain (nats/token), bits per byte, loss by position.
+- :mod:`smelt_ds.eval.icl`: in-context learning tasks and curves over k examples.
+- :mod:`smelt_ds.eval.generation`: decoding with the per-visit KV cache, tokens/s.
+- :mod:`smelt_ds.eval.analysis`: attention sink, routing divergence, logit lens per (layer, visit).
+- :mod:`smelt_ds.eval.suite`: several runs at once; :mod:`smelt_ds.eval.report` tables;
+  :mod:`smelt_ds.eval.plots` PNGs.
+
+Commands: ``smelt-ds eval``, ``smelt-ds analyze``, ``smelt-ds generate`` (:mod:`smelt_ds.eval_cli`).
+"""

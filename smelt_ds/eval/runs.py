@@ -1,0 +1,116 @@
+"""Open the runs an evaluation compares: run directories, checkpoint directories or exports.
+
+A run directory is consolidated once with :func:`smelt_ds.export.export_checkpoint` (its newest
+complete checkpoint) into ``<run_dir>/exports/<checkpoint tag>/`` and reused while that export's
+``SOURCE`` still names the same checkpoint; an export directory (``model.pt`` + ``config.yaml``)
+is loaded as it is. The model is the reference-backend :class:`smelt_ds.model.SmeltLM` on CPU in
+eval mode; the data section of its recipe says where the validation data live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from smelt_ds.config import RunConfig, load_config
+from smelt_ds.errors import ConfigError
+
+__all__ = ["LoadedRun", "resolve_export", "load_run", "load_runs", "describe_model"]
+
+
+@dataclass
+class LoadedRun:
+    """One model under evaluation.
+
+    Attributes:
+        name: column name in tables and legends (recipe ``name`` unless given; made unique).
+        path: what the user passed.
+        export_dir: the export directory the weights came from.
+        model: :class:`smelt_ds.model.SmeltLM`, CPU, eval mode.
+        cfg: the resolved recipe (with the evaluation's ``--set`` overrides applied).
+    """
+
+    name: str
+    path: Path
+    export_dir: Path
+    model: object
+    cfg: RunConfig
+
+
+def _is_export(path: Path) -> bool:
+    return (path / "model.pt").is_file() and (path / "config.yaml").is_file()
+
+
+def resolve_export(path: str | Path) -> Path:
+    """The export directory for ``path`` (an export, a run directory or a checkpoint directory).
+
+    Run and checkpoint directories are exported to ``<run_dir>/exports/<tag>/`` unless an export
+    of the same checkpoint is already there. Raises ConfigError for a path that is none of these.
+    """
+    from smelt_ds import checkpoint as ckpt
+    from smelt_ds.export import export_checkpoint
+
+    path = Path(path)
+    if _is_export(path):
+        return path
+    if not path.is_dir():
+        raise ConfigError(f"run {str(path)!r} does not exist: pass a run directory (with "
+                          f"checkpoints/step*/{ckpt.MARKER}) or an export directory (model.pt + config.yaml)")
+    if (path / ckpt.MARKER).is_file():
+        run_dir, ckpt_dir = path.parent.parent, path
+    else:
+        run_dir, ckpt_dir = path, ckpt.latest_complete(path)
+        if ckpt_dir is None:
+            raise ConfigError(f"run {str(path)!r} holds no complete checkpoint (no checkpoints/step*/{ckpt.MARKER}) "
+                              "and is not an export (model.pt + config.yaml): train until a checkpoint is saved, "
+                              "or pass an export directory")
+    out = run_dir / "exports" / ckpt_dir.name
+    source = out / "SOURCE"
+    if _is_export(out) and source.is_file() and source.read_text().strip() == str(ckpt_dir.resolve()):
+        return out
+    return export_checkpoint(ckpt_dir, out)
+
+
+def load_run(path: str | Path, overrides: list[str] | None = None, name: str | None = None) -> LoadedRun:
+    """Export (if needed) and load one run. ``overrides`` are ``--set`` items applied to its recipe
+    (e.g. ``data.cache_dir=...``). Raises ConfigError."""
+    from smelt_ds.export import load_exported
+
+    export_dir = resolve_export(path)
+    model = load_exported(export_dir)
+    cfg = load_config(export_dir / "config.yaml",
+                      ["moe.backend=reference", "moe.ep_size=1", "deepspeed.zero_stage=0", *(overrides or [])])
+    return LoadedRun(name or cfg.name, Path(path), export_dir, model, cfg)
+
+
+def load_runs(paths: list[str], overrides: list[str] | None = None, names: list[str] | None = None) -> list[LoadedRun]:
+    """Load every run; names default to the recipe names, made unique with ``-2``, ``-3``...
+
+    Raises ConfigError when ``names`` is given with a different length than ``paths``.
+    """
+    if not paths:
+        raise ConfigError("no run given: pass at least one run directory or export directory")
+    if names is not None and len(names) != len(paths):
+        raise ConfigError(f"`--names` ({','.join(names)}) has {len(names)} names for {len(paths)} runs: "
+                          "give one name per run, comma-separated")
+    runs, seen = [], {}
+    for i, p in enumerate(paths):
+        run = load_run(p, overrides, names[i] if names else None)
+        base = run.name
+        seen[base] = seen.get(base, 0) + 1
+        if seen[base] > 1:
+            run.name = f"{base}-{seen[base]}"
+        runs.append(run)
+    return runs
+
+
+def describe_model(run: LoadedRun) -> dict:
+    """Architecture facts printed next to the numbers: visit plan, unique layers, experts,
+    non-embedding parameters (all experts counted; embedding and head excluded)."""
+    model = run.model
+    return {"name": run.name, "path": str(run.path), "export": str(run.export_dir),
+            "loop_position": run.cfg.loop.position, "unique_layers": run.cfg.model.num_layers,
+            "visits": model.schedule.effective_depth, "visit_plan": model.schedule.layers(),
+            "num_experts": run.cfg.moe.num_experts, "top_k": run.cfg.moe.top_k,
+            "non_embedding_params": model.num_non_embedding_params(),
+            "max_seq_len": run.cfg.model.max_seq_len}

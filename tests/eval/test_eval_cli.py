@@ -1,0 +1,135 @@
+"""`smelt-ds eval`, `analyze` and `generate` end to end on a trained tiny SMELT run (20 steps)
+next to a random-weight Baseline export: files, value ranges, plots, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from eval_test_utils import png_not_blank, png_size
+
+
+def _cli(*argv) -> int:
+    from smelt_ds.cli import main
+
+    return main([str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def eval_out(tmp_path_factory, random_exports, trained_run):
+    out = tmp_path_factory.mktemp("eval-out")
+    assert _cli("eval", random_exports["baseline"], trained_run, "-o", out, "--batches", "2", "--micro-batch", "4",
+                "--episodes", "6", "--shots", "0,1,4", "--tasks", "kv_recall,pattern,complete") == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def analysis_out(tmp_path_factory, random_exports, trained_run):
+    out = tmp_path_factory.mktemp("analysis-out")
+    assert _cli("analyze", random_exports["baseline"], trained_run, "-o", out, "--batches", "1",
+                "--micro-batch", "2") == 0
+    return out
+
+
+def _check_figures(out, result):
+    assert result["figures"]
+    for name, (w, h) in result["figures"].items():
+        path = out / name
+        assert path.stat().st_size > 2000, name
+        assert png_size(path) == (w, h), name
+        assert 200 <= w <= 1600 and 150 <= h <= 1200, name
+        assert path.stat().st_size < 150_000, name
+        assert png_not_blank(path), name
+
+
+def test_eval_table_files_and_ranges(eval_out, trained_run, capsys):
+    res = json.loads((eval_out / "eval.json").read_text())
+    names = [r["name"] for r in res["runs"]]
+    assert names == ["tiny-baseline", "tiny-smelt"]
+    assert [r["visits"] for r in res["runs"]] == [6, 6] and res["runs"][1]["unique_layers"] == 4
+    assert (trained_run / "exports" / "step00000020" / "model.pt").is_file()  # run directory consolidated once
+    ln_v = math.log(512)
+    for n in names:
+        for d in ("code", "text", "all"):
+            r = res["domains"][n][d]
+            assert 0 < r["loss"] < 2 * ln_v and 0 < r["bits_per_byte"] < 10
+            assert r["tokens"] == (2 * 4 * 32 if d != "all" else 2 * 2 * 4 * 32)
+            assert [(b["start"], b["end"]) for b in r["positions"]] == [(1, 8), (9, 16), (17, 32)]
+        for task, curve in res["icl"][n].items():
+            assert list(curve) == ["0", "1", "4"]
+            for v in curve.values():
+                if v is not None:
+                    assert 0 <= v["accuracy"] <= 1 and 0 < v["loss"] < 3 * ln_v
+    # the trained run beats random weights on every domain
+    for d in ("code", "text"):
+        assert res["domains"]["tiny-smelt"][d]["loss"] < res["domains"]["tiny-baseline"][d]["loss"]
+    rows = {(r["section"], r["metric"]): r for r in res["table"]}
+    code = rows[("validation", "loss code")]
+    assert code["delta"]["tiny-smelt"] == pytest.approx(code["values"]["tiny-smelt"] - code["values"]["tiny-baseline"])
+    assert ("in-context: kv_recall", "k=4 accuracy") in rows
+    md = (eval_out / "eval.md").read_text()
+    assert "| metric | unit | tiny-baseline | tiny-smelt | Δ tiny-smelt |" in md
+    assert set(res["figures"]) == {"eval_domains.png", "eval_positions.png", "eval_icl.png"}
+    _check_figures(eval_out, res)
+
+
+def test_analyze_files_and_ranges(analysis_out):
+    res = json.loads((analysis_out / "analysis.json").read_text())
+    for n, a in res["analysis"].items():
+        assert len(a["attention"]) == 6 and len(a["logit_lens"]["depths"]) == 7
+        for rec in a["attention"].values():
+            for h in range(4):
+                parts = rec["first_mass"][h] + rec["self_mass"][h] + rec["content_mass"][h]
+                assert parts == pytest.approx(1.0, abs=1e-4)
+                assert 0 <= rec["first_mass"][h] <= rec["top_mass"][h] <= 1 + 1e-6
+                assert 0 <= rec["entropy"][h] <= math.log(32)
+        for v in a["routing"]["visits"].values():
+            assert sum(v["load"]) == pytest.approx(1.0) and v["load_max_over_mean"] >= 1.0
+        assert a["logit_lens"]["final_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
+    smelt = res["analysis"]["tiny-smelt"]
+    assert [d["layer"] for d in smelt["routing"]["divergence"]] == [1, 2]
+    assert all(0 <= d["divergence"] <= 1 for d in smelt["routing"]["divergence"])
+    assert [b["depth"] for b in smelt["logit_lens"]["boundaries"]] == [1, 3, 5]
+    assert res["analysis"]["tiny-baseline"]["routing"]["divergence"] == []
+    assert {"attention_sink.png", "routing.png", "logit_lens.png", "attention_heads_tiny-smelt.png",
+            "routing_load_tiny-baseline.png"} <= set(res["figures"])
+    _check_figures(analysis_out, res)
+    rows = {(r["section"], r["metric"]): r for r in res["table"]}
+    assert rows[("routing", "divergence between visits (mean over looped layers)")]["values"]["tiny-baseline"] is None
+
+
+def test_generate_greedy_matches_full_recompute(trained_run, capsys):
+    from smelt_ds.eval.data import open_eval_data
+    from smelt_ds.eval.generation import encode_prompt, generate_text
+    from smelt_ds.eval.runs import load_run
+
+    assert _cli("generate", trained_run, "--prompt", "def main(", "--max-new-tokens", "8", "--no-stop") == 0
+    text = capsys.readouterr().out
+    assert "--- greedy" in text and "--- sampled" in text and text.count("tokens/s") == 2
+    run = load_run(trained_run)
+    data = open_eval_data(run.cfg)
+    ids = encode_prompt(data.tokenizer, "def main(", data.eot_id)
+    got = generate_text(run.model, data.tokenizer, ids, 8)
+    want = list(ids)
+    with torch.no_grad():
+        for _ in range(8):  # no KV cache: the whole sequence every step
+            want.append(int(run.model(torch.tensor([want])).logits[0, -1].argmax()))
+    assert got.ids == want and got.new_tokens == 8 and got.tokens_per_s > 0
+    assert f"def main({got.text}" in text
+
+
+def test_bad_input_is_one_clear_error(tmp_path, random_exports, capsys):
+    assert _cli("eval", tmp_path / "nope") == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert _cli("analyze", tmp_path / "empty") == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+    assert _cli("eval", random_exports["smelt"], "--seq-len", "100", "-o", tmp_path / "o") == 2
+    assert "`--seq-len` (100) exceeds `model.max_seq_len` (64)" in capsys.readouterr().err
+    assert _cli("eval", random_exports["smelt"], "--names", "a,b") == 2
+    assert "`--names`" in capsys.readouterr().err
+    assert _cli("generate", random_exports["smelt"], "--prompt", "x", "--max-new-tokens", "500") == 2
+    assert "`--max-new-tokens` (500)" in capsys.readouterr().err
