@@ -101,6 +101,10 @@ def build_ds_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     if ds.offload_optimizer != "none":
         out["optimizer"] = {"type": "AdamW", "params": {"lr": t.lr, "betas": list(t.betas), "eps": t.eps,
                                                         "weight_decay": t.weight_decay}}
+    if ds.zero3_loop_tuning == "auto":  # loop-aware ZeRO-3 reuse distance / live params / prefetch
+        from smelt_ds.zero3_tuning import tune_zero3
+
+        out, _ = tune_zero3(cfg, out, world_size)
     return deep_merge(out, ds.config)
 
 
@@ -169,7 +173,8 @@ def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
     """Wrap a (backend-converted) model with ``deepspeed.initialize``.
 
     The optimizer is torch's AdamW over :func:`param_groups` (split for expert parallelism by the
-    MoE backend), unless an optimizer offload asks DeepSpeed for its CPU Adam via the config. The
+    MoE backend), built by DeepSpeed from a factory, unless an optimizer offload asks DeepSpeed
+    for its CPU Adam via the config. The
     LR schedule is a ``LambdaLR`` of :func:`lr_multiplier` times each group's ``lr_scale``,
     stepped by DeepSpeed once per optimizer step. Returns ``(engine, optimizer, scheduler,
     ds_config)``.
@@ -185,7 +190,11 @@ def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
     t = cfg.train
     optimizer = None
     if "optimizer" not in ds_config:
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
+        # a factory, called by DeepSpeed after AutoEP replaced the MoE layers, so that the groups
+        # it sees are the converted ones (split into expert / non-expert groups)
+        from smelt_ds.moe_backends import moe_optimizer
+
+        optimizer = moe_optimizer(torch.optim.AdamW, lr=t.lr, betas=t.betas, eps=t.eps)
     f = lr_multiplier(cfg)
 
     def scheduler(opt):
@@ -193,15 +202,15 @@ def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
             opt, [lambda s, sc=g.get("lr_scale", 1.0): sc * f(s) for g in opt.param_groups])
 
     engine, opt, _, sched = deepspeed.initialize(
-        model=model, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
-        config=ds_config, lr_scheduler=scheduler)
+        model=model, optimizer=optimizer, model_parameters=groups, config=ds_config, lr_scheduler=scheduler)
     return engine, opt, sched, ds_config
 
 
 def checkpointed_visits(cfg: RunConfig, schedule) -> set:
     """Visits whose activations are recomputed in backward under
     ``train.activation_checkpointing.policy``: ``full`` every visit, ``looped`` the visits of
-    looped layers, ``every_n`` every n-th visit of the plan (positions 0, n, 2n, ...)."""
+    looped layers, ``every_n`` every n-th visit of the plan (positions 0, n, 2n, ...), ``none``
+    no visit."""
     ac = cfg.train.activation_checkpointing
     plan = schedule.plan
     if ac.policy == "none":
@@ -213,26 +222,70 @@ def checkpointed_visits(cfg: RunConfig, schedule) -> set:
     return {v for i, v in enumerate(plan) if i % ac.every_n == 0}
 
 
+def check_activation_checkpointing(cfg: RunConfig) -> None:
+    """Raise ConfigError for DeepSpeed-only options under ``impl: torch`` (they would be ignored)
+    and for ``contiguous_memory_optimization`` without ``partition_activations`` (DeepSpeed
+    asserts: its contiguous buffers hold activation partitions)."""
+    ac = cfg.train.activation_checkpointing
+    path = "train.activation_checkpointing"
+    if ac.impl == "torch":
+        for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+            if getattr(ac, name):
+                raise ConfigError(f"`{path}.{name}` (True) only applies to `{path}.impl` 'deepspeed' "
+                                  f"(deepspeed.checkpointing), not 'torch': set impl: deepspeed or {name}: false")
+    if ac.contiguous_memory_optimization and not ac.partition_activations:
+        raise ConfigError(f"`{path}.contiguous_memory_optimization` (True) needs `{path}.partition_activations` "
+                          "(DeepSpeed's contiguous buffers hold activation partitions): set "
+                          "partition_activations: true or contiguous_memory_optimization: false")
+
+
+def _torch_checkpoint(fn: Callable, x: torch.Tensor):
+    import torch.utils.checkpoint as tuc
+
+    return tuc.checkpoint(fn, x, use_reentrant=False)
+
+
 def configure_activation_checkpointing(model: torch.nn.Module, cfg: RunConfig) -> None:
-    """Give the model's looping block manager its per-visit checkpoint policy and function:
-    non-reentrant ``torch.utils.checkpoint`` or ``deepspeed.checkpointing.checkpoint`` (with its
-    partition / CPU / contiguous-memory options)."""
+    """Give the model's looping block manager its per-visit checkpoint policy and function.
+
+    ``impl: torch`` uses non-reentrant ``torch.utils.checkpoint``; ``impl: deepspeed`` uses
+    ``deepspeed.checkpointing`` configured with ``partition_activations``, ``cpu_checkpointing``
+    (``checkpoint_in_cpu``) and ``contiguous_memory_optimization`` (``contiguous_checkpointing``,
+    ``num_checkpoints`` = visits of the plan), through its *non-reentrant* variant
+    ``deepspeed.checkpointing.non_reentrant_checkpoint``: the reentrant
+    ``deepspeed.checkpointing.checkpoint`` runs a separate backward per checkpointed visit, so a
+    looped layer's parameters receive their gradient in two pieces and ZeRO-2/3 fail
+    ("has already been reduced") or, with AutoEP at ZeRO-3, lose part of it (see
+    ``smelt_ds/moe_backends.py``). The MoE losses are outputs of the checkpointed function (see
+    :class:`smelt_ds.model.looping.LoopingBlockManager`), so they get their gradient under either
+    variant. Both restore the RNG state on recompute: same dropout masks and router jitter, hence
+    the same experts. ``deepspeed.checkpointing`` needs ``torch.distributed`` initialised (a world
+    of one is enough). Raises ConfigError for inconsistent options
+    (:func:`check_activation_checkpointing`)."""
+    check_activation_checkpointing(cfg)
     ac = cfg.train.activation_checkpointing
     manager = model.blocks
     visits = checkpointed_visits(cfg, manager.schedule)
+    manager.checkpoint_frees_inputs = False
     if not visits:
         manager.checkpoint_policy = manager.checkpoint_fn = None
         return
-    manager.checkpoint_policy = visits.__contains__
+    manager.checkpoint_policy = frozenset(visits).__contains__
     if ac.impl == "torch":
-        import torch.utils.checkpoint as tuc
-
-        manager.checkpoint_fn = lambda fn, x: tuc.checkpoint(fn, x, use_reentrant=False)
+        manager.checkpoint_fn = _torch_checkpoint
         return
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
+    # On a CPU accelerator the checkpoints already live in host memory, and DeepSpeed's blocking
+    # CPU path (0.19.8) empties the input before reading it back when `.to('cpu')` returns the
+    # same tensor, losing it: cpu_checkpointing is only passed on for device accelerators.
+    in_cpu = ac.cpu_checkpointing and get_accelerator().device_name() != "cpu"
     deepspeed.checkpointing.configure(None, partition_activations=ac.partition_activations,
-                                      checkpoint_in_cpu=ac.cpu_checkpointing,
+                                      checkpoint_in_cpu=in_cpu,
                                       contiguous_checkpointing=ac.contiguous_memory_optimization,
                                       num_checkpoints=len(manager.schedule.plan))
-    manager.checkpoint_fn = deepspeed.checkpointing.checkpoint
+    manager.checkpoint_fn = ds_ckpt.non_reentrant_checkpoint
+    # partition / CPU checkpointing replace the input's .data in place (kept for backward)
+    manager.checkpoint_frees_inputs = ac.partition_activations or in_cpu

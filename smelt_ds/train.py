@@ -258,6 +258,10 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
         model = apply_backend(model, cfg)
     configure_activation_checkpointing(model, cfg)
     engine, _, sched, ds_config = initialize(cfg, model, world)
+    if rank == 0 and ds_config.get("zero_optimization", {}).get("stage") == 3:  # loop-aware ZeRO-3 decision
+        from smelt_ds.zero3_tuning import write_zero3_tuning
+
+        write_zero3_tuning(out_dir, cfg, world, ds_config)
     precision = resolve_precision(cfg)
     if rank == 0:
         dump_config(cfg, out_dir / "config.yaml")

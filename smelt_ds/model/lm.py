@@ -60,13 +60,14 @@ class VisitRecorder:
         return torch.stack(vals).mean() if vals else None
 
     def router_stats(self) -> dict[Visit, dict[str, float]]:
-        """Per visit: ``load_max_over_mean`` (max tokens per expert / mean), ``dropped_share`` (0 for
-        the dropless reference backend) and ``tokens_per_expert`` (list of ints)."""
+        """Per visit: ``load_max_over_mean`` (max tokens per expert / mean), ``dropped_share`` (share of
+        routed token copies dropped by a capacity limit; 0 for dropless backends) and
+        ``tokens_per_expert`` (list of ints)."""
         out = {}
         for visit, r in sorted(self.routes.items()):
             counts = torch.bincount(r.topk_idx_TK.reshape(-1), minlength=r.logits_TE.shape[-1]).float()
             out[visit] = {"load_max_over_mean": (counts.max() / counts.mean()).item(),
-                          "dropped_share": 0.0,
+                          "dropped_share": float(getattr(r, "dropped_share", 0.0)),
                           "tokens_per_expert": counts.long().tolist()}
         return out
 
@@ -104,7 +105,7 @@ class Block(nn.Module):
         a = self.self_attn(self.input_layernorm(x), cos, sin, visit, kv_cache, probs_hook)
         x = x + F.dropout(a, self.dropout, self.training)
         h = self.mlp(self.post_attention_layernorm(x))
-        if recorder is not None and isinstance(self.mlp, MoE):
+        if recorder is not None and self.is_moe:  # any MoE backend's FFN (reference, deepspeed, autoep)
             recorder.record(visit, self.mlp.last_route, self.mlp.last_losses)
         return x + F.dropout(h, self.dropout, self.training)
 

@@ -19,15 +19,17 @@ per visit whether to checkpoint activations.
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
 from smelt_ds.errors import ConfigError
 
-__all__ = ["Visit", "LoopSpan", "LoopSchedule", "LoopingBlockManager", "preset_ranges"]
+__all__ = ["Visit", "LoopSpan", "LoopSchedule", "LoopingBlockManager", "preset_ranges", "checkpoint_phase"]
 
 
 class Visit(NamedTuple):
@@ -86,9 +88,11 @@ def preset_ranges(position: str, num_layers: int, fraction: float = 0.5, repeats
 
 
 def _check_spans(spans: Sequence[LoopSpan], num_layers: int) -> list[LoopSpan]:
-    spans = sorted(spans, key=lambda s: s.start)
-    for i, s in enumerate(spans):
-        path = f"loop.ranges[{i}]"
+    # sort, but name each range by its index in the recipe (`loop.ranges[i]`)
+    indexed = sorted(enumerate(spans), key=lambda item: item[1].start)
+    spans = [s for _, s in indexed]
+    for i, (orig, s) in enumerate(indexed):
+        path = f"loop.ranges[{orig}]"
         if s.repeats < 1:
             raise ConfigError(f"`{path}.repeats` ({s.repeats}) must be >= 1: use 1 for no loop, 2 to loop twice")
         if s.end <= s.start:
@@ -97,9 +101,9 @@ def _check_spans(spans: Sequence[LoopSpan], num_layers: int) -> list[LoopSpan]:
             raise ConfigError(f"`{path}` ([{s.start}, {s.end})) is out of bounds for `model.num_layers` "
                               f"({num_layers}): keep 0 <= start < end <= {num_layers}")
         if i and s.start < spans[i - 1].end:
-            p = spans[i - 1]
-            raise ConfigError(f"`{path}` ([{s.start}, {s.end})) overlaps [{p.start}, {p.end}): loop ranges "
-                              "must not overlap; merge them or move one")
+            p_orig, p = indexed[i - 1]
+            raise ConfigError(f"`{path}` ([{s.start}, {s.end})) overlaps `loop.ranges[{p_orig}]` "
+                              f"([{p.start}, {p.end})): loop ranges must not overlap; merge them or move one")
     return spans
 
 
@@ -197,7 +201,46 @@ class LoopSchedule:
         return f"LoopSchedule(L={self.num_layers}, spans={self.spans}, order={self.order!r}, plan={self.layers()})"
 
 
-CheckpointFn = Callable[[Callable[..., torch.Tensor], torch.Tensor], torch.Tensor]
+CheckpointFn = Callable[..., Any]
+
+_PHASE = threading.local()
+
+
+def checkpoint_phase() -> str | None:
+    """Where the running layer code is inside an activation checkpoint of the manager:
+    ``None`` (not checkpointed), ``"forward"`` (the first, real forward of a checkpointed visit;
+    under a reentrant checkpoint it runs without grad) or ``"recompute"`` (the replay in
+    backward). Side effects that must happen once per forward (e.g. the router's
+    tokens-per-expert counts for the aux-loss-free bias) check for ``"recompute"``."""
+    return getattr(_PHASE, "value", None)
+
+
+@contextmanager
+def _phase(value: str):
+    previous = checkpoint_phase()
+    _PHASE.value = value
+    try:
+        yield
+    finally:
+        _PHASE.value = previous
+
+
+class _VisitCapture:
+    """Stands in for the recorder inside a checkpointed visit: keeps what the layer records
+    (``record(visit, route, losses)``, the :class:`smelt_ds.model.lm.VisitRecorder` protocol) so
+    the manager can return the losses as outputs of the checkpointed function."""
+
+    def __init__(self) -> None:
+        self.route = None
+        self.losses: dict[str, torch.Tensor] = {}
+
+    def record(self, visit: Visit, route, losses: dict[str, torch.Tensor]) -> None:
+        self.route = route
+        self.losses = dict(losses)
+
+
+def _noop_probs_hook(visit: Visit, probs: torch.Tensor) -> None:
+    return None
 
 
 class LoopingBlockManager(nn.Module):
@@ -207,17 +250,34 @@ class LoopingBlockManager(nn.Module):
     stream of shape ``(batch, seq, hidden)``. The manager adds per-repeat input injection and
     per-visit activation checkpointing (``checkpoint_policy(visit) -> bool`` plus a
     ``checkpoint_fn(fn, x)`` supplied from outside, so the model never imports DeepSpeed).
+
+    A checkpointed visit runs as ``checkpoint_fn(run, x)`` where ``run`` returns the visit's
+    output *and* its MoE losses (``aux``, ``z``) as outputs, so that the losses get their
+    gradient under a reentrant checkpoint too (which runs the forward without grad); the manager
+    records them into the ``recorder`` outside the checkpoint, once, from the first call. The
+    recompute in backward records nothing, so router statistics and losses are never counted
+    twice. Recompute reproduces the forward exactly when ``checkpoint_fn`` restores the RNG state
+    (``torch.utils.checkpoint`` and ``deepspeed.checkpointing`` both do): same dropout masks, same
+    router jitter, hence the same experts.
+
+    ``checkpoint_frees_inputs`` must be set when ``checkpoint_fn`` empties its input tensor
+    in place (DeepSpeed's ``partition_activations`` / ``cpu_checkpointing`` replace
+    ``x.data``); the manager then keeps a copy of a looped block's input for input injection.
     """
 
     def __init__(self, layers: nn.ModuleList, schedule: LoopSchedule, input_injection: str = "none"):
         super().__init__()
         if len(layers) != schedule.num_layers:
             raise ValueError(f"{len(layers)} layers for a schedule of {schedule.num_layers}")
-        self.layers = layers
+        # Not registered as a submodule: SmeltLM owns the layers. Registering them twice would put
+        # every weight in the state dict twice (layers.* and blocks.layers.*), and on load the
+        # second copy would overwrite expert-parallel ranks' own experts.
+        object.__setattr__(self, "layers", layers)
         self.schedule = schedule
         self.input_injection = input_injection
         self.checkpoint_policy: Callable[[Visit], bool] | None = None
         self.checkpoint_fn: CheckpointFn | None = None
+        self.checkpoint_frees_inputs = False
 
     def iter_visits(self) -> Iterator[Visit]:
         return iter(self.schedule.plan)
@@ -233,7 +293,7 @@ class LoopingBlockManager(nn.Module):
             span = self.schedule.span_of(visit.layer)
             if span is not None and self.input_injection == "add" and visit.layer == span.start:
                 if visit.visit == 0:
-                    block_input[span.start] = x
+                    block_input[span.start] = x.clone() if self.checkpoint_frees_inputs else x
                 else:
                     x = x + block_input[span.start]
             x = self._run_visit(visit, x, layer_kwargs)
@@ -244,11 +304,34 @@ class LoopingBlockManager(nn.Module):
     def _run_visit(self, visit: Visit, x: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
         layer = self.layers[visit.layer]
         use_ckpt = (self.training and torch.is_grad_enabled() and self.checkpoint_fn is not None
-                    and self.checkpoint_policy is not None and self.checkpoint_policy(visit))
+                    and self.checkpoint_policy is not None and layer_kwargs.get("kv_cache") is None
+                    and self.checkpoint_policy(visit))
         if not use_ckpt:
             return layer(x, visit=visit, **layer_kwargs)
+        return self._run_checkpointed(layer, visit, x, layer_kwargs)
 
-        def run(h: torch.Tensor) -> torch.Tensor:
-            return layer(h, visit=visit, **layer_kwargs)
+    def _run_checkpointed(self, layer: nn.Module, visit: Visit, x: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+        recorder = layer_kwargs.get("recorder")
+        first: list[_VisitCapture] = []  # the capture of the real forward (recompute adds none)
 
-        return self.checkpoint_fn(run, x)
+        def run(h: torch.Tensor):
+            recompute = bool(first)
+            capture = _VisitCapture()
+            kwargs = dict(layer_kwargs, recorder=capture) if recorder is not None else dict(layer_kwargs)
+            if recompute and kwargs.get("probs_hook") is not None:
+                kwargs["probs_hook"] = _noop_probs_hook  # same code path, no second report
+            with _phase("recompute" if recompute else "forward"):
+                y = layer(h, visit=visit, **kwargs)
+            if not recompute:
+                first.append(capture)
+            names = sorted(first[0].losses)
+            if not names:
+                return y
+            return (y, *(capture.losses[n] for n in names))
+
+        outs = self.checkpoint_fn(run, x)
+        outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+        capture = first[0]
+        if recorder is not None and (capture.route is not None or capture.losses):
+            recorder.record(visit, capture.route, dict(zip(sorted(capture.losses), outs[1:])))
+        return outs[0]

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smelt_ds.model.looping import checkpoint_phase
+
 __all__ = ["RouterOutput", "TopKRouter", "GroupedExperts", "MoE", "SwiGLU",
            "load_balancing_loss", "router_z_loss", "has_grouped_mm"]
 
@@ -86,6 +88,14 @@ class RouterOutput:
     topk_weight_TK: torch.Tensor  # combine weights, in the input dtype
 
 
+def _counts_this_call() -> bool:
+    """Whether a router call adds to ``tokens_per_expert``: training forwards (grad enabled, or
+    the first forward of a checkpointed visit, which a reentrant checkpoint runs without grad),
+    never the recompute of a checkpointed visit in backward (it would count the tokens twice)."""
+    phase = checkpoint_phase()
+    return phase != "recompute" and (torch.is_grad_enabled() or phase == "forward")
+
+
 class TopKRouter(nn.Module):
     """Softmax or sigmoid top-k router with optional aux-loss-free expert bias.
 
@@ -122,7 +132,7 @@ class TopKRouter(nn.Module):
         weight_TK = scores_TE.gather(-1, topk_idx_TK)
         if self.norm_topk_prob:
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
-        if self.use_bias and torch.is_grad_enabled():
+        if self.use_bias and _counts_this_call():
             with torch.no_grad():
                 self.tokens_per_expert += torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
         return logits_TE, probs_TE, topk_idx_TK, weight_TK.to(x_TH.dtype)
@@ -194,10 +204,13 @@ class GroupedExperts(nn.Module):
         return _contiguous_grad(out_NH)
 
     def _forward_loop(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        # unbind, not self.gate_up_proj[e]: indexing a parameter E times makes backward allocate
+        # and fill E full-size [E, 2F, H] gradients; unbind's backward stacks once.
         outs = []
-        for e, x_nH in enumerate(torch.split(x_NH, counts_E.tolist(), dim=0)):
-            gate_nF, up_nF = F.linear(x_nH, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate_nF) * up_nF, self.down_proj[e]))
+        for x_nH, w_2FH, w_HF in zip(torch.split(x_NH, counts_E.tolist(), dim=0),
+                                     self.gate_up_proj.unbind(0), self.down_proj.unbind(0)):
+            gate_nF, up_nF = F.linear(x_nH, w_2FH).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate_nF) * up_nF, w_HF))
         return torch.cat(outs, dim=0)
 
 
