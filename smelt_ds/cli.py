@@ -18,6 +18,11 @@ COMMAND_MODULES = [
     "smelt_ds.budget_cli",
     "smelt_ds.data.cli",
     "smelt_ds.train_cli",
+    "smelt_ds.eval_cli",
+    "smelt_ds.memory_cli",
+    "smelt_ds.recipes_cli",
+    "smelt_ds.launch_cli",
+    "smelt_ds.scaling_cli",
 ]
 
 

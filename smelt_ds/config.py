@@ -1,7 +1,7 @@
 """The recipe schema: one validated config tree per run (DESIGN §7).
 
 A recipe is a YAML file whose top-level keys are the sections of :class:`RunConfig`
-(``model``, ``moe``, ``loop``, ``data``, ``train``, ``deepspeed``, ``eval``). YAML keys equal field
+(``model``, ``moe``, ``loop``, ``data``, ``train``, ``deepspeed``, ``eval``, ``cluster``). YAML keys equal field
 names; unknown keys are rejected with the list of bad keys and the allowed ones. Precedence:
 ``--set a.b=v`` on the command line > YAML > defaults.
 
@@ -32,6 +32,8 @@ __all__ = [
     "TrainConfig",
     "DeepSpeedSection",
     "EvalConfig",
+    "ClusterLayout",
+    "ClusterConfig",
     "RunConfig",
     "load_config",
     "config_from_dict",
@@ -197,6 +199,38 @@ class EvalConfig(StrictModel):
     eval_batches: int = Field(8, gt=0, description="validation micro-batches per domain")
 
 
+class ClusterLayout(StrictModel):
+    """One hardware layout a recipe is sized for: ``nodes x gpus_per_node`` GPUs of one type.
+
+    Read by ``smelt-ds render-job``, ``smelt-ds recipes table`` and the memory verdicts; training
+    itself never reads it. ``overrides`` are ``--set KEY=VALUE`` strings applied to the recipe on
+    this layout (e.g. a larger ``train.micro_batch_size`` on GPUs with more memory).
+    """
+
+    gpu: str = Field(..., description="GPU model, e.g. 'H100-SXM5-80GB'; 'cpu' for CPU processes")
+    device_memory_gib: float = Field(..., gt=0, description="usable memory per GPU in GiB (2**30 bytes), "
+                                                            "as torch.cuda.get_device_properties reports it")
+    nodes: int = Field(1, gt=0, description="number of nodes")
+    gpus_per_node: int = Field(8, gt=0, description="GPUs (ranks) per node")
+    overrides: list[str] = Field(default_factory=list,
+                                 description="`--set KEY=VALUE` overrides applied to the recipe on this layout")
+
+
+class ClusterConfig(StrictModel):
+    """Cluster layouts of a recipe, by name (e.g. ``h100``, ``h200``); ``default`` names the one used
+    when none is chosen. Empty for CPU recipes."""
+
+    default: str | None = Field(None, description="name of the default layout; default: the first one")
+    layouts: dict[str, ClusterLayout] = Field(default_factory=dict, description="layouts by name")
+
+    @model_validator(mode="after")
+    def _check_default(self) -> "ClusterConfig":
+        if self.default is not None and self.default not in self.layouts:
+            raise ConfigError(f"`cluster.default` ({self.default!r}) names no layout of `cluster.layouts` "
+                              f"({sorted(self.layouts)}): use one of them or remove it")
+        return self
+
+
 class RunConfig(StrictModel):
     """The whole recipe."""
 
@@ -208,6 +242,7 @@ class RunConfig(StrictModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
