@@ -329,7 +329,8 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
     progress.close()
     writer.close()
     result.step, result.tokens_seen = step, tokens_seen
-    if rank == 0 and not result.stopped_early:
+    # a resume of a finished run trains nothing: keep its summary rather than overwrite it empty
+    if rank == 0 and not result.stopped_early and step > result_start:
         _write_summary(out_dir, cfg, result, budget, data)
     return result
 
