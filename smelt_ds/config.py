@@ -428,19 +428,28 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[st
     return out
 
 
+def read_yaml_mapping(path: str | Path, what: str = "recipe file", example: str = "recipes/tiny/smelt.yaml"
+                      ) -> dict[str, Any]:
+    """The YAML mapping in ``path`` (empty file = {}). Raises ConfigError naming ``what`` and the
+    file for a missing file, bad YAML, or a document that is not a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} does not exist: pass the path of a YAML file, e.g. {example}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} {str(path)!r} must be a YAML mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML recipe, apply ``--set`` overrides and validate.
 
     Raises ConfigError for a missing file, bad YAML, unknown keys or invalid values.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"recipe file {str(path)!r} does not exist: pass the path of a YAML recipe, "
-                          "e.g. recipes/tiny/smelt.yaml")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"recipe file {str(path)!r} is not valid YAML: {e}") from None
+    raw = read_yaml_mapping(path)
     return config_from_dict(apply_overrides(raw, overrides), source=str(path))
 
 

@@ -30,7 +30,7 @@ import yaml
 
 from smelt_ds.budget import Budget, compute_budget, deviations, match_baseline
 from smelt_ds.config import (ClusterLayout, RunConfig, apply_overrides, config_from_dict, config_to_dict,
-                             resolve_batch)
+                             read_yaml_mapping, resolve_batch)
 from smelt_ds.errors import ConfigError
 
 __all__ = ["REPO_ROOT", "RECIPES_DIR", "DOCS_TABLE", "SIZES", "VARIANTS", "POSITIONS", "MIN_HEADROOM", "CPU_LAYOUT",
@@ -82,17 +82,7 @@ def shipped_recipes(root: Path = RECIPES_DIR) -> list[RecipeEntry]:
 
 def load_raw(path: str | Path) -> dict[str, Any]:
     """The YAML mapping of a recipe file. Raises ConfigError for a missing file or bad YAML."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"recipe file {str(path)!r} does not exist: pass the path of a YAML recipe, "
-                          "e.g. recipes/xl/smelt.yaml")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"recipe file {str(path)!r} is not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"recipe file {str(path)!r}: a recipe must be a YAML mapping of sections")
-    return raw
+    return read_yaml_mapping(path, "recipe file", "recipes/xl/smelt.yaml")
 
 
 @dataclass

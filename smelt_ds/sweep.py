@@ -49,7 +49,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from smelt_ds.config import LoopPosition, LoopRange, RunConfig, apply_overrides, config_from_dict, config_to_dict, \
-    resolve_batch
+    read_yaml_mapping, resolve_batch
 from smelt_ds.errors import ConfigError
 from smelt_ds.schema import StrictModel
 
@@ -173,14 +173,7 @@ def _format_error(err: ValidationError) -> str:
 def load_sweep(path: str | Path) -> SweepConfig:
     """Load and validate a sweep file. Raises ConfigError naming the file and the bad field."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep file {str(path)!r} does not exist: pass a sweep YAML, e.g. recipes/sweeps/micro.yaml")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"sweep file {str(path)!r} is not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"sweep file {str(path)!r} must be a YAML mapping with name, sizes, budgets, architectures")
+    raw = read_yaml_mapping(path, "sweep file", "recipes/sweeps/micro.yaml")
     try:
         return SweepConfig.model_validate(raw)
     except ValidationError as e:
