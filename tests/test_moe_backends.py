@@ -457,5 +457,7 @@ def test_run_distributed_propagates_errors_and_times_out():
 
     with pytest.raises(DistributedTestError, match=r"(?s)failed on ranks.*--- rank 1 ---.*ValueError: boom on rank 1"):
         run_distributed(_raise_on_rank_1, world_size=2, timeout=60, init_deepspeed=False)
-    with pytest.raises(DistributedTestError, match=r"timed out after 8 s; ranks without a result: \[0\]"):
-        run_distributed(_sleep_on_rank_0, world_size=2, timeout=8, init_deepspeed=False)
+    # 30 s leaves a loaded machine time to start both ranks; rank 0 sleeps 600 s, so it must be
+    # the one reported (rank 1 returns at once once it is up)
+    with pytest.raises(DistributedTestError, match=r"timed out after 30 s; ranks without a result: \[0\]"):
+        run_distributed(_sleep_on_rank_0, world_size=2, timeout=30, init_deepspeed=False)
