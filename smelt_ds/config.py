@@ -405,8 +405,10 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
     """Apply ``a.b=value`` overrides (values parsed as YAML) to a copy of a raw recipe dict.
 
-    Raises ConfigError for an override without ``=`` or an empty path. Unknown paths are caught
-    by validation afterwards (with the allowed keys listed).
+    A path part that is an integer indexes a list (``--set loop.ranges.0.repeats=3``); index
+    ``len(list)`` appends. Raises ConfigError for an override without ``=``, an empty path, a
+    path through a plain value, or a list index out of range. Unknown keys are caught by
+    validation afterwards (with the allowed keys listed).
     """
     out = copy.deepcopy(raw)
     for item in overrides or []:
@@ -416,15 +418,36 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[st
         parts = [p for p in key.strip().split(".")]
         if not all(parts):
             raise ConfigError(f"--set {item!r}: empty key path; write it like model.hidden_size=128")
-        node = out
-        for p in parts[:-1]:
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"--set {item!r}: `{p}` is a value ({nxt!r}), not a section")
-            node = nxt
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+        parsed = yaml.safe_load(value) if value.strip() else None
+        node: Any = out
+        for depth, p in enumerate(parts):
+            last = depth == len(parts) - 1
+            where = ".".join(parts[:depth]) or "the recipe"
+            if isinstance(node, list):
+                if not p.isdigit():
+                    raise ConfigError(f"--set {item!r}: `{where}` is a list; index it with a number "
+                                      f"(e.g. {where}.0.{p}), got {p!r}")
+                idx = int(p)
+                if idx > len(node) or (idx == len(node) and not last):
+                    raise ConfigError(f"--set {item!r}: index {idx} is out of range for `{where}` "
+                                      f"({len(node)} items; use 0..{len(node) - 1}, or {len(node)} to append)")
+                if last:
+                    if idx == len(node):
+                        node.append(parsed)
+                    else:
+                        node[idx] = parsed
+                    break
+                node = node[idx]
+            elif isinstance(node, dict):
+                if last:
+                    node[p] = parsed
+                    break
+                nxt = node.get(p)
+                if nxt is None:
+                    nxt = node[p] = {}
+                node = nxt
+            else:
+                raise ConfigError(f"--set {item!r}: `{where}` is a value ({node!r}), not a section")
     return out
 
 

@@ -146,9 +146,10 @@ AutoEP (backend ``autoep``; ``deepspeed/module_inject/auto_ep*.py``)
 
 Reentrant activation checkpointing (``deepspeed.checkpointing.checkpoint``, torch
 ``use_reentrant=True``) -- applies to every backend, not only AutoEP:
-    * The aux and z losses recorded inside a checkpointed visit are computed under ``no_grad``
-      and carry no gradient: the run trains, but without load balancing and z-loss for those
-      visits (losses equal a reference with ``aux.detach()``, ``z.detach()``).
+    * A reentrant checkpoint runs its forward under ``no_grad``, so a loss merely *recorded*
+      inside it would carry no gradient (no load balancing, no z-loss for that visit).
+      ``LoopingBlockManager`` avoids this by returning each checkpointed visit's aux and z losses
+      as outputs of the checkpointed function; custom layers run outside the manager do not.
     * Checkpointing *looped* visits: ZeRO-2 raises ``AssertionError: The parameter ... has
       already been reduced``; ZeRO-3 with the reference backend raises ``AssertionError`` in
       ``__reduce_and_partition_ipg_grads`` (duplicate ``ds_id``); **ZeRO-3 with AutoEP raises

@@ -5,7 +5,9 @@
 
 The run directory (``train.run_dir``) receives the resolved recipe (``config.yaml``), the final
 DeepSpeed config (``ds_config.json``), TensorBoard events (``tb/``), ``metrics.jsonl``,
-checkpoints (``checkpoints/<tag>/``) and ``summary.json`` / ``summary.txt`` at the end.
+checkpoints (``checkpoints/<tag>/``), ``zero3_tuning.json`` (ZeRO-3 runs: the loop-aware
+prefetch/persistence values chosen from the visit plan) and ``summary.json`` / ``summary.txt`` at
+the end.
 """
 
 from __future__ import annotations

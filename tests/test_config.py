@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -176,6 +177,30 @@ def test_set_does_not_mutate_its_input():
     raw = {"model": {"hidden_size": 64}}
     apply_overrides(raw, ["model.hidden_size=32"])
     assert raw == {"model": {"hidden_size": 64}}
+
+
+def test_set_indexes_lists(tmp_path):
+    raw = {"loop": {"position": "custom", "ranges": [{"start": 0, "end": 1, "repeats": 2},
+                                                     {"start": 1, "end": 2, "repeats": 3}]}}
+    out = apply_overrides(raw, ["loop.ranges.1.repeats=4", "loop.ranges.0={start: 0, end: 1, repeats: 3}",
+                                "loop.ranges.2={start: 3, end: 4, repeats: 2}"])
+    assert out["loop"]["ranges"] == [{"start": 0, "end": 1, "repeats": 3}, {"start": 1, "end": 2, "repeats": 4},
+                                     {"start": 3, "end": 4, "repeats": 2}]
+    assert raw["loop"]["ranges"][1]["repeats"] == 3            # input untouched
+    # through load_config: the indexed value is validated like any other
+    cfg = load_config(Path(__file__).resolve().parents[1] / "recipes/tiny/asymmetric.yaml", ["loop.ranges.1.repeats=2"])
+    assert [r.repeats for r in cfg.loop.ranges] == [2, 2]
+
+
+@pytest.mark.parametrize("item,expect", [
+    ("loop.ranges.5.repeats=2", "index 5 is out of range for `loop.ranges` (1 items; use 0..0, or 1 to append)"),
+    ("loop.ranges.1.repeats=2", "index 1 is out of range"),
+    ("loop.ranges.first.repeats=2", "`loop.ranges` is a list; index it with a number"),
+    ("loop.ranges.0.repeats.x=2", "`loop.ranges.0.repeats` is a value (2)"),
+])
+def test_set_bad_list_index(item, expect):
+    with pytest.raises(ConfigError, match=re.escape(expect)):
+        apply_overrides({"loop": {"ranges": [{"start": 0, "end": 1, "repeats": 2}]}}, [item])
 
 
 @pytest.mark.parametrize("item,expect", [
