@@ -177,6 +177,9 @@ class TrainConfig(StrictModel):
         None, gt=0, description="stop after this many steps of this invocation, saving a checkpoint "
                                 "(time-boxed jobs; the LR schedule still follows max_steps)")
     run_dir: str = Field("runs/{name}", description="output directory; {name} is replaced by the recipe name")
+    init_from: str | None = Field(
+        None, description="export directory (`smelt-ds export`) whose model.pt initialises the weights of a "
+                          "new run, on any MoE backend; a run resumed from its own checkpoint ignores it")
     activation_checkpointing: ActivationCheckpointing = Field(default_factory=ActivationCheckpointing)
 
 

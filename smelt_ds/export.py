@@ -19,7 +19,7 @@ from smelt_ds import checkpoint as ckpt
 from smelt_ds.config import RunConfig, dump_config, load_config
 from smelt_ds.errors import ConfigError
 
-__all__ = ["consolidated_state_dict", "export_checkpoint", "load_exported"]
+__all__ = ["consolidated_state_dict", "export_checkpoint", "load_exported", "load_initial_weights"]
 
 
 def _resolve(path: str | Path) -> tuple[Path, Path]:
@@ -89,3 +89,31 @@ def load_exported(path: str | Path):
         raise ConfigError(f"{path / 'model.pt'} does not fit the recipe: missing {missing[:5]}, "
                           f"unexpected {unexpected[:5]}")
     return model.eval()
+
+
+def load_initial_weights(model, path: str | Path) -> None:
+    """Copy the weights of an export directory into ``model`` (a :class:`SmeltLM` with reference
+    MoE layers, before :func:`smelt_ds.moe_backends.apply_backend`), for ``train.init_from``.
+
+    The export is always in the reference layout, so this is how weights move between MoE
+    backends (export from a ``deepspeed`` or ``autoep`` run, start a run on another backend or
+    expert-parallel size). Buffers absent from the export (the aux-loss-free ``expert_bias``)
+    keep their initial values. Raises ConfigError naming ``train.init_from`` for a missing or
+    partial export or weights of another shape.
+    """
+    path = Path(path)
+    weights = path / "model.pt"
+    if not weights.is_file() or not (path / "config.yaml").is_file():
+        raise ConfigError(f"`train.init_from` ({str(path)!r}) is not an export directory (needs model.pt and "
+                          "config.yaml): create one with `smelt-ds export RUN_DIR -o OUT`")
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    own = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
+             if k in own and own[k].shape != v.shape]
+    missing = [k for k in own if k not in state and not k.endswith("expert_bias")]
+    unexpected = [k for k in state if k not in own]
+    if wrong or missing or unexpected:
+        raise ConfigError(f"`train.init_from`: {weights} does not fit this recipe's model (shape export vs "
+                          f"recipe: {wrong[:3]}; missing {missing[:3]}; unexpected {unexpected[:3]}): use an "
+                          "export of a run with the same model, moe.num_experts and unique layers")
+    model.load_state_dict(state, strict=False)

@@ -254,6 +254,10 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
     torch.manual_seed(cfg.train.seed)
     data = build_data(cfg, rank, world)
     model = SmeltLM(cfg)
+    if cfg.train.init_from:  # a checkpoint loaded by --resume below replaces these weights
+        from smelt_ds.export import load_initial_weights
+
+        load_initial_weights(model, cfg.train.init_from)
     if cfg.moe.backend != "reference":
         from smelt_ds.moe_backends import apply_backend
 

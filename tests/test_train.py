@@ -128,7 +128,7 @@ def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
     assert rows[-1]["step"] == step_last + 1 or any(r.get("step") == step_last + 1 for r in rows)
 
 
-def test_run_directory_summary_and_export(tmp_path, cache):
+def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     from smelt_ds.export import export_checkpoint, load_exported
     from smelt_ds.model import SmeltLM
 
@@ -160,6 +160,37 @@ def test_run_directory_summary_and_export(tmp_path, cache):
         num = sum(float(model(b.input_ids, labels=b.labels).lm_loss) * b.labels.numel() for b in batches)
     den = sum(b.labels.numel() for b in batches)
     assert num / den == pytest.approx(res["val"]["code"], rel=1e-5)
+
+    # train.init_from: a new run on another MoE backend (AutoEP) starts from the exported weights,
+    # so its first loss equals the exported model's loss on the same first batch
+    first = build_data(cfg, 0, 1).train.next_batch()
+    with torch.no_grad():
+        expect = float(model.train()(first.input_ids, labels=first.labels).loss)
+    one_step = {"max_steps": 1, "warmup_steps": 0, "save_every": 1, "eval_every": 1}
+    fresh = _raw(tmp_path / "fresh", cache, train=one_step, moe={"backend": "autoep"})
+    init = _raw(tmp_path / "init", cache, train={**one_step, "init_from": str(out)}, moe={"backend": "autoep"})
+    loss_fresh = run_distributed(_train, 1, args=(fresh,), timeout=300)[0]["losses"][0]
+    loss_init = run_distributed(_train, 1, args=(init,), timeout=300)[0]["losses"][0]
+    assert loss_init == pytest.approx(expect, rel=1e-5)
+    assert abs(loss_fresh - expect) > 1e-2          # a fresh initialisation is measurably worse
+
+
+def test_init_from_rejects_other_shapes(tmp_path):
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.export import load_initial_weights
+    from smelt_ds.model import SmeltLM
+
+    small = config_from_dict(_raw(tmp_path, tmp_path))
+    wide = config_from_dict(_raw(tmp_path, tmp_path, model={"hidden_size": 48}))
+    (tmp_path / "exp").mkdir()
+    torch.save(SmeltLM(small).state_dict(), tmp_path / "exp" / "model.pt")
+    (tmp_path / "exp" / "config.yaml").write_text("name: t\n")
+    model = SmeltLM(small)
+    load_initial_weights(model, tmp_path / "exp")   # same shapes: loads
+    with pytest.raises(ConfigError, match=r"`train.init_from`: .*model.pt does not fit .*\(512, 32\) vs \(512, 48\)"):
+        load_initial_weights(SmeltLM(wide), tmp_path / "exp")
+    with pytest.raises(ConfigError, match=r"`train.init_from` \(.*nowhere.*\) is not an export directory"):
+        load_initial_weights(model, tmp_path / "nowhere")
 
 
 @pytest.mark.distributed
