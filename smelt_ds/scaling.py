@@ -702,6 +702,7 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
             archs[arch]["savings_ci95"] = [slo.tolist(), shi.tolist()] if slo is not None else None
             archs[arch]["loss_delta_ci95"] = [dlo.tolist(), dhi.tolist()] if dlo is not None else None
             archs[arch]["envelope_savings"] = _envelope_savings(envelope(by_arch[base]), envelope(pts))
+            archs[arch]["paired"] = paired_comparison(by_arch[base], pts)
     return {"law": "L(N, D) = E + A / N^alpha + B / D^beta",
             "units": {"loss": "nats/token (validation)", "N": "non-embedding parameters (embedding and output "
                       "head excluded, all experts counted)", "D": "training tokens",
@@ -712,6 +713,51 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
             "baseline": base, "C_measured": [cmin, cmax], "C_grid": C_grid.tolist(),
             "runs": [_point_dict(p) for p in points], "excluded": [asdict(e) for e in excluded],
             "architectures": archs}
+
+
+def paired_comparison(base_pts: list[RunPoint], other_pts: list[RunPoint], rel_tol: float = 0.02
+                      ) -> dict[str, Any] | None:
+    """Loss differences of runs matched one to one, without any fit: a run of the other
+    architecture pairs with the Baseline run of the same sweep size and budget (labels from
+    ``sweep_run.json``), else with the Baseline run of the same tokens ``D`` whose ``N`` is within
+    ``rel_tol``. In a budget-matched sweep each pair has equal N, D and training FLOPs (within the
+    matcher's tolerance), so ``delta = loss_X - loss_Baseline`` (nats/token; negative: X better)
+    compares the architectures at equal compute directly.
+
+    Returns ``{"n_pairs", "mean_delta", "ci95" (paired t interval, scipy.stats.ttest_rel),
+    "p_value" (two-sided), "wins" (pairs with delta < 0), "by_budget" ({budget: mean delta}),
+    "pairs": [{"size", "budget", "N", "D", "C", "loss", "baseline_loss", "delta"}], "unpaired"}``,
+    or None without pairs.
+    """
+    from scipy import stats
+
+    pairs, unpaired = [], 0
+    for p in other_pts:
+        if p.size is not None and p.budget is not None:
+            match = [b for b in base_pts if b.size == p.size and b.budget == p.budget]
+        else:
+            match = [b for b in base_pts if b.D == p.D and abs(b.N - p.N) <= rel_tol * b.N]
+        if len(match) != 1:
+            unpaired += 1
+            continue
+        b = match[0]
+        pairs.append({"size": p.size, "budget": p.budget, "N": p.N, "D": p.D, "C": p.C, "loss": p.loss,
+                      "baseline_loss": b.loss, "delta": p.loss - b.loss})
+    if not pairs:
+        return None
+    x = np.array([q["loss"] for q in pairs])
+    y = np.array([q["baseline_loss"] for q in pairs])
+    out: dict[str, Any] = {"n_pairs": len(pairs), "mean_delta": float(np.mean(x - y)), "ci95": None,
+                           "p_value": None, "wins": int(np.sum(x < y)), "unpaired": unpaired, "pairs": pairs}
+    if len(pairs) >= 2 and np.std(x - y) > 0:
+        t = stats.ttest_rel(x, y)
+        ci = t.confidence_interval(0.95)
+        out["ci95"], out["p_value"] = [float(ci.low), float(ci.high)], float(t.pvalue)
+    by_budget: dict[str, list[float]] = {}
+    for q in pairs:
+        by_budget.setdefault(q["budget"] or f"D={q['D']:.3g}", []).append(q["delta"])
+    out["by_budget"] = {k: float(np.mean(v)) for k, v in by_budget.items()}
+    return out
 
 
 def _point_dict(p: RunPoint) -> dict[str, Any]:
@@ -845,6 +891,22 @@ def report_markdown(res: dict[str, Any], figures: dict[str, str]) -> str:
                 es = ", ".join(f"{_pct(e['saving'])} at {e['C']:.3g}" for e in a["envelope_savings"])
                 lines += ["", f"Envelope cross-check (runs only, no fit): {es}."]
             lines.append("")
+    paired = [(arch, a["paired"]) for arch, a in res["architectures"].items() if a.get("paired")]
+    if paired:
+        lines += [f"## Paired runs: each architecture vs {base} at the same size and budget (no fit)", "",
+                  "delta = loss - loss of the matched Baseline run (nats/token; negative: better). In a "
+                  "budget-matched sweep the two runs of a pair have the same N, D and training FLOPs, so this "
+                  "compares the architectures at equal compute without a law. 95% CI and p: paired t-test "
+                  "(scipy.stats.ttest_rel) over pairs; one seed per run, so seed noise is inside the spread.", "",
+                  "| architecture | pairs | mean delta [95% CI] | p | better in | mean delta by budget |",
+                  "|---|---:|---|---:|---:|---|"]
+        for arch, pr in paired:
+            ci = f" [{pr['ci95'][0]:+.4f}, {pr['ci95'][1]:+.4f}]" if pr["ci95"] else ""
+            pv = f"{pr['p_value']:.3g}" if pr["p_value"] is not None else "n/a"
+            bb = ", ".join(f"{k} {v:+.4f}" for k, v in pr["by_budget"].items())
+            lines.append(f"| {arch} | {pr['n_pairs']} | {pr['mean_delta']:+.4f}{ci} | {pv} | "
+                         f"{pr['wins']}/{pr['n_pairs']} | {bb} |")
+        lines.append("")
     lines += ["## Envelope and IsoFLOP profiles", ""]
     for arch, a in res["architectures"].items():
         env = ", ".join(f"{e['loss']:.3f} at {e['C']:.3g} (N {e['N']:.3g})" for e in a["envelope"])
@@ -859,9 +921,25 @@ def report_markdown(res: dict[str, Any], figures: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(fig, ax, out_dir: Path, name: str, xlabel: str, ylabel: str, title: str) -> str:
+    """Log-x axes labels, title and legend, then write ``out_dir/name`` and close the figure."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / name)
+    plt.close(fig)
+    return name
+
+
 def plot_report(res: dict[str, Any], out_dir: Path, prefix: str = "scaling_") -> dict[str, str]:
     """Write ``<prefix>loss_vs_flops.png`` (runs and fitted frontiers with 95% bands) and, with a
-    Baseline and another architecture, ``<prefix>savings.png``. Returns ``{title: file name}``."""
+    Baseline and another architecture, ``<prefix>savings.png`` and ``<prefix>paired.png`` (the
+    paired loss differences of :func:`paired_comparison`). Returns ``{title: file name}``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -881,16 +959,11 @@ def plot_report(res: dict[str, Any], out_dir: Path, prefix: str = "scaling_") ->
             ax.fill_between(C, band[0], band[1],
                             color=col, alpha=0.15, lw=0)
     ax.axvspan(*res["C_measured"], color="0.9", zorder=0, label="measured compute")
-    ax.set_xscale("log")
-    ax.set_xlabel("training FLOPs C")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("Loss vs training compute, with compute-optimal frontiers (95% bootstrap bands)", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    name = f"{prefix}loss_vs_flops.png"
-    fig.savefig(out_dir / name)
-    plt.close(fig)
-    figs["loss vs training FLOPs"] = name
+    figs["loss vs training FLOPs"] = _save(
+        fig, ax, out_dir, f"{prefix}loss_vs_flops.png",
+        "training FLOPs C",
+        "validation loss (nats/token)",
+        "Loss vs training compute, with compute-optimal frontiers (95% bootstrap bands)")
     others = {a: v for a, v in res["architectures"].items() if "savings" in v}
     if others:
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
@@ -910,17 +983,29 @@ def plot_report(res: dict[str, Any], out_dir: Path, prefix: str = "scaling_") ->
         ax.set_ylim(lo_y, hi_y)
         ax.axhline(0, color="k", lw=0.8)
         ax.axvspan(*res["C_measured"], color="0.9", zorder=0, label="measured compute")
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{res['baseline']} training FLOPs C")
-        ax.set_ylabel(f"training FLOPs saved vs {res['baseline']} (%)")
-        ax.set_title("Compute saved at equal loss on the frontier (95% bootstrap bands, clipped to the axes)",
-                     fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        name = f"{prefix}savings.png"
-        fig.savefig(out_dir / name)
-        plt.close(fig)
-        figs["training FLOPs saved"] = name
+        figs["training FLOPs saved"] = _save(
+            fig, ax, out_dir, f"{prefix}savings.png",
+            f"{res['baseline']} training FLOPs C",
+            f"training FLOPs saved vs {res['baseline']} (%)",
+            "Compute saved at equal loss on the frontier (95% bootstrap bands, clipped to the axes)")
+    paired = {a: v["paired"] for a, v in res["architectures"].items() if v.get("paired")}
+    if paired:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        for k, (arch, a) in enumerate(res["architectures"].items()):
+            if arch not in paired:
+                continue
+            col, pr = colors[k % len(colors)], paired[arch]
+            ax.scatter([q["C"] for q in pr["pairs"]], [q["delta"] for q in pr["pairs"]], color=col, s=22,
+                       label=f"{arch} - {res['baseline']}, one pair per size and budget")
+            ax.axhline(pr["mean_delta"], color=col, lw=1.2, label=f"{arch} mean {pr['mean_delta']:+.4f}")
+            if pr["ci95"]:
+                ax.axhspan(*pr["ci95"], color=col, alpha=0.15, lw=0, label=f"{arch} 95% CI (paired t)")
+        ax.axhline(0, color="k", lw=0.8)
+        figs["paired loss differences"] = _save(
+            fig, ax, out_dir, f"{prefix}paired.png",
+            "training FLOPs C of the pair",
+            "loss difference (nats/token)",
+            f"Matched runs: loss minus the {res['baseline']} run of the same N, D and FLOPs (no fit)")
     return figs
 
 

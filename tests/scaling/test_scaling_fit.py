@@ -10,7 +10,8 @@ import pytest
 
 from smelt_ds.errors import ConfigError
 from smelt_ds.scaling import (FlopsModel, RunPoint, ScalingLaw, analyse, bootstrap, compute_for_loss,
-                              compute_savings, envelope, fit_flops_model, fit_law, frontier, isoflop_profiles)
+                              compute_savings, envelope, fit_flops_model, fit_law, frontier, isoflop_profiles,
+                              paired_comparison)
 
 # Chinchilla's Approach-3 estimate (Hoffmann et al. 2022, Eq. 10) as the known law
 CHINCHILLA = ScalingLaw(E=1.69, A=406.4, alpha=0.34, B=410.7, beta=0.28)
@@ -250,7 +251,38 @@ def test_fit_cli_on_synthetic_runs_reproduces_the_closed_form_saving(tmp_path):
     assert len(res["excluded"]) == 1 and "unfinished" in res["excluded"][0]["reason"]
     md = (out / "report.md").read_text()
     assert "saving over the measured compute range: +26.6% to +26.6%" in md
+    # the paired (fit-free) comparison: each SMELT run against the Baseline run of the same N and D
+    pr = s["paired"]
+    expect = [(r - 1) * CHINCHILLA.A * n ** -CHINCHILLA.alpha for n in np.geomspace(1e7, 1e10, 5) for _ in range(5)]
+    assert pr["n_pairs"] == 25 and pr["wins"] == 25
+    assert pr["mean_delta"] == pytest.approx(float(np.mean(expect)), rel=1e-6)
+    assert "## Paired runs: each architecture vs baseline" in md and f"{pr['mean_delta']:+.4f}" in md
+    assert (out / "scaling_paired.png").is_file()
     assert (out / "scaling_savings.png").is_file() and (out / "scaling_loss_vs_flops.png").is_file()
+
+
+def test_paired_comparison_equals_a_hand_computed_paired_t_interval():
+    from scipy import stats
+
+    base = [RunPoint(f"b{i}", "baseline", 5.0 + i, 1e6 * (i + 1), 1e5, 6e6, size=f"s{i}", budget="d1")
+            for i in range(4)]
+    deltas = [-0.10, -0.30, 0.05, -0.15]
+    other = [RunPoint(f"x{i}", "smelt", 5.0 + i + d, 1.005e6 * (i + 1), 1e5, 6e6, size=f"s{i}", budget="d1")
+             for i, d in enumerate(deltas)]
+    other.append(RunPoint("x9", "smelt", 4.0, 9e9, 1e5, 6e6, size="s9", budget="d1"))   # no Baseline twin
+    pr = paired_comparison(base, other)
+    d = np.array(deltas)
+    half = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d))
+    assert pr["n_pairs"] == 4 and pr["unpaired"] == 1 and pr["wins"] == 3
+    assert pr["mean_delta"] == pytest.approx(d.mean(), abs=1e-12)
+    assert pr["ci95"] == pytest.approx([d.mean() - half, d.mean() + half], rel=1e-9)
+    t = d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))
+    assert pr["p_value"] == pytest.approx(2 * stats.t.sf(abs(t), len(d) - 1), rel=1e-9)
+    # without sweep labels, runs pair by equal D and N within 2%
+    unlabeled = [RunPoint(p.run_dir, p.architecture, p.loss, p.N, p.D, p.flops_per_token) for p in other[:4]]
+    base_u = [RunPoint(p.run_dir, p.architecture, p.loss, p.N, p.D, p.flops_per_token) for p in base]
+    assert paired_comparison(base_u, unlabeled)["mean_delta"] == pytest.approx(d.mean(), abs=1e-12)
+    assert paired_comparison(base, other[4:]) is None
 
 
 def test_huber_objective_gradient_equals_finite_differences():
