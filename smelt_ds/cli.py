@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="smelt-ds",
         description="Train and analyse SMELT (Sparse MoE Transformer, middle layers Loop Twice) "
                     "and its matched Baselines with DeepSpeed.")
+    from smelt_ds import __version__
+
+    parser.add_argument("--version", action="version", version=f"smelt-ds {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         try:

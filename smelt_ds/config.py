@@ -300,6 +300,9 @@ def _check_moe(moe: MoEConfig, m: ModelConfig, zero_stage: int = 0) -> None:
     if moe.backend == "autoep" and moe.aux_loss_free_bias:
         _fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'autoep' (AutoEP rejects "
               "load_balance_coeff)", "set moe.aux_loss_free_bias to false or use backend 'reference'")
+    if moe.use_tutel and moe.backend != "deepspeed":
+        _fail("moe.use_tutel", True, f"only applies to moe.backend 'deepspeed' (this recipe: {moe.backend!r})",
+              "set moe.backend to 'deepspeed' (tutel kernels for DeepSpeed-MoE) or moe.use_tutel to false")
     if moe.backend == "reference" and moe.ep_size != 1:
         _fail("moe.ep_size", moe.ep_size, "needs an expert-parallel backend",
               "set moe.backend to 'deepspeed' or 'autoep', or moe.ep_size to 1")
@@ -428,8 +431,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[st
             where = ".".join(parts[:depth]) or "the recipe"
             if isinstance(node, list):
                 if not p.isdigit():
-                    raise ConfigError(f"--set {item!r}: `{where}` is a list; index it with a number "
-                                      f"(e.g. {where}.0.{p}), got {p!r}")
+                    example = ".".join(parts[:depth] + ["0"] + parts[depth + 1:])
+                    raise ConfigError(f"--set {item!r}: `{where}` is a list; index it with a number from 0 "
+                                      f"(e.g. {example}), got {p!r}")
                 idx = int(p)
                 if idx > len(node) or (idx == len(node) and not last):
                     raise ConfigError(f"--set {item!r}: index {idx} is out of range for `{where}` "
@@ -452,6 +456,15 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[st
             else:
                 raise ConfigError(f"--set {item!r}: `{where}` is a value ({node!r}), not a section")
     return out
+
+
+def config_diff(new: Any, old: Any, path: str = "", labels: tuple[str, str] = ("planned", "there")) -> list[str]:
+    """Differences between two raw config dicts, one ``"path: OLD <labels[1]>, NEW <labels[0]>"``
+    string per differing leaf (dicts are walked, other values compared whole)."""
+    if isinstance(new, dict) and isinstance(old, dict):
+        return [d for k in sorted(set(new) | set(old))
+                for d in config_diff(new.get(k), old.get(k), f"{path}.{k}".lstrip("."), labels)]
+    return [] if new == old else [f"{path}: {old!r} {labels[1]}, {new!r} {labels[0]}"]
 
 
 def read_yaml_mapping(path: str | Path, what: str = "recipe file", example: str = "recipes/tiny/smelt.yaml"

@@ -201,8 +201,14 @@ def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
         return torch.optim.lr_scheduler.LambdaLR(
             opt, [lambda s, sc=g.get("lr_scale", 1.0): sc * f(s) for g in opt.param_groups])
 
-    engine, opt, _, sched = deepspeed.initialize(
-        model=model, optimizer=optimizer, model_parameters=groups, config=ds_config, lr_scheduler=scheduler)
+    try:
+        engine, opt, _, sched = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=groups, config=ds_config, lr_scheduler=scheduler)
+    except AssertionError as e:  # DeepSpeed validates its config with asserts
+        raise ConfigError(f"DeepSpeed refused the DeepSpeed config built from this recipe: {e or 'AssertionError'} "
+                          "(keys under `deepspeed.config` pass through unchanged and win: fix or remove them; "
+                          "batch sizes come from train.micro_batch_size, gradient_accumulation_steps and the "
+                          "world size)") from e
     return engine, opt, sched, ds_config
 
 

@@ -115,13 +115,14 @@ def _finish(result, rows, out: Path, stem: str, plot, no_plots: bool) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from smelt_ds.eval.icl import TASK_NAMES, parse_shots
+    from smelt_ds.eval.icl import TASK_NAMES, check_task_names, parse_shots
     from smelt_ds.eval.loss import parse_buckets
     from smelt_ds.eval.plots import plot_eval
     from smelt_ds.eval.report import eval_table
     from smelt_ds.eval.suite import EvalSettings, evaluate_runs
 
     _positive(batches=args.batches, micro_batch=args.micro_batch, episodes=args.episodes, seq_len=args.seq_len)
+    check_task_names(tuple(_csv(args.tasks) or TASK_NAMES))  # before the (long) loss pass
     settings = EvalSettings(seq_len=args.seq_len, micro_batch_size=args.micro_batch, batches=args.batches,
                             buckets=parse_buckets(args.buckets), shots=parse_shots(args.shots),
                             episodes=args.episodes, tasks=tuple(_csv(args.tasks) or TASK_NAMES), seed=args.seed)

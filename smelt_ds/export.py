@@ -53,12 +53,40 @@ def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.T
     return state
 
 
+EXPORT_FILES = frozenset({"model.pt", "config.yaml", "SOURCE"})
+
+
+def _check_output(out: Path) -> None:
+    """An export may replace an earlier export or fill an empty directory, nothing else."""
+    if out.is_file() or out.is_symlink():
+        raise ConfigError(f"export output {str(out)!r} is a file: pass a directory path (-o DIR)")
+    if out.is_dir():
+        present = {p.name for p in out.iterdir()}
+        if present and not present <= EXPORT_FILES:
+            raise ConfigError(f"export output {str(out)!r} exists and holds other files "
+                              f"({', '.join(sorted(present - EXPORT_FILES)[:4])}): refusing to replace it; "
+                              "pass a new or empty directory, or an earlier export to overwrite")
+
+
+def _load_weights(path: Path, field: str) -> dict[str, torch.Tensor]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ConfigError(f"{field}{path} is not a readable weights file ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]}): it may be truncated; export again") from None
+
+
 def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
-    """Write ``model.pt`` and ``config.yaml`` to ``out_dir`` (atomically). Returns ``out_dir``."""
+    """Write ``model.pt``, ``config.yaml`` and ``SOURCE`` (the checkpoint path) to ``out_dir``
+    (atomically, through ``<out_dir>.partial``). Returns ``out_dir``.
+
+    Raises ConfigError when ``path`` holds no complete checkpoint, or when ``out_dir`` is a file
+    or a non-empty directory other than an earlier export (never deletes anything else)."""
     run_dir, ckpt_dir = _resolve(path)
     cfg = load_config(run_dir / "config.yaml")
-    state = consolidated_state_dict(ckpt_dir, cfg)
     out = Path(out_dir)
+    _check_output(out)
+    state = consolidated_state_dict(ckpt_dir, cfg)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -82,7 +110,7 @@ def load_exported(path: str | Path):
                           "create one with `smelt-ds export RUN_DIR -o OUT`")
     cfg = load_config(path / "config.yaml", ["moe.backend=reference", "moe.ep_size=1", "deepspeed.zero_stage=0"])
     model = SmeltLM(cfg)
-    state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    state = _load_weights(path / "model.pt", "")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("expert_bias")]
     if missing or unexpected:
@@ -106,7 +134,7 @@ def load_initial_weights(model, path: str | Path) -> None:
     if not weights.is_file() or not (path / "config.yaml").is_file():
         raise ConfigError(f"`train.init_from` ({str(path)!r}) is not an export directory (needs model.pt and "
                           "config.yaml): create one with `smelt-ds export RUN_DIR -o OUT`")
-    state = torch.load(weights, map_location="cpu", weights_only=True)
+    state = _load_weights(weights, "`train.init_from`: ")
     own = model.state_dict()
     wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
              if k in own and own[k].shape != v.shape]

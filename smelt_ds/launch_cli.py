@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="recipe override, passed on to smelt_ds.train (wins over the layout's overrides)")
     p.add_argument("-o", "--output", default=None, help="write the job file here (default: print it)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved plan only; write nothing")
+    p.add_argument("--force", action="store_true",
+                   help="write the job even when the memory verdict says it does not fit")
     p.add_argument("--workdir", default=None,
                    help="repository checkout the job runs in (default: this directory; k8s: /workspace/smelt-ds)")
     p.add_argument("--job-name", default=None, help="job name (default smelt-<recipe name>)")
@@ -82,13 +84,20 @@ def options_from_args(args: argparse.Namespace):
 
 
 def run_render_job(args: argparse.Namespace) -> int:
-    from smelt_ds.launch import plan_job, render, summary
+    from smelt_ds.launch import MIN_HEADROOM, plan_job, render, summary
 
     plan = plan_job(args.recipe, options_from_args(args))
     text = render(plan)  # also on --dry-run: bad scheduler options fail here, not at submission
     if args.dry_run:
         print(summary(plan, args.output))
         return 0
+    if not plan.memory.fits(MIN_HEADROOM) and not args.force:
+        row = plan.memory.configured
+        raise ConfigError(f"{args.recipe} does not fit on {plan.nodes} x {plan.gpus_per_node} GPUs of "
+                          f"{plan.layout.device_memory_gib:g} GiB: {row.total / 2**30:.1f} GiB per GPU, "
+                          f"{row.headroom:.0%} headroom (needs {MIN_HEADROOM:.0%}); nothing written. Use more "
+                          "nodes, see `smelt-ds memory` for a ZeRO stage / checkpointing policy that fits, or "
+                          "pass --force")
     if args.output is None:
         print(text, end="")
         print(summary(plan), file=sys.stderr)

@@ -24,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: train.seq_len)")
     p.add_argument("--micro-batch", type=int, default=None, help="samples per GPU (default: train.micro_batch_size)")
     p.add_argument("--precision", default=None, choices=["bf16", "fp32"],
-                   help="training precision (default: the recipe's; auto = bf16 on a GPU)")
+                   help="training precision (default: the recipe's train.precision; its 'auto' counts as bf16, "
+                        "the GPU case)")
     p.add_argument("--context-len", type=int, default=None,
                    help="inference context (tokens) for the KV-cache line (default: model.max_seq_len)")
     p.add_argument("--kv-dtype", default="bf16", help="KV-cache element type (bf16, fp16, fp32, fp8)")

@@ -49,7 +49,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from smelt_ds.config import LoopPosition, LoopRange, RunConfig, apply_overrides, config_from_dict, config_to_dict, \
-    read_yaml_mapping, resolve_batch
+    config_diff, read_yaml_mapping, resolve_batch
 from smelt_ds.errors import ConfigError
 from smelt_ds.schema import StrictModel
 
@@ -390,12 +390,6 @@ def materialize(plan: SweepPlan) -> None:
                   for r in plan.runs], "notes": plan.notes}, indent=1))
 
 
-def _diff(a: Any, b: Any, path: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{path}.{k}".lstrip("."))]
-    return [] if a == b else [f"{path}: {b!r} there, {a!r} planned"]
-
-
 # fields that do not change what a run computes: the cluster layouts and this invocation's stop step
 _NOT_COMPARED = (("cluster",), ("train", "exit_after_steps"))
 
@@ -416,7 +410,7 @@ def _check_conflict(r: PlannedRun) -> None:
         return
     there = _comparable(yaml.safe_load(existing.read_text()) or {})
     planned = _comparable(config_to_dict(r.config))
-    diffs = _diff(planned, there)
+    diffs = config_diff(planned, there)
     if diffs:
         raise ConfigError(f"run directory {r.run_dir} holds a run of another recipe ({'; '.join(diffs[:4])}): "
                           "delete it, or give this sweep another output_dir (--output-dir)")
@@ -516,7 +510,7 @@ def run_local(plan: SweepPlan, limit: int | None = None, executor: str = "subpro
             loss = json.loads((r.run_dir / "summary.json").read_text())["validation_loss"].get("all")
             outcomes.append(RunOutcome(r, "done", dt))
             log(f"    done in {dt:.0f} s, validation loss {loss:.4f} nats/token")
-        elif interrupted or rc == 0:
+        elif interrupted or rc in (0, 143):  # 143: the run got SIGTERM and saved a checkpoint
             outcomes.append(RunOutcome(r, "interrupted", dt, "stopped before the end; rerun to resume"))
             log(f"    interrupted after {dt:.0f} s: rerun the same command to resume")
             break

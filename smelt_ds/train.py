@@ -158,16 +158,24 @@ def routing_metrics(model) -> dict[str, float]:
 class MetricsWriter:
     """``metrics.jsonl`` rows and TensorBoard scalars, written by rank 0 only."""
 
-    def __init__(self, run_dir: Path, enabled: bool, resume: bool):
+    def __init__(self, run_dir: Path, enabled: bool, start_step: int):
+        """``start_step``: the step training continues from (0 for a new run). Rows logged after
+        it by an earlier, interrupted invocation are dropped from ``metrics.jsonl`` (rewritten
+        atomically) and hidden in TensorBoard (``SummaryWriter(purge_step=start_step + 1)``), so a
+        resumed run's logs hold each step once."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tb"))
-            if not resume and self.path.exists():
-                self.path.unlink()
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
+            if self.path.exists():
+                keep = [line for line in self.path.read_text().splitlines()
+                        if start_step and line.strip() and json.loads(line).get("step", 0) <= start_step]
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(line + "\n" for line in keep))
+                os.replace(tmp, self.path)
 
     def write(self, step: int, row: dict[str, Any]) -> None:
         if not self.enabled:
@@ -202,6 +210,7 @@ class RunResult:
     val: dict[str, float]
     sample_ids: list[list[int]]  # per optimizer step, this rank's sample ids (data order checks)
     stopped_early: bool = False
+    stop_reason: str | None = None  # "signal" (SIGTERM/SIGINT on any rank) or "exit_after_steps"
 
 
 class _Terminator:
@@ -223,6 +232,53 @@ class _Terminator:
     def __exit__(self, *exc) -> None:
         for sig, h in self._old.items():
             signal.signal(sig, h)
+
+
+# recipe fields a checkpoint depends on: a resume with other values cannot load it, or would
+# silently change what the run computes (token ids, routing)
+_RESUME_FIXED = {"model": None, "loop": None, "data": ("tokenizer",),
+                 "moe": ("num_experts", "top_k", "expert_ffn_size", "shared_expert_ffn_size", "score_func",
+                         "aux_loss_free_bias", "backend", "ep_size")}
+
+
+def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str) -> None:
+    """Refuse to mix runs in one run directory, before anything is written to it.
+
+    Raises ConfigError when a new run (``resume == "none"``) would start in a directory that
+    already holds checkpoints (they would be taken for this run's by export, eval and
+    ``--resume auto``), when ``--resume`` names a directory that does not exist, or when a
+    resumed run's recipe differs from the run directory's ``config.yaml`` in a field the
+    checkpoint depends on (``_RESUME_FIXED``: model, loop, MoE layout and backend, tokenizer).
+    """
+    from smelt_ds import checkpoint as ckpt
+    from smelt_ds.config import config_diff, config_to_dict
+
+    if resume == "none":
+        latest = ckpt.latest_complete(out_dir)
+        if latest is not None:
+            raise ConfigError(f"run directory {out_dir} already holds checkpoints of an earlier run (newest "
+                              f"{latest.name}): continue it with --resume auto, or start this run in a new "
+                              "--run-dir (or delete the old one)")
+        return
+    if resume != "auto" and not Path(resume).is_dir():
+        raise ConfigError(f"--resume {resume!r} does not exist: pass a checkpoint directory "
+                          f"({out_dir}/checkpoints/stepNNNNNNNN) or --resume auto")
+    saved = out_dir / "config.yaml"
+    if not saved.is_file() or (resume == "auto" and ckpt.latest_complete(out_dir) is None):
+        return
+    import yaml
+
+    old, new = yaml.safe_load(saved.read_text()) or {}, config_to_dict(cfg)
+    diffs = []
+    for section, keys in _RESUME_FIXED.items():
+        a, b = new.get(section) or {}, old.get(section) or {}
+        if keys is not None:
+            a, b = {k: a.get(k) for k in keys}, {k: b.get(k) for k in keys}
+        diffs += config_diff(a, b, section, labels=("in this recipe", "in the run"))
+    if diffs:
+        raise ConfigError(f"--resume {resume}: run directory {out_dir} was trained with another model "
+                          f"({'; '.join(diffs[:4])}): resume with the run's own recipe ({saved}), or start "
+                          "this recipe in a new --run-dir")
 
 
 def threading_is_main() -> bool:
@@ -247,6 +303,7 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
         init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(run_dir or cfg.train.run_dir.format(name=cfg.name))
+    check_run_dir(out_dir, cfg, resume)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -269,9 +326,6 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
 
         write_zero3_tuning(out_dir, cfg, world, ds_config)
     precision = resolve_precision(cfg)
-    if rank == 0:
-        dump_config(cfg, out_dir / "config.yaml")
-        (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
 
     budget = compute_budget(cfg, cfg.train.seq_len)
     accum = engine.gradient_accumulation_steps()
@@ -283,8 +337,16 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
             step, tokens_seen = state["step"], state["tokens_seen"]
             data.train.load_state_dict(state["loader"])
             ckpt.restore_rng(state["rng"])
-    writer = MetricsWriter(out_dir, rank == 0, resume != "none")
     result = RunResult(out_dir, step, tokens_seen, [], [], {}, [])
+    if step >= cfg.train.max_steps:  # a resume of a finished run: nothing to train, nothing rewritten
+        if rank == 0:
+            print(f"run {out_dir} already finished: its checkpoint is at step {step}, train.max_steps is "
+                  f"{cfg.train.max_steps}; nothing to train (raise train.max_steps to continue it)", file=sys.stderr)
+        return result
+    if rank == 0:
+        dump_config(cfg, out_dir / "config.yaml")
+        (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+    writer = MetricsWriter(out_dir, rank == 0, step)
     result_start = step
     micro = MicroStats()
     progress = _progress(rank, step, cfg.train.max_steps)
@@ -325,12 +387,20 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
             if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
                 result.val = evaluate(engine, data, cfg)
                 writer.write(step, {f"val/{k}": v for k, v in result.val.items()})
-            stop = _sync_flag(term.requested) or (
+            signalled = _sync_flag(term.requested)
+            stop = signalled or (
                 cfg.train.exit_after_steps is not None and step - result_start >= cfg.train.exit_after_steps)
             if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop:
                 ckpt.save(engine, out_dir, step, tokens_seen, data.train.state_dict(), cfg.train.keep_last)
             if stop:
                 result.stopped_early = step < cfg.train.max_steps
+                if result.stopped_early:
+                    result.stop_reason = "signal" if signalled else "exit_after_steps"
+                    if rank == 0:
+                        why = ("stop signal (SIGTERM/SIGINT)" if result.stop_reason == "signal"
+                               else f"train.exit_after_steps ({cfg.train.exit_after_steps})")
+                        print(f"\nstopped at step {step} of {cfg.train.max_steps} by {why}; checkpoint "
+                              f"step{step:08d} saved in {out_dir}: continue with --resume auto", file=sys.stderr)
                 break
     progress.close()
     writer.close()
@@ -401,7 +471,9 @@ def _progress(rank: int, start: int, total: int):
 @torch.no_grad()
 def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
     """Mean next-token loss (nats/token) per validation domain over ``eval.eval_batches``
-    micro-batches per rank, averaged over ranks; ``all`` is the token-weighted mean."""
+    micro-batches per rank, averaged over ranks; ``all`` is the token-weighted mean over those
+    batches, so every domain weighs the same (``smelt-ds eval`` instead weighs domains by their
+    validation tokens)."""
     import torch.distributed as dist
 
     engine.eval()
@@ -442,7 +514,8 @@ def _write_summary(out_dir: Path, cfg: RunConfig, result: RunResult, budget, dat
              f"{summary['tokens_per_s'] or 0:,.0f} tokens/s",
              f"final train loss {summary['final_train_loss']:.4f} (LM {summary['final_lm_loss']:.4f})"]
     for k, v in result.val.items():
-        lines.append(f"validation loss [{k}]: {v:.4f} nats/token")
+        lines.append(f"validation loss [{k}]: {v:.4f} nats/token"
+                     + (" (domains weighted equally, eval.eval_batches each)" if k == "all" else ""))
     if summary["unigram_entropy_nats"] is not None:
         lines.append(f"unigram entropy of the training tokens: {summary['unigram_entropy_nats']:.4f} nats/token")
     lines.append(f"budgets: {budget.forward_flops_per_token:,.0f} forward FLOPs/token, "
@@ -455,14 +528,26 @@ def _write_summary(out_dir: Path, cfg: RunConfig, result: RunResult, budget, dat
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 trained to ``train.max_steps`` (or stopped by ``train.exit_after_steps``,
+    or already finished), 2 bad configuration, 143 stopped by SIGTERM/SIGINT after saving a
+    checkpoint (128 + SIGTERM, so ``train && next`` does not go on), 130 Ctrl-C before training
+    started (nothing saved)."""
     args = parse_args(argv)
     try:
         cfg = load_config(args.recipe, args.set)
-        train(cfg, resume=args.resume, run_dir=args.run_dir)
+        result = train(cfg, resume=args.resume, run_dir=args.run_dir)
     except ConfigError as e:
         print(f"smelt_ds.train: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:
+        print("smelt_ds.train: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130
+    return exit_status(result)
+
+
+def exit_status(result: RunResult) -> int:
+    """143 (128 + SIGTERM) for a run stopped by a signal, else 0 (see :func:`main`)."""
+    return 128 + signal.SIGTERM if result.stop_reason == "signal" else 0
 
 
 if __name__ == "__main__":

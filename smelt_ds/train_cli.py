@@ -48,11 +48,15 @@ def run_train(args: argparse.Namespace) -> int:
         print("launching: " + " ".join(cmd), file=sys.stderr)
         return subprocess.call(cmd, env=os.environ.copy())
     from smelt_ds.config import load_config
-    from smelt_ds.train import train
+    from smelt_ds.train import exit_status, train
 
     cfg = load_config(args.recipe, args.set)
-    train(cfg, resume=args.resume, run_dir=args.run_dir)
-    return 0
+    try:
+        result = train(cfg, resume=args.resume, run_dir=args.run_dir)
+    except KeyboardInterrupt:
+        print("smelt-ds train: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130
+    return exit_status(result)
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +165,7 @@ def test_shipped_tiny_recipes_match_and_cli(tmp_path):
     r = _cli("match", "recipes/tiny/baseline.yaml", "--position", "middle", "--ep-size", "2",
              "--name", "tiny-smelt", "--tolerance", "0.01", "-o", str(out))
     assert r.returncode == 0, r.stderr
+    assert "warning" not in r.stderr
     shipped = yaml.safe_load((ROOT / "recipes/tiny/smelt.yaml").read_text())
     assert yaml.safe_load(out.read_text()) == shipped  # the shipped recipe is what the tool writes
     r = _cli("budget", "recipes/tiny/baseline.yaml", "recipes/tiny/smelt.yaml", "--json")
@@ -173,6 +175,16 @@ def test_shipped_tiny_recipes_match_and_cli(tmp_path):
     assert all(abs(v) <= 0.01 for v in rows[1]["deviation"].values())
     r = _cli("budget", "recipes/tiny/baseline.yaml", "recipes/tiny/smelt.yaml")
     assert "non-embedding" in r.stdout and "tiny-smelt" in r.stdout
+
+
+def test_match_warns_beyond_one_percent_without_tolerance(tmp_path):
+    """ep_size 5 forces 20 experts (params -8%): without --tolerance a warning, with it an error."""
+    r = _cli("match", "recipes/tiny/baseline.yaml", "--position", "middle", "--ep-size", "5",
+             "-o", str(tmp_path / "m.yaml"))
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"warning: the match misses the paper's 1% on params \(-\d+\.\d+%\)", r.stderr), r.stderr
+    r = _cli("match", "recipes/tiny/baseline.yaml", "--position", "middle", "--ep-size", "5", "--tolerance", "0.01")
+    assert r.returncode == 2 and "deviates beyond --tolerance 1.00%" in r.stderr
 
 
 def test_cli_errors_are_one_clear_line(tmp_path):

@@ -195,7 +195,9 @@ def test_set_indexes_lists(tmp_path):
 @pytest.mark.parametrize("item,expect", [
     ("loop.ranges.5.repeats=2", "index 5 is out of range for `loop.ranges` (1 items; use 0..0, or 1 to append)"),
     ("loop.ranges.1.repeats=2", "index 1 is out of range"),
-    ("loop.ranges.first.repeats=2", "`loop.ranges` is a list; index it with a number"),
+    ("loop.ranges.first.repeats=2", "`loop.ranges` is a list; index it with a number from 0 "
+                                    "(e.g. loop.ranges.0.repeats), got 'first'"),
+    ("loop.ranges.-1.repeats=2", "(e.g. loop.ranges.0.repeats), got '-1'"),
     ("loop.ranges.0.repeats.x=2", "`loop.ranges.0.repeats` is a value (2)"),
 ])
 def test_set_bad_list_index(item, expect):
@@ -262,3 +264,13 @@ def test_dump_reloads_to_an_equal_config(tmp_path):
     assert again == cfg
     assert again.loop.ranges[1].repeats == 2 and again.moe.score_func == "sigmoid"
     assert dump_config(again) == text
+
+
+@pytest.mark.parametrize("item,path", [("model.hidden_size=true", "model.hidden_size"),
+                                       ("train.grad_clip=yes", "train.grad_clip"),
+                                       ("train.gradient_accumulation_steps=off", "train.gradient_accumulation_steps")])
+def test_yaml_booleans_are_not_numbers(tmp_path, item, path):
+    """pydantic's lax mode would read `true` as 1 (hidden_size 1, then a confusing num_heads error)."""
+    with pytest.raises(ConfigError, match=rf"`{re.escape(path)}` \((True|False)\): .*needs a number, got a boolean"):
+        load_config(write(tmp_path, {}), [item])
+    assert load_config(write(tmp_path, {}), ["model.tie_embeddings=yes"]).model.tie_embeddings is True

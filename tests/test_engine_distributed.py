@@ -199,3 +199,22 @@ def test_zero3_releases_looped_parameters_and_memory_is_flat():
         assert n_looped > 0
         assert gathered == [[]] * 5, gathered
         assert live[4] <= live[1], live  # no growth from step 2 to step 5
+
+
+def _engine_error(rank, world, raw):
+    from smelt_ds.errors import ConfigError
+
+    try:
+        _engine(raw, world)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_deepspeed_config_assertion_becomes_a_config_error():
+    """A passthrough key DeepSpeed rejects (a train_batch_size that contradicts micro-batch x
+    accumulation x world) is a ConfigError naming `deepspeed.config`, not a bare AssertionError."""
+    raw = _raw(deepspeed={"config": {"train_batch_size": 3}})
+    msg = run_distributed(_engine_error, 1, args=(raw,), timeout=300)[0]
+    assert msg is not None and "DeepSpeed refused" in msg and "`deepspeed.config`" in msg
+    assert "train_batch_size is not equal" in msg          # DeepSpeed's own reason is kept

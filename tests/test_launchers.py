@@ -194,9 +194,18 @@ def test_cli_dry_run_and_errors(tmp_path, capsys):
     assert "does not divide the world size" in capsys.readouterr().err
 
 
-def test_memory_verdict_warns_when_a_layout_does_not_fit():
+def test_memory_verdict_warns_when_a_layout_does_not_fit(tmp_path, capsys):
     plan = _plan(ROOT / "recipes/xl/smelt.yaml", "slurm", overrides=["train.micro_batch_size=8"], nodes=32)
     assert not plan.memory.fits(0.1) and any("under the 10% headroom" in n for n in plan.notes)
+    # writing such a job is refused unless --force; --dry-run still shows the verdict
+    args = ["render-job", "recipes/xl/smelt.yaml", "--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "8",
+            "-o", str(tmp_path / "x.sbatch")]
+    capsys.readouterr()
+    assert cli_main(args) == 2 and not (tmp_path / "x.sbatch").exists()
+    assert re.search(r"does not fit on 1 x 8 GPUs of [\d.]+ GiB: .* headroom \(needs 10%\); nothing written.*"
+                     r"--force", capsys.readouterr().err)
+    assert cli_main(args + ["--dry-run"]) == 0 and "DOES NOT FIT" in capsys.readouterr().out
+    assert cli_main(args + ["--force"]) == 0 and (tmp_path / "x.sbatch").is_file()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,3 +368,14 @@ def test_k8s_pod_command_uses_the_pod_rank_and_master_from_the_operator(tmp_path
     assert argv == ["-m", "torch.distributed.run", "--nnodes=16", "--nproc-per-node=8", "--node-rank=5",
                     "--master-addr=smelt-l-top-master-0", "--master-port=23456", "-m", "smelt_ds.train",
                     "recipes/l/top.yaml", "--resume", "auto", "--set", "train.micro_batch_size=2"]
+
+
+def test_version_matches_the_installed_package(capsys):
+    from importlib.metadata import version
+
+    from smelt_ds.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"smelt-ds {version('smelt-ds')}"

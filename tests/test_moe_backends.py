@@ -255,8 +255,10 @@ def test_use_tutel_without_tutel_is_a_config_error(monkeypatch):
     cfg = tiny_cfg(backend="deepspeed", use_tutel=True)
     with pytest.raises(ConfigError, match=r"moe\.use_tutel.*`tutel`.*pip install"):
         mb.apply_backend(build(tiny_cfg()), cfg)
-    with pytest.raises(ConfigError, match=r"moe\.use_tutel.*only applies"):
-        mb.check_backend_compat(tiny_cfg(backend="autoep", use_tutel=True))
+    for backend in ("autoep", "reference"):  # refused when the recipe is read, not silently ignored
+        with pytest.raises(ConfigError, match=rf"moe\.use_tutel.*only applies to moe.backend 'deepspeed' "
+                                              rf"\(this recipe: '{backend}'\)"):
+            tiny_cfg(backend=backend, use_tutel=True)
 
 
 def test_tutel_is_not_installed_here():

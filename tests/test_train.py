@@ -100,7 +100,8 @@ def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
     _wait_for_step(run_dir / "metrics.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    assert proc.returncode == 143, out           # saved, then exit 128 + SIGTERM so `train && next` stops
+    assert "continue with --resume auto" in out
     saved = ckpt.latest_complete(run_dir)
     assert saved is not None
     stopped_at = json.loads((saved / ckpt.MARKER).read_text())["step"]
@@ -149,6 +150,18 @@ def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     assert "router/L1/divergence_v0v1" in train_rows[-1]
     # export and reload on one CPU process: same validation loss as the trained engine
     out = export_checkpoint(run_dir, tmp_path / "export")
+    assert sorted(p.name for p in out.iterdir()) == ["SOURCE", "config.yaml", "model.pt"]
+    assert export_checkpoint(run_dir, out) == out                   # an earlier export may be replaced
+    from smelt_ds.errors import ConfigError
+
+    before = sorted(p.name for p in run_dir.iterdir())
+    with pytest.raises(ConfigError, match=r"exists and holds other files .*refusing to replace it"):
+        export_checkpoint(run_dir, run_dir)                            # never deletes a run directory
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    (tmp_path / "afile").write_text("keep")
+    with pytest.raises(ConfigError, match=r"is a file: pass a directory path"):
+        export_checkpoint(run_dir, tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "keep" and not (tmp_path / "afile.partial").exists()
     model = load_exported(out)
     assert isinstance(model, SmeltLM)
     from smelt_ds.train_data import build_data
@@ -160,6 +173,26 @@ def test_run_directory_summary_export_and_init_from(tmp_path, cache):
         num = sum(float(model(b.input_ids, labels=b.labels).lm_loss) * b.labels.numel() for b in batches)
     den = sum(b.labels.numel() for b in batches)
     assert num / den == pytest.approx(res["val"]["code"], rel=1e-5)
+
+    # one run directory holds one run: a new run there, or a resume with another model, is refused
+    # before anything is written; resuming a finished run trains and rewrites nothing
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.train import check_run_dir
+
+    with pytest.raises(ConfigError, match=r"already holds checkpoints of an earlier run \(newest step00000004\)"):
+        check_run_dir(run_dir, cfg, "none")
+    other = config_from_dict(_raw(tmp_path, cache, moe={"num_experts": 8}, loop={"position": "none"}))
+    with pytest.raises(ConfigError, match=r"trained with another model \(loop.position: 'middle' in the run, "
+                                          r"'none' in this recipe; moe.num_experts: 4 in the run, 8 in this"):
+        check_run_dir(run_dir, other, "auto")
+    with pytest.raises(ConfigError, match=r"--resume '.*nowhere' does not exist"):
+        check_run_dir(run_dir, cfg, str(tmp_path / "nowhere"))
+    check_run_dir(run_dir, config_from_dict(_raw(tmp_path, cache, train={"max_steps": 8})), "auto")  # same model
+    saved_config = (run_dir / "config.yaml").read_text()
+    again = run_distributed(_train, 1, args=({**raw, "train": {**raw["train"], "lr": 1e-4}}, "auto"),
+                            timeout=300)[0]
+    assert again["step"] == 4 and again["losses"] == []
+    assert (run_dir / "config.yaml").read_text() == saved_config
 
     # train.init_from: a new run on another MoE backend (AutoEP) starts from the exported weights,
     # so its first loss equals the exported model's loss on the same first batch
@@ -173,6 +206,32 @@ def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     loss_init = run_distributed(_train, 1, args=(init,), timeout=300)[0]["losses"][0]
     assert loss_init == pytest.approx(expect, rel=1e-5)
     assert abs(loss_fresh - expect) > 1e-2          # a fresh initialisation is measurably worse
+
+
+def test_resumed_metrics_hold_each_step_once(tmp_path):
+    """An invocation killed after logging steps its last checkpoint does not hold: the resumed
+    invocation drops those rows from metrics.jsonl and TensorBoard shows each step once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from smelt_ds.train import MetricsWriter
+
+    first = MetricsWriter(tmp_path, True, 0)
+    for step in range(1, 6):
+        first.write(step, {"loss": 10.0 + step})
+    first.close()                                   # killed at step 5; the last checkpoint is step 3
+    second = MetricsWriter(tmp_path, True, 3)
+    for step in range(4, 7):
+        second.write(step, {"loss": 20.0 + step})
+    second.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0), (5, 25.0),
+                                                      (6, 26.0)]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0),
+                                                                 (5, 25.0), (6, 26.0)]
+    MetricsWriter(tmp_path, True, 0).close()        # a new run starts an empty metrics.jsonl
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 def test_init_from_rejects_other_shapes(tmp_path):
@@ -191,6 +250,10 @@ def test_init_from_rejects_other_shapes(tmp_path):
         load_initial_weights(SmeltLM(wide), tmp_path / "exp")
     with pytest.raises(ConfigError, match=r"`train.init_from` \(.*nowhere.*\) is not an export directory"):
         load_initial_weights(model, tmp_path / "nowhere")
+    data = (tmp_path / "exp" / "model.pt").read_bytes()
+    (tmp_path / "exp" / "model.pt").write_bytes(data[: len(data) // 2])   # a truncated copy
+    with pytest.raises(ConfigError, match=r"`train.init_from`: .*model.pt is not a readable weights file"):
+        load_initial_weights(model, tmp_path / "exp")
 
 
 @pytest.mark.distributed

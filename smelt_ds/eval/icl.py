@@ -183,14 +183,19 @@ def _lines_from_text(text: str) -> list[str]:
     return sorted(set(out))
 
 
-def build_tasks(data, names: tuple[str, ...] = TASK_NAMES, seed: int = 0, text_tokens: int = 200_000) -> list[ICLTask]:
-    """The tasks ``names`` for a run's :class:`smelt_ds.eval.data.EvalData` (``complete`` expands
-    to one ``complete_<domain>`` per validation domain). Raises ConfigError for an unknown name
-    or a tokenizer/data too small to build a task from."""
+def check_task_names(names: tuple[str, ...]) -> None:
+    """Raises ConfigError naming ``--tasks`` when a name is not in :data:`TASK_NAMES`."""
     unknown = [n for n in names if n not in TASK_NAMES]
     if unknown:
         raise ConfigError(f"`--tasks` ({','.join(names)}) names unknown task(s) {unknown}: choose from "
                           f"{','.join(TASK_NAMES)}")
+
+
+def build_tasks(data, names: tuple[str, ...] = TASK_NAMES, seed: int = 0, text_tokens: int = 200_000) -> list[ICLTask]:
+    """The tasks ``names`` for a run's :class:`smelt_ds.eval.data.EvalData` (``complete`` expands
+    to one ``complete_<domain>`` per validation domain). Raises ConfigError for an unknown name
+    or a tokenizer/data too small to build a task from."""
+    check_task_names(names)
     tok, eot = data.tokenizer, data.eot_id
     tasks: list[ICLTask] = []
     if "kv_recall" in names or "pattern" in names:
