@@ -82,5 +82,5 @@ def test_tiny_real_sweep_then_fit(tmp_path):
     assert len(res["architectures"]["smelt"]["savings"]["saving"]) == len(res["C_grid"])
     md = (report / "report.md").read_text()
     assert "## Training FLOPs saved vs baseline" in md and "4 runs for 5 parameters" in md
-    for png in ("scaling_loss_vs_flops.png", "scaling_savings.png"):
+    for png in ("scaling_loss_vs_flops.png", "scaling_savings.png", "scaling_paired.png"):
         assert (report / png).stat().st_size > 10_000
