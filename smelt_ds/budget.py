@@ -260,6 +260,14 @@ def match_baseline(baseline_raw: dict[str, Any], position: str, repeats: int = 2
         if visits is not None:
             scored.append((abs(visits - L_B), L, visits, cand, balance))
     if not scored:
+        if ranges:
+            top = max(r["end"] for r in ranges)
+            if top > L_B:
+                raise ConfigError(f"--ranges end at layer {top}, beyond the Baseline's {L_B} layers (a looped "
+                                  f"model has at most as many unique layers): use ranges within 0..{L_B}")
+            spec = ",".join(f"{r['start']}:{r['end']}:{r['repeats']}" for r in ranges)
+            raise ConfigError(f"--ranges {spec} give no valid loop at any depth <= {L_B} (ranges must be "
+                              "ordered, non-overlapping, start < end, repeats >= 2): fix --ranges")
         raise ConfigError(f"no depth <= {L_B} gives a valid '{position}' loop with repeats {repeats}: "
                           "check --position/--repeats")
     gap = min(s[0] for s in scored)

@@ -149,6 +149,14 @@ def test_matcher_reports_inexact_depth_and_tolerance_error():
         match_baseline(raw, "middle", tolerance=0.01)
 
 
+def test_matcher_explains_bad_ranges():
+    raw = _baseline_raw(6, 128)
+    with pytest.raises(ConfigError, match=r"--ranges end at layer 9, beyond the Baseline's 6 layers"):
+        match_baseline(raw, "asymmetric", ranges=[{"start": 0, "end": 9, "repeats": 2}])
+    with pytest.raises(ConfigError, match=r"--ranges 2:1:2 give no valid loop at any depth <= 6"):
+        match_baseline(raw, "asymmetric", ranges=[{"start": 2, "end": 1, "repeats": 2}])
+
+
 def test_matcher_rejects_looped_baseline():
     raw = _baseline_raw(12, 512)
     raw["loop"] = {"position": "middle"}
