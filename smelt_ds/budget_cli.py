@@ -124,7 +124,12 @@ def run_match(args: argparse.Namespace) -> int:
         print("warning: the match misses the paper's 1% on " + ", ".join(f"{k} ({v:+.2%})" for k, v in off.items())
               + ": pass --tolerance 0.01 to make this an error, or change --ep-size / --ranges / the Baseline",
               file=sys.stderr)
-    header = (f"# Matched to {path} by `smelt-ds match --position {args.position} --repeats {args.repeats}`\n"
+    opts = [f"--position {args.position}", f"--repeats {args.repeats}", f"--fraction {args.fraction:g}"]
+    opts += [f"--{k.replace('_', '-')} {v}" for k, v in (("ranges", args.ranges),
+                                                         ("ep_size", args.ep_size), ("seq_len", args.seq_len),
+                                                         ("tolerance", args.tolerance), ("name", args.name))
+             if v is not None]
+    header = (f"# Matched to {path} by `smelt-ds match {path} {' '.join(opts)}`\n"
               f"# deviations vs Baseline: FLOPs/token {res.deviations['flops']:+.3%}, non-embedding params "
               f"{res.deviations['params']:+.3%}, KV cache {res.deviations['kv_cache']:+.3%}\n")
     text = header + yaml.safe_dump(res.raw, sort_keys=False)

@@ -246,8 +246,9 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str) -> None:
 
     Raises ConfigError when a new run (``resume == "none"``) would start in a directory that
     already holds checkpoints (they would be taken for this run's by export, eval and
-    ``--resume auto``), when ``--resume`` names a directory that does not exist, or when a
-    resumed run's recipe differs from the run directory's ``config.yaml`` in a field the
+    ``--resume auto``); when ``--resume`` names a directory that does not exist, a checkpoint of
+    another run directory, or one older than the run's newest (a rewind would mix the newer
+    checkpoints into this run); or when a resumed run's recipe differs from the run directory's ``config.yaml`` in a field the
     checkpoint depends on (``_RESUME_FIXED``: model, loop, MoE layout and backend, tokenizer).
     """
     from smelt_ds import checkpoint as ckpt
@@ -260,9 +261,21 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str) -> None:
                               f"{latest.name}): continue it with --resume auto, or start this run in a new "
                               "--run-dir (or delete the old one)")
         return
-    if resume != "auto" and not Path(resume).is_dir():
-        raise ConfigError(f"--resume {resume!r} does not exist: pass a checkpoint directory "
-                          f"({out_dir}/checkpoints/stepNNNNNNNN) or --resume auto")
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError(f"--resume {resume!r} does not exist: pass a checkpoint directory "
+                              f"({out_dir}/checkpoints/stepNNNNNNNN) or --resume auto")
+        owner = path.resolve().parent.parent
+        if owner != out_dir.resolve():
+            raise ConfigError(f"--resume {resume}: the checkpoint belongs to run directory {owner}, not to "
+                              f"{out_dir}: resume it there (--run-dir {owner}), or start a new run from its "
+                              "weights with `smelt-ds export` and train.init_from")
+        latest = ckpt.latest_complete(out_dir)
+        if latest is not None and latest.name > path.name:
+            raise ConfigError(f"--resume {resume} is older than the run's newest checkpoint {latest.name}: to "
+                              "rewind, first move the newer checkpoints out of checkpoints/ (otherwise they are "
+                              "pruned by train.keep_last or mixed into this run), or resume with --resume auto")
     saved = out_dir / "config.yaml"
     if not saved.is_file() or (resume == "auto" and ckpt.latest_complete(out_dir) is None):
         return

@@ -191,6 +191,9 @@ def test_match_warns_beyond_one_percent_without_tolerance(tmp_path):
              "-o", str(tmp_path / "m.yaml"))
     assert r.returncode == 0, r.stderr
     assert re.search(r"warning: the match misses the paper's 1% on params \(-\d+\.\d+%\)", r.stderr), r.stderr
+    # the header names the full command, so rerunning it gives the same recipe
+    assert ("# Matched to recipes/tiny/baseline.yaml by `smelt-ds match recipes/tiny/baseline.yaml --position "
+            "middle --repeats 2 --fraction 0.5 --ep-size 5`") in (tmp_path / "m.yaml").read_text()
     r = _cli("match", "recipes/tiny/baseline.yaml", "--position", "middle", "--ep-size", "5", "--tolerance", "0.01")
     assert r.returncode == 2 and "deviates beyond --tolerance 1.00%" in r.stderr
 

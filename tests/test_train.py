@@ -187,6 +187,15 @@ def test_run_directory_summary_export_and_init_from(tmp_path, cache):
         check_run_dir(run_dir, other, "auto")
     with pytest.raises(ConfigError, match=r"--resume '.*nowhere' does not exist"):
         check_run_dir(run_dir, cfg, str(tmp_path / "nowhere"))
+    step4 = run_dir / "checkpoints" / "step00000004"
+    with pytest.raises(ConfigError, match=r"the checkpoint belongs to run directory .*, not to .*elsewhere"):
+        check_run_dir(tmp_path / "elsewhere", cfg, str(step4))      # another run's checkpoint
+    check_run_dir(run_dir, cfg, str(step4))                           # its own newest: fine
+    older = run_dir / "checkpoints" / "step00000002"
+    older.mkdir()
+    with pytest.raises(ConfigError, match=r"is older than the run's newest checkpoint step00000004: to rewind"):
+        check_run_dir(run_dir, cfg, str(older))
+    older.rmdir()
     check_run_dir(run_dir, config_from_dict(_raw(tmp_path, cache, train={"max_steps": 8})), "auto")  # same model
     saved_config = (run_dir / "config.yaml").read_text()
     again = run_distributed(_train, 1, args=({**raw, "train": {**raw["train"], "lr": 1e-4}}, "auto"),
