@@ -354,8 +354,9 @@ def resolve_batch(cfg: RunConfig, data_parallel_size: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """Turn pydantic's error list into one message with field paths, values and fixes."""
+def _format_validation_error(err: ValidationError, prefix: str = "", root: type[BaseModel] | None = None) -> str:
+    """Turn pydantic's error list into one message with field paths, values and fixes (the keys
+    allowed where an unknown one was found are read from ``root``, default :class:`RunConfig`)."""
     extra: dict[str, list[str]] = {}
     lines: list[str] = []
     for e in err.errors():
@@ -369,14 +370,14 @@ def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
         path = ".".join(loc).replace(".[", "[")
         lines.append(f"`{path}` ({e.get('input')!r}): {e['msg']}")
     for parent, keys in extra.items():
-        allowed = _allowed_keys(parent if parent != "<top level>" else "")
+        allowed = _allowed_keys(parent if parent != "<top level>" else "", root or RunConfig)
         lines.insert(0, f"unknown keys in `{parent}`: {sorted(keys)}; allowed keys: {allowed}: "
                         "remove or rename them")
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
-def _allowed_keys(path: str) -> list[str]:
-    cls: Any = RunConfig
+def _allowed_keys(path: str, root: type[BaseModel]) -> list[str]:
+    cls: Any = root
     for part in [p.split("[")[0] for p in path.split(".") if p]:
         field = getattr(cls, "model_fields", {}).get(part)
         if field is None:
@@ -400,10 +401,16 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
     """Validate a raw recipe dict. Raises ConfigError naming ``source`` and the bad fields."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: a recipe must be a YAML mapping of sections, got {type(raw).__name__}")
+    return validate_model(RunConfig, raw, source)
+
+
+def validate_model(cls: type[BaseModel], raw: Any, source: str):
+    """``cls.model_validate(raw)``; a pydantic or cross-field error becomes one ConfigError
+    starting with ``source`` and naming each bad field, its value and the allowed keys."""
     try:
-        return RunConfig.model_validate(raw)
+        return cls.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"{source}: {_format_validation_error(e)}") from None
+        raise ConfigError(f"{source}: {_format_validation_error(e, root=cls)}") from None
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 

@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from smelt_ds.config import LoopPosition, LoopRange, RunConfig, apply_overrides, config_from_dict, config_to_dict, \
-    config_diff, read_yaml_mapping, resolve_batch
+    config_diff, read_yaml_mapping, resolve_batch, validate_model
 from smelt_ds.errors import ConfigError
 from smelt_ds.schema import StrictModel
 
@@ -159,27 +159,11 @@ class SweepConfig(StrictModel):
         return self
 
 
-def _format_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        path = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]).replace(".[", "[")
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key `{path}`: remove or rename it")
-        else:
-            lines.append(f"`{path}` ({e.get('input')!r}): {e['msg']}")
-    return "; ".join(lines)
-
-
 def load_sweep(path: str | Path) -> SweepConfig:
     """Load and validate a sweep file. Raises ConfigError naming the file and the bad field."""
     path = Path(path)
     raw = read_yaml_mapping(path, "sweep file", "recipes/sweeps/micro.yaml")
-    try:
-        return SweepConfig.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(f"sweep file {path}: {_format_error(e)}") from None
-    except ConfigError as e:
-        raise ConfigError(f"sweep file {path}: {e}") from None
+    return validate_model(SweepConfig, raw, f"sweep file {path}")
 
 
 # ---------------------------------------------------------------------------------------------
