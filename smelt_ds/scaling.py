@@ -663,7 +663,12 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
             excluded.append(Exclusion(f"architecture {arch}", str(e)))
     if not fits:
         reasons = "; ".join(summarize_exclusions(excluded)) or "no finished runs"
-        raise ConfigError(f"no architecture has enough finished runs for a scaling-law fit: {reasons}")
+        base = _pick_baseline(by_arch, baseline) if by_arch else None
+        paired = {a: paired_comparison(by_arch[base], pts) for a, pts in by_arch.items() if base and a != base}
+        so_far = "; ".join(f"{a} - {base}: {pr['n_pairs']} pair(s), mean loss delta {pr['mean_delta']:+.4f} "
+                           "nats/token" for a, pr in paired.items() if pr)
+        raise ConfigError(f"no architecture has enough finished runs for a scaling-law fit: {reasons}"
+                          + (f". Paired runs so far (same size and budget, no fit): {so_far}" if so_far else ""))
     base = _pick_baseline({a: by_arch[a] for a in fits}, baseline)
     fitted = [p for a in fits for p in by_arch[a]]
     cmin, cmax = min(p.C for p in fitted), max(p.C for p in fitted)

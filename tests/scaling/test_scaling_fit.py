@@ -182,8 +182,16 @@ def test_degenerate_inputs_are_clear_errors():
     with pytest.raises(ConfigError, match="finite and positive"):
         fit_law([1e6, 2e6, 1e6, 2e6], [1e5, 1e5, 2e5, 2e5], [5.0, float("nan"), 4.8, 4.7])
     one_size = [RunPoint(f"r{i}", "baseline", 5.0 - 0.1 * i, 1e6, 1e5 * 2 ** i, 6e6) for i in range(4)]
-    with pytest.raises(ConfigError, match="no architecture has enough finished runs"):
+    with pytest.raises(ConfigError, match="no architecture has enough finished runs") as info:
         analyse(one_size, n_bootstrap=0)
+    assert "Paired runs" not in str(info.value)
+    # a partial sweep (one token count): no fit, but the matched pairs are still reported
+    partial = [RunPoint(f"b{i}", "baseline", 5.0, 1e6 * (i + 1), 1e5, 6e6, "none", f"s{i}", "d1") for i in range(2)]
+    partial += [RunPoint(f"x{i}", "smelt", 4.9 + 0.1 * i, 1e6 * (i + 1), 1e5, 6e6, "middle", f"s{i}", "d1")
+                for i in range(2)]
+    with pytest.raises(ConfigError, match=r"Paired runs so far \(same size and budget, no fit\): smelt - baseline: "
+                                          r"2 pair\(s\), mean loss delta -0\.0500 nats/token"):
+        analyse(partial, n_bootstrap=0)
 
 
 def test_analyse_reports_an_unfittable_architecture_and_fits_the_rest():
