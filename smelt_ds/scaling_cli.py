@@ -113,6 +113,11 @@ def run_fit(args: argparse.Namespace) -> int:
         if m:
             line += (f"; training FLOPs saved vs {res['baseline']} over the measured compute: "
                      f"{100 * m[0]:+.1f}% to {100 * m[1]:+.1f}%")
+        pr = a.get("paired")
+        if pr:
+            ci = f" [{pr['ci95'][0]:+.4f}, {pr['ci95'][1]:+.4f}], p={pr['p_value']:.3g}" if pr["ci95"] else ""
+            line += (f"; paired runs vs {res['baseline']}: mean loss delta {pr['mean_delta']:+.4f}{ci} "
+                     f"over {pr['n_pairs']} pairs")
         print(line)
     for kind, path in written.items():
         print(f"wrote {path}")

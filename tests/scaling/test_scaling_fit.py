@@ -232,7 +232,7 @@ def test_collect_runs_reports_unfinished_and_diverged_runs(tmp_path):
         collect_runs([tmp_path / "empty"])
 
 
-def test_fit_cli_on_synthetic_runs_reproduces_the_closed_form_saving(tmp_path):
+def test_fit_cli_on_synthetic_runs_reproduces_the_closed_form_saving(tmp_path, capsys):
     # runs drawn without noise from two laws that differ only in A (A_smelt = 0.9 A), with
     # C = 6 N D for both: the report's saving must be 1 - 0.9^(1/alpha) at every compute
     from smelt_ds.cli import main
@@ -247,6 +247,7 @@ def test_fit_cli_on_synthetic_runs_reproduces_the_closed_form_saving(tmp_path):
     out = tmp_path / "report"
     assert main(["scaling", "fit", str(tmp_path / "runs"), "-o", str(out), "--bootstrap", "4",
                  "--c-range", "1e18", "1e24"]) == 0
+    printed = capsys.readouterr().out
     res = json.loads((out / "scaling.json").read_text())
     s = res["architectures"]["smelt"]
     np.testing.assert_allclose(s["savings"]["saving"], 1 - r ** (1 / CHINCHILLA.alpha), atol=2e-3)
@@ -266,6 +267,8 @@ def test_fit_cli_on_synthetic_runs_reproduces_the_closed_form_saving(tmp_path):
     assert pr["mean_delta"] == pytest.approx(float(np.mean(expect)), rel=1e-6)
     assert "## Paired runs: each architecture vs baseline" in md and f"{pr['mean_delta']:+.4f}" in md
     assert (out / "scaling_paired.png").is_file()
+    assert f"paired runs vs baseline: mean loss delta {pr['mean_delta']:+.4f} [" in printed
+    assert "over 25 pairs" in printed
     assert (out / "scaling_savings.png").is_file() and (out / "scaling_loss_vs_flops.png").is_file()
 
 
