@@ -1,5 +1,11 @@
-"""Test utilities shipped with the package (multi-process CPU tests, like OLMo-core's ``testing``)."""
+"""Test utilities shipped with the package (multi-process CPU tests, like OLMo-core's ``testing``).
 
-from smelt_ds.testing.distributed import DistributedTestError, find_free_port, run_distributed
+``SMELT_TEST_TIMEOUT_SCALE`` (a finite number > 0, default 1) multiplies the wall-clock limits of
+:func:`run_distributed`; :func:`scaled_timeout` applies it to a test's own limits.
+"""
 
-__all__ = ["DistributedTestError", "find_free_port", "run_distributed"]
+from smelt_ds.testing.distributed import (TIMEOUT_SCALE_ENV, DistributedTestError, find_free_port, run_distributed,
+                                          scaled_timeout, timeout_scale)
+
+__all__ = ["TIMEOUT_SCALE_ENV", "DistributedTestError", "find_free_port", "run_distributed", "scaled_timeout",
+           "timeout_scale"]

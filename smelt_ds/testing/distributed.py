@@ -9,6 +9,16 @@ and returns the per-rank results. A failure on any rank is re-raised in the pare
 :class:`DistributedTestError` carrying every failing rank's traceback; the call never hangs: a
 wall-clock ``timeout`` kills all children, and collectives inside the children time out as well.
 
+Timeouts scale with the machine: every wall-clock limit of :func:`run_distributed` (the run's
+``timeout``, the process-group timeout of the children, and its short internal waits for peers'
+errors and for children to exit) is multiplied by the environment variable
+``SMELT_TEST_TIMEOUT_SCALE`` (a finite number > 0; unset or empty means 1), read at each call.
+A shared or small CI machine sets e.g. ``SMELT_TEST_TIMEOUT_SCALE=3`` (``.ci/run`` does) rather
+than every test raising its own limit; the protection against hangs stays, only later.
+:func:`scaled_timeout` applies the same factor to a test's own limits (``subprocess.run(...,
+timeout=scaled_timeout(300))``, ``proc.communicate(timeout=scaled_timeout(120))``). A bad value
+raises :class:`ValueError` naming the variable, the value and what is accepted.
+
 ``fn`` and ``args`` must be picklable (a module-level function), since children are spawned:
 the child imports ``fn``'s module by name, with the parent's ``sys.path``. A function defined in
 a test module works under pytest's default ``prepend`` import mode (test basenames must then be
@@ -18,6 +28,7 @@ unique); with ``--import-mode=importlib`` put workers in an importable module in
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import queue as queue_mod
@@ -28,11 +39,56 @@ from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedTestError", "find_free_port", "run_distributed"]
+__all__ = ["TIMEOUT_SCALE_ENV", "DistributedTestError", "find_free_port", "run_distributed", "scaled_timeout",
+           "timeout_scale"]
+
+#: environment variable multiplying the wall-clock limits of the multi-process test helpers
+TIMEOUT_SCALE_ENV = "SMELT_TEST_TIMEOUT_SCALE"
 
 
 class DistributedTestError(RuntimeError):
     """One or more ranks of :func:`run_distributed` failed, exited abnormally or timed out."""
+
+
+def timeout_scale() -> float:
+    """The factor ``SMELT_TEST_TIMEOUT_SCALE`` sets for test timeouts (dimensionless), read now.
+
+    Unset, empty or blank means 1.0.
+
+    Raises:
+        ValueError: the variable is not a finite number > 0 (the message names the variable, its
+            value and what is accepted).
+    """
+    raw = os.environ.get(TIMEOUT_SCALE_ENV, "")
+    if not raw.strip():
+        return 1.0
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = math.nan
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{TIMEOUT_SCALE_ENV}={raw!r} is not a valid timeout scale: set a finite number > 0 "
+                         f"(e.g. {TIMEOUT_SCALE_ENV}=3 on a loaded machine, 0.5 to fail faster), or unset it "
+                         "for 1")
+    return scale
+
+
+def scaled_timeout(seconds: float) -> float:
+    """``seconds`` (a wall-clock limit in seconds) times :func:`timeout_scale`, in seconds.
+
+    Use it for a test's own limits on long work (a training subprocess, several processes), e.g.
+    ``proc.communicate(timeout=scaled_timeout(240))``, so that ``SMELT_TEST_TIMEOUT_SCALE``
+    stretches them on a loaded machine as it does :func:`run_distributed`'s.
+
+    Raises:
+        ValueError: ``seconds`` is not a finite number > 0, or ``SMELT_TEST_TIMEOUT_SCALE`` is bad
+            (see :func:`timeout_scale`).
+    """
+    number = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+    if not (number and math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"scaled_timeout(seconds={seconds!r}): seconds must be a finite number > 0 (a wall-clock "
+                         "limit in seconds, before scaling)")
+    return float(seconds) * timeout_scale()
 
 
 def find_free_port() -> int:
@@ -84,8 +140,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, backend: str = 
         fn: a picklable (module-level) function; its return value must be picklable too.
         world_size: number of processes (ranks).
         backend: ``torch.distributed`` backend (``gloo`` on CPU).
-        timeout: wall-clock limit in seconds for the whole run (start-up included); collectives
-            inside the children time out after the same number of seconds.
+        timeout: wall-clock limit in seconds for the whole run (start-up included), before
+            scaling: the limit applied is ``timeout * SMELT_TEST_TIMEOUT_SCALE`` (see
+            :func:`scaled_timeout`); collectives inside the children time out after that many
+            seconds as well.
         args: extra positional arguments passed to ``fn``.
         init_deepspeed: initialise through ``deepspeed.init_distributed`` (needed before
             ``deepspeed.initialize``); otherwise plain ``torch.distributed.init_process_group``.
@@ -98,18 +156,23 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, backend: str = 
 
     Raises:
         DistributedTestError: a rank raised (message holds each failing rank's traceback), exited
-            without a result (e.g. killed by a signal), or the run exceeded ``timeout`` (all
-            children are killed first, so nothing is left running).
+            without a result (e.g. killed by a signal), or the run exceeded the scaled ``timeout``
+            (all children are killed first, so nothing is left running; the message states the
+            limit applied, the ``timeout`` asked for and the scale).
+        ValueError: ``timeout`` is not a finite number > 0, or ``SMELT_TEST_TIMEOUT_SCALE`` is not
+            a finite number > 0 (raised before any process starts).
     """
+    scale = timeout_scale()
+    limit = scaled_timeout(timeout)
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = find_free_port()
     procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, init_deepspeed, num_threads,
-                                              timeout, fn, tuple(args), results), daemon=True)
+                                              limit, fn, tuple(args), results), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + limit
     outcomes: dict[int, tuple[str, Any]] = {}
     try:
         while len(outcomes) < world_size:
@@ -117,25 +180,26 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, backend: str = 
                 rank, status, payload = results.get(timeout=0.2)
                 outcomes[rank] = (status, payload)
                 if status == "error":
-                    _drain(results, outcomes, seconds=2.0)  # let the peers report their own errors
+                    _drain(results, outcomes, seconds=2.0 * scale)  # let the peers report their own errors
                     break
                 continue
             except queue_mod.Empty:
                 pass
             dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
             if dead:
-                _drain(results, outcomes, seconds=1.0)
+                _drain(results, outcomes, seconds=1.0 * scale)
                 for r in dead:
                     if r not in outcomes:
                         outcomes[r] = ("error", f"process exited with code {procs[r].exitcode} without a result")
                 break
             if time.monotonic() > deadline:
                 missing = [r for r in range(world_size) if r not in outcomes]
-                _kill(procs)
+                _kill(procs, join_s=5.0 * scale)
                 raise DistributedTestError(f"run_distributed({getattr(fn, '__name__', fn)!r}) timed out after "
-                                           f"{timeout:.0f} s; ranks without a result: {missing}")
+                                           f"{limit:g} s (timeout={timeout:g} s x {TIMEOUT_SCALE_ENV}={scale:g}); "
+                                           f"ranks without a result: {missing}")
     finally:
-        _kill(procs)
+        _kill(procs, join_s=5.0 * scale)
     # dicts keep arrival order: the first rank to fail (usually the root cause) is listed first
     errors = {r: msg for r, (status, msg) in outcomes.items() if status == "error"}
     if errors:
@@ -155,12 +219,14 @@ def _drain(results, outcomes: dict, seconds: float) -> None:
             continue
 
 
-def _kill(procs) -> None:
+def _kill(procs, join_s: float) -> None:
+    """SIGTERM every live child, wait up to ``join_s`` seconds for each, then SIGKILL what is left
+    (and reap it: up to 5 s, unscaled, since a SIGKILLed process exits at once)."""
     for p in procs:
         if p.is_alive():
             p.terminate()
     for p in procs:
-        p.join(timeout=5)
+        p.join(timeout=join_s)
         if p.is_alive():
             p.kill()
             p.join(timeout=5)

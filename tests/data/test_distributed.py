@@ -13,7 +13,7 @@ import pytest
 from data_test_utils import prose, write_jsonl
 
 from smelt_ds.data import DataConfig, PreparedData
-from smelt_ds.testing import run_distributed
+from smelt_ds.testing import run_distributed, scaled_timeout
 
 pytestmark = pytest.mark.distributed
 
@@ -69,7 +69,7 @@ def _launch(rank: int, cfg: DataConfig) -> subprocess.Popen:
 
 
 def _result(proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=scaled_timeout(120))
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 

@@ -13,6 +13,7 @@ import pytest
 
 from smelt_ds.data import DataConfig, PreparedData, prepare_from_config, token_dtype
 from smelt_ds.errors import ConfigError
+from smelt_ds.testing import scaled_timeout
 
 from data_test_utils import (assign_documents, builtin_documents, encode_documents, prose, shakespeare_documents,
                              split_at_eot, two_domain_config, wiki_documents, write_jsonl)
@@ -196,7 +197,8 @@ def test_num_proc_2_with_tokenizers_parallelism_true_finishes(tmp_path):
     """)
     write_jsonl(tmp_path / "d.jsonl", prose(1000))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "true"}
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=scaled_timeout(120))
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     p = PreparedData.load(out["root"])

@@ -1,0 +1,77 @@
+"""SMELT_TEST_TIMEOUT_SCALE: the wall-clock limits of smelt_ds.testing scale with the machine."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+
+from smelt_ds.testing import TIMEOUT_SCALE_ENV, DistributedTestError, run_distributed, scaled_timeout, timeout_scale
+
+
+def _sleep_5_s_on_rank_0(rank: int, world: int) -> int:
+    if rank == 0:
+        time.sleep(5)
+    return rank
+
+
+def _pg_timeout_s(rank: int, world: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds()
+
+
+@pytest.mark.parametrize("value,scale", [(None, 1.0), ("", 1.0), ("  ", 1.0), ("3", 3.0), ("0.5", 0.5),
+                                         (" 2.5 ", 2.5), ("1e-2", 0.01)])
+def test_scale_multiplies_the_limit(monkeypatch, value, scale):
+    if value is None:
+        monkeypatch.delenv(TIMEOUT_SCALE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TIMEOUT_SCALE_ENV, value)
+    assert timeout_scale() == scale
+    assert scaled_timeout(240) == pytest.approx(240 * scale)
+    assert scaled_timeout(0.5) == pytest.approx(0.5 * scale)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf", "-inf", "3s", "1,5"])
+def test_bad_scale_names_the_variable_the_value_and_what_is_accepted(monkeypatch, value):
+    monkeypatch.setenv(TIMEOUT_SCALE_ENV, value)
+    expected = rf"SMELT_TEST_TIMEOUT_SCALE={value!r} is not a valid timeout scale: set a finite number > 0"
+    with pytest.raises(ValueError, match=expected):
+        scaled_timeout(60)
+    # run_distributed refuses before it starts any process
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=expected):
+        run_distributed(_sleep_5_s_on_rank_0, world_size=2, timeout=60, init_deepspeed=False)
+    assert time.monotonic() - t0 < 1.0
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("seconds", [0, -5, float("nan"), float("inf"), True, "60"])
+def test_bad_seconds_are_refused(monkeypatch, seconds):
+    monkeypatch.delenv(TIMEOUT_SCALE_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"scaled_timeout\(seconds=.*\): seconds must be a finite number > 0"):
+        scaled_timeout(seconds)
+
+
+@pytest.mark.distributed
+def test_run_distributed_times_out_at_the_scaled_limit(monkeypatch):
+    # unscaled, this run succeeds after rank 0's 5 s sleep; scaled by 0.01 the limit is 1 s
+    monkeypatch.setenv(TIMEOUT_SCALE_ENV, "0.01")
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_sleep_5_s_on_rank_0, world_size=2, timeout=100, init_deepspeed=False)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 4.0, f"took {elapsed:.1f} s: the 0.01 scale was not applied to the 100 s timeout"
+    msg = str(info.value)
+    assert "timed out after 1 s (timeout=100 s x SMELT_TEST_TIMEOUT_SCALE=0.01); ranks without a result: [0" in msg
+    assert multiprocessing.active_children() == []  # every child killed and reaped
+
+
+@pytest.mark.distributed
+def test_process_group_timeout_is_scaled(monkeypatch):
+    monkeypatch.setenv(TIMEOUT_SCALE_ENV, "0.5")
+    assert run_distributed(_pg_timeout_s, world_size=1, timeout=120, init_deepspeed=False) == [60.0]
