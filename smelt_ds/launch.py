@@ -60,27 +60,65 @@ class Host:
     slots: int
 
 
+#: a deepspeed hostfile entry exactly as ``deepspeed.launcher.runner._parse_hostfile`` matches it:
+#: at the start of the stripped line, the host, whitespace, then ``slots=`` and digits with nothing
+#: in between; whatever follows the digits is ignored (by the launcher, hence here too)
+_HOSTFILE_ENTRY = re.compile(r"(\S+)\s+slots=(\d+)")
+
+
 def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
-    """Parse a DeepSpeed / MPI hostfile: ``HOST slots=N`` per line, ``#`` comments and blank lines
-    ignored (the format of ``deepspeed.launcher.runner.fetch_hostfile``). Raises ConfigError naming
-    the line for a bad entry, a duplicate host or an empty file."""
+    """Parse a DeepSpeed hostfile, accepting exactly the files the deepspeed launcher accepts
+    (``deepspeed.launcher.runner.fetch_hostfile`` / ``_parse_hostfile``) and reading the same hosts
+    and slots from them.
+
+    Per line, after stripping surrounding whitespace: blank lines and lines *starting* with ``#``
+    are skipped (a ``#`` later in a line is not a comment); every other line must start with
+    ``HOSTNAME``, whitespace, then ``slots=N`` (no spaces around ``=``; ``N`` digits: GPU slots,
+    ``0`` included, as the launcher takes it); anything after the digits is ignored, as by the
+    launcher (e.g. an MPI ``max_slots=8`` or ``# comment``). Lines end at LF, CRLF or CR (Python's
+    universal newlines, as the launcher reads the file). ``source`` names the file in
+    errors. Whether a host has the slots a job needs is :func:`plan_job`'s check, not this one.
+
+    Returns:
+        the hosts in file order.
+
+    Raises:
+        ConfigError: a line the launcher refuses (e.g. ``host slots = 8``, ``host 8``), a host on
+            two lines, or no host at all; the message names ``source``, the line number, the line
+            and the fix.
+    """
     hosts: list[Host] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
+    first_line: dict[str, int] = {}
+    for n, raw in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
             continue
-        m = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
+        m = _HOSTFILE_ENTRY.match(line)
         if m is None:
-            raise ConfigError(f"{source} line {n} ({line!r}) is not `HOSTNAME slots=N`: write e.g. "
-                              "`gpu-node-001.example.org slots=8`")
-        if int(m.group(2)) < 1:
-            raise ConfigError(f"{source} line {n} ({line!r}): slots must be >= 1")
-        if any(h.name == m.group(1) for h in hosts):
-            raise ConfigError(f"{source} line {n}: host {m.group(1)!r} is listed twice: keep one line per host")
-        hosts.append(Host(m.group(1), int(m.group(2))))
+            raise ConfigError(f"{source} line {n}: {line!r} is not a deepspeed hostfile entry `HOSTNAME slots=N` "
+                              f"(the deepspeed launcher refuses it): {_hostfile_fix(line)}")
+        name, slots = m.group(1), int(m.group(2))
+        if name in first_line:
+            raise ConfigError(f"{source} line {n}: {line!r}: host {name!r} is listed twice (first on line "
+                              f"{first_line[name]}), which the deepspeed launcher refuses: keep one line per host")
+        first_line[name] = n
+        hosts.append(Host(name, slots))
     if not hosts:
-        raise ConfigError(f"{source} lists no hosts: add `HOSTNAME slots=N` lines")
+        raise ConfigError(f"{source} lists no hosts (only blank lines and `#` comments): add one `HOSTNAME slots=N` "
+                          "line per node, e.g. `gpu-node-001.example.org slots=8`")
     return hosts
+
+
+def _hostfile_fix(line: str) -> str:
+    """How to write a hostfile line the launcher refuses (for the error message)."""
+    m = re.match(r"(\S+)\s+slots\s*[=:]?\s*(\d+)", line, re.IGNORECASE)
+    if m is not None:
+        return f"write `{m.group(1)} slots={m.group(2)}` (lower-case `slots=`, no spaces around `=`)"
+    m = re.fullmatch(r"(\S+)\s+(\d+)", line)
+    if m is not None:
+        return f"write `{m.group(1)} slots={m.group(2)}`"
+    return ("write one host per line as `HOSTNAME slots=N` (the host, a space, then `slots=` and its GPU count), "
+            "e.g. `gpu-node-001.example.org slots=8`; start a comment line with `#`")
 
 
 def _split_top(text: str) -> list[str]:

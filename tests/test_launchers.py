@@ -23,6 +23,7 @@ from smelt_ds.cli import main as cli_main
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch import JobOptions, expand_nodelist, main as launch_main, parse_hostfile, plan_job, render
 from smelt_ds.recipes import shipped_recipes
+from smelt_ds.testing import scaled_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = [(e.path, layout) for e in shipped_recipes() if e.size != "tiny" for layout in ("h100", "h200")]
@@ -134,7 +135,6 @@ def test_hostfile_gives_master_and_world_size(tmp_path):
     ("node1 slots=8\nnode1 slots=8\n", "listed twice"),
     ("node1 8\n", "line 1.*HOSTNAME slots=N"),
     ("# nothing\n\n", "no hosts"),
-    ("node1 slots=0\n", "slots must be >= 1"),
 ])
 def test_bad_hostfiles(text, match):
     with pytest.raises(ConfigError, match=match):
@@ -305,7 +305,7 @@ def test_two_nodes_on_loopback_train_the_tiny_recipe_with_zero3(tmp_path, cache)
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=420)[0])
+            outs.append(p.communicate(timeout=scaled_timeout(420))[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -379,3 +379,117 @@ def test_version_matches_the_installed_package(capsys):
         build_parser().parse_args(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"smelt-ds {version('smelt-ds')}"
+
+
+# ---------------------------------------------------------------------------------------------
+# hostfile lines: accepted exactly when the deepspeed launcher accepts them
+# ---------------------------------------------------------------------------------------------
+
+HOSTFILE_LINES = [
+    "host slots=8", "  host   slots=8  ", "host\tslots=8", "host\x0cslots=8", "host\u00a0slots=8",
+    "gpu-node-001.cluster.example.org slots=16", "host slots=0", "host slots=08", "host slots=\u0668",
+    "host slots=8 # a comment after the entry", "host slots=8 max_slots=16", "host slots=8abc", "host slots=8.5",
+    "host#rack1 slots=8", "# host slots=8", "   # an indented comment", "#", "", "   \t ",
+    "host slots = 8", "host slots =8", "host slots= 8", "host SLOTS=8", "host Slots=8", "host slots:8",
+    "host slots=", "host slots=-1", "host slots=x8", "host 8", "host", "slots=8", "host,slots=8", "host:slots=8",
+    "hostslots=8", "host slots 8", "; host slots=8",
+]
+
+
+def _ours_and_deepspeeds(text: str, tmp_path: Path):
+    """(our hosts or None, DeepSpeed's hosts or None) for the hostfile ``text``; None = refused.
+    DeepSpeed reads the file as `deepspeed --hostfile` does (runner.fetch_hostfile)."""
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    hf = tmp_path / "hostfile"
+    hf.write_bytes(text.encode())
+    try:
+        ds = list(fetch_hostfile(str(hf)).items())
+    except ValueError:
+        ds = None
+    ours = []
+    for given in (text, hf.read_text()):  # as passed, and as plan_job reads the file
+        try:
+            ours.append([(h.name, h.slots) for h in parse_hostfile(given, str(hf))])
+        except ConfigError:
+            ours.append(None)
+    assert ours[0] == ours[1]
+    return ours[0], ds
+
+
+@pytest.mark.parametrize("line", HOSTFILE_LINES, ids=repr)
+def test_hostfile_line_accepted_exactly_when_deepspeed_accepts_it(line, tmp_path):
+    # alone (a comment or blank line alone is an empty hostfile: refused by both), and after a
+    # good line (so only the line itself decides)
+    for text in (line + "\n", f"first slots=2\n{line}\n"):
+        ours, ds = _ours_and_deepspeeds(text, tmp_path)
+        assert ours == ds, f"{text!r}: ours {ours}, deepspeed {ds}"
+    # the decision is as expected, not only shared (guards against both parsers changing)
+    accepted = line in ("host slots=8", "  host   slots=8  ", "host\tslots=8", "host\x0cslots=8",
+                        "host\u00a0slots=8", "gpu-node-001.cluster.example.org slots=16", "host slots=0",
+                        "host slots=08", "host slots=\u0668", "host slots=8 # a comment after the entry",
+                        "host slots=8 max_slots=16", "host slots=8abc", "host slots=8.5", "host#rack1 slots=8")
+    skipped = line.strip() == "" or line.strip().startswith("#")
+    assert (ours is not None and len(ours) == 2) == accepted
+    assert (ours == [("first", 2)]) == skipped
+
+
+@pytest.mark.parametrize("text", [
+    "a slots=8\na slots=4\n",                   # a host twice: refused
+    "a slots=8\n\n# a again\n  a   slots=8\n",  # also when the lines differ in spacing
+    "a slots=8\nA slots=8\n",                   # host names are compared as written
+    "a slots=8\na.example.org slots=8\n",
+    "a slots=8\r\nb slots=4\r\n",               # CRLF
+    "a slots=8\rb slots=4\r",                   # CR alone ends a line too (universal newlines)
+    "a slots=8\x85b slots=4\n",                 # NEL does not (one line: a, 8)
+    "a slots=8\u2028b slots=4\n",
+    "# only a comment\n\n",
+    "",
+    "\n\n\n",
+])
+def test_hostfile_files_parse_like_deepspeed(text, tmp_path):
+    ours, ds = _ours_and_deepspeeds(text, tmp_path)
+    assert ours == ds, f"{text!r}: ours {ours}, deepspeed {ds}"
+
+
+def test_hostfile_with_spaces_around_equals_is_refused_naming_the_line_and_the_fix(tmp_path, capsys):
+    hf = tmp_path / "hostfile"
+    hf.write_text("# the cluster\ngpu-node-001 slots=8\r\ngpu-node-002 slots = 8\n")
+    expected = (f"{hf} line 3: 'gpu-node-002 slots = 8' is not a deepspeed hostfile entry `HOSTNAME slots=N` "
+                "(the deepspeed launcher refuses it): write `gpu-node-002 slots=8` (lower-case `slots=`, no spaces "
+                "around `=`)")
+    with pytest.raises(ConfigError) as e:
+        _plan(ROOT / "recipes/m/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=2, gpus_per_node=8)
+    assert str(e.value) == expected
+    capsys.readouterr()
+    assert cli_main(["render-job", "recipes/m/smelt.yaml", "--scheduler", "deepspeed", "--hostfile", str(hf),
+                     "--nodes", "2", "--gpus-per-node", "8", "--dry-run"]) == 2
+    assert expected in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^hostfile line 1: 'node1 8' is not a deepspeed hostfile entry .*: "
+                                          r"write `node1 slots=8`$"):
+        parse_hostfile("node1 8\n")
+    with pytest.raises(ConfigError, match=r"^hostfile line 1: 'node1' .*: write one host per line as "
+                                          r"`HOSTNAME slots=N` .*e\.g\. `gpu-node-001\.example\.org slots=8`"):
+        parse_hostfile("node1\n")
+
+
+def test_hostfile_duplicate_and_empty_errors_name_the_lines(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parse_hostfile("a slots=8\n# b\nb slots=8\n a  slots=4\n", "hf")
+    assert str(e.value) == ("hf line 4: 'a  slots=4': host 'a' is listed twice (first on line 1), which the "
+                            "deepspeed launcher refuses: keep one line per host")
+    with pytest.raises(ConfigError, match=r"^hf lists no hosts \(only blank lines and `#` comments\): add one "
+                                          r"`HOSTNAME slots=N` line per node"):
+        parse_hostfile("# a slots=8\n\n", "hf")
+
+
+def test_hostfile_host_with_zero_slots_parses_but_a_job_cannot_use_it(tmp_path):
+    # the launcher takes `slots=0` (and with --num_gpus ignores slots), so the parser does too;
+    # the plan refuses such a host only when the job places ranks on it
+    assert [(h.name, h.slots) for h in parse_hostfile("a slots=8\nb slots=0\n")] == [("a", 8), ("b", 0)]
+    hf = tmp_path / "hostfile"
+    hf.write_text("a slots=8\nb slots=0\n")
+    plan = _plan(ROOT / "recipes/s/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=1, gpus_per_node=8)
+    assert plan.world_size == 8 and plan.master_addr == "a"
+    with pytest.raises(ConfigError, match=r"b has 0 slots, fewer than --gpus-per-node 8"):
+        _plan(ROOT / "recipes/m/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=2, gpus_per_node=8)
