@@ -2,13 +2,14 @@
 
 ``<out>/model.pt`` holds a state dict in the reference layout (``SmeltLM`` with the reference MoE
 backend) and ``<out>/config.yaml`` the resolved recipe; :func:`load_exported` rebuilds the model
-on one CPU process. ZeRO-sharded states are gathered with DeepSpeed's own
-``deepspeed.utils.zero_to_fp32``. The output is written to a temporary directory and renamed, so
+on one CPU process, whatever the MoE backend, ZeRO stage and expert-parallel size of the run
+(the checkpoint's reference-layout shards, :mod:`smelt_ds.reference_weights`). The output is written to a temporary directory and renamed, so
 a partial export is never taken for a complete one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -35,22 +36,33 @@ def _resolve(path: str | Path) -> tuple[Path, Path]:
 
 
 def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
-    """fp32 state dict of the model in the reference layout, from any ZeRO stage and backend."""
+    """fp32 state dict of the model in the reference layout, from any ZeRO stage and backend.
+
+    Checkpoints carry the weights in the reference layout, gathered on the live engine at save
+    time (:mod:`smelt_ds.reference_weights`); they are merged and checked for completeness here.
+    Reference-backend checkpoints written before those shards existed fall back to DeepSpeed's
+    ``zero_to_fp32`` (ZeRO 1-3) or the rank-0 model file (ZeRO-0). Raises ConfigError naming the
+    file for a missing or damaged shard, and for an expert-parallel checkpoint without shards.
+    """
+    from smelt_ds.reference_weights import has_reference_shards, merge_reference_shards
+
+    meta = json.loads((ckpt_dir / ckpt.MARKER).read_text())
+    if has_reference_shards(ckpt_dir):
+        return merge_reference_shards(ckpt_dir, cfg, int(meta.get("world_size", 1)))
+    if cfg.moe.backend != "reference":
+        raise ConfigError(f"{ckpt_dir} has no reference weights ({ckpt_dir}/reference/): it was written by an "
+                          f"older smelt-ds, and a moe.backend {cfg.moe.backend!r} checkpoint cannot be converted "
+                          "offline; resume it for one step with this version (--resume auto, raising "
+                          "train.max_steps by 1) and export the new checkpoint")
     if cfg.deepspeed.zero_stage == 0:
         files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
         if not files:
             raise ConfigError(f"{ckpt_dir}: no mp_rank_*_model_states.pt; is this a DeepSpeed checkpoint?")
         state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
-        state = {k: v.float() for k, v in state.items()}
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        return {k: v.float() for k, v in state.items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)
-    if cfg.moe.backend != "reference":
-        from smelt_ds.moe_backends import to_reference_state_dict
-
-        state = to_reference_state_dict(state, cfg, ckpt_dir)
-    return state
+    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)
 
 
 EXPORT_FILES = frozenset({"model.pt", "config.yaml", "SOURCE"})

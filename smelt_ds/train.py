@@ -28,7 +28,7 @@ from smelt_ds.budget import compute_budget
 from smelt_ds.config import RunConfig, dump_config, load_config
 from smelt_ds.errors import ConfigError
 
-__all__ = ["main", "train", "parse_args", "RunResult"]
+__all__ = ["main", "train", "build", "Built", "parse_args", "RunResult"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -241,7 +241,7 @@ _RESUME_FIXED = {"model": None, "loop": None, "data": ("tokenizer",),
                          "aux_loss_free_bias", "backend", "ep_size")}
 
 
-def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str) -> None:
+def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | None = None) -> None:
     """Refuse to mix runs in one run directory, before anything is written to it.
 
     Raises ConfigError when a new run (``resume == "none"``) would start in a directory that
@@ -249,7 +249,9 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str) -> None:
     ``--resume auto``); when ``--resume`` names a directory that does not exist, a checkpoint of
     another run directory, or one older than the run's newest (a rewind would mix the newer
     checkpoints into this run); or when a resumed run's recipe differs from the run directory's ``config.yaml`` in a field the
-    checkpoint depends on (``_RESUME_FIXED``: model, loop, MoE layout and backend, tokenizer).
+    checkpoint depends on (``_RESUME_FIXED``: model, loop, MoE layout and backend, tokenizer); or,
+    when ``world_size`` is given, when the checkpoint to resume was written with another number
+    of ranks, ZeRO stage, MoE backend or expert-parallel size (:func:`smelt_ds.checkpoint.check_layout`).
     """
     from smelt_ds import checkpoint as ckpt
     from smelt_ds.config import config_diff, config_to_dict
@@ -276,6 +278,9 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str) -> None:
             raise ConfigError(f"--resume {resume} is older than the run's newest checkpoint {latest.name}: to "
                               "rewind, first move the newer checkpoints out of checkpoints/ (otherwise they are "
                               "pruned by train.keep_last or mixed into this run), or resume with --resume auto")
+    target = ckpt.latest_complete(out_dir) if resume == "auto" else Path(resume)
+    if world_size is not None and target is not None and (target / ckpt.MARKER).is_file():
+        ckpt.check_layout(target, ckpt.run_layout(cfg, world_size))
     saved = out_dir / "config.yaml"
     if not saved.is_file() or (resume == "auto" and ckpt.latest_complete(out_dir) is None):
         return
@@ -300,31 +305,32 @@ def threading_is_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> RunResult:
-    """Train ``cfg`` and return a :class:`RunResult`. Initialises torch.distributed if needed.
+@dataclass
+class Built:
+    """What :func:`build` returns: the model (after the MoE backend), the DeepSpeed engine, its
+    LR scheduler, the final DeepSpeed config and the checkpoint layout."""
 
-    Raises ConfigError for bad configuration, incompatible data or an unusable checkpoint.
+    model: Any
+    engine: Any
+    scheduler: Any
+    ds_config: dict[str, Any]
+    layout: dict[str, Any]
+
+
+def build(cfg: RunConfig, world_size: int) -> Built:
+    """Model + MoE backend + activation checkpointing + DeepSpeed engine, as training runs it.
+
+    Collective: every rank calls it after torch.distributed is initialised. Seeds torch with
+    ``train.seed`` first, then loads ``train.init_from`` (an export) if set. Raises ConfigError
+    for a recipe the backend or DeepSpeed refuses, or an unusable ``train.init_from``.
     """
     from smelt_ds import checkpoint as ckpt
-    from smelt_ds.engine import configure_activation_checkpointing, initialize, resolve_precision
+    from smelt_ds.engine import configure_activation_checkpointing, initialize
     from smelt_ds.model import SmeltLM
-    from smelt_ds.train_data import build_data
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out_dir = Path(run_dir or cfg.train.run_dir.format(name=cfg.name))
-    check_run_dir(out_dir, cfg, resume)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
 
     torch.manual_seed(cfg.train.seed)
-    data = build_data(cfg, rank, world)
     model = SmeltLM(cfg)
-    if cfg.train.init_from:  # a checkpoint loaded by --resume below replaces these weights
+    if cfg.train.init_from:  # a checkpoint loaded by --resume replaces these weights
         from smelt_ds.export import load_initial_weights
 
         load_initial_weights(model, cfg.train.init_from)
@@ -333,7 +339,34 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
 
         model = apply_backend(model, cfg)
     configure_activation_checkpointing(model, cfg)
-    engine, _, sched, ds_config = initialize(cfg, model, world)
+    engine, _, sched, ds_config = initialize(cfg, model, world_size)
+    return Built(model, engine, sched, ds_config, ckpt.run_layout(cfg, world_size))
+
+
+def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> RunResult:
+    """Train ``cfg`` and return a :class:`RunResult`. Initialises torch.distributed if needed.
+
+    Raises ConfigError for bad configuration, incompatible data or an unusable checkpoint.
+    """
+    from smelt_ds import checkpoint as ckpt
+    from smelt_ds.engine import resolve_precision
+    from smelt_ds.train_data import build_data
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out_dir = Path(run_dir or cfg.train.run_dir.format(name=cfg.name))
+    check_run_dir(out_dir, cfg, resume, world)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+
+    torch.manual_seed(cfg.train.seed)
+    data = build_data(cfg, rank, world)
+    built = build(cfg, world)
+    model, engine, sched, ds_config = built.model, built.engine, built.scheduler, built.ds_config
     if rank == 0 and ds_config.get("zero_optimization", {}).get("stage") == 3:  # loop-aware ZeRO-3 decision
         from smelt_ds.zero3_tuning import write_zero3_tuning
 
@@ -345,7 +378,7 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
     tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * accum * world
     step, tokens_seen = 0, 0
     if resume != "none":
-        state = ckpt.load(engine, out_dir, resume)
+        state = ckpt.load(engine, out_dir, resume, built.layout)
         if state is not None:
             step, tokens_seen = state["step"], state["tokens_seen"]
             data.train.load_state_dict(state["loader"])
@@ -404,7 +437,8 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
             stop = signalled or (
                 cfg.train.exit_after_steps is not None and step - result_start >= cfg.train.exit_after_steps)
             if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop:
-                ckpt.save(engine, out_dir, step, tokens_seen, data.train.state_dict(), cfg.train.keep_last)
+                ckpt.save(engine, out_dir, step, tokens_seen, data.train.state_dict(), cfg.train.keep_last,
+                          built.layout)
             if stop:
                 result.stopped_early = step < cfg.train.max_steps
                 if result.stopped_early:
@@ -440,19 +474,21 @@ def _after_step(model, cfg: RunConfig) -> None:
 
 
 def _grad_norm_before_step(engine, cfg: RunConfig) -> float | None:
-    """Global gradient norm (before clipping) for ZeRO-0, whose engine does not keep it; the
-    gradients are already averaged over ranks after the boundary's backward."""
-    if cfg.deepspeed.zero_stage != 0:
-        return None
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    """True global gradient norm before clipping (expert-parallel shards summed once, see
+    :mod:`smelt_ds.grad_norm`), after the accumulation boundary's backward; at ZeRO-0 with an EP
+    backend this also clips the gradients to ``train.grad_clip`` (DeepSpeed's own ZeRO-0 clipping
+    is off there: its norm is wrong with expert parameters). None under optimizer offload."""
+    from smelt_ds.grad_norm import clip_before_step
+
+    return clip_before_step(engine, cfg.train.grad_clip)
 
 
-def _grad_norm(engine, zero0_norm: float | None) -> float:
-    if zero0_norm is not None:
-        return zero0_norm
-    g = engine.get_global_grad_norm()
-    return float(g) if g is not None else float("nan")
+def _grad_norm(engine, norm: float | None) -> float:
+    """The norm to log: :func:`_grad_norm_before_step`'s, else DeepSpeed's (raises RuntimeError
+    when DeepSpeed clipped with a different norm, see :func:`smelt_ds.grad_norm.logged_grad_norm`)."""
+    from smelt_ds.grad_norm import logged_grad_norm
+
+    return logged_grad_norm(engine, norm)
 
 
 def _sync_flag(flag: bool) -> bool:

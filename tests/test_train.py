@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from smelt_ds.config import config_from_dict
-from smelt_ds.testing import run_distributed
+from smelt_ds.testing import run_distributed, scaled_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def _cli_train(raw, tmp_path, *extra):
 
 def _wait_for_step(metrics: Path, step: int, proc, timeout=240):
     t0 = time.time()
-    while time.time() - t0 < timeout:
+    while time.time() - t0 < scaled_timeout(timeout):
         if metrics.exists():
             rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
             if any(r.get("step", 0) >= step and "loss" in r for r in rows):
@@ -99,7 +99,7 @@ def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
     proc = _cli_train(raw, tmp_path)
     _wait_for_step(run_dir / "metrics.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=scaled_timeout(120))
     assert proc.returncode == 143, out           # saved, then exit 128 + SIGTERM so `train && next` stops
     assert "continue with --resume auto" in out
     saved = ckpt.latest_complete(run_dir)
@@ -123,7 +123,7 @@ def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
     raw["train"]["max_steps"] = step_last + 1
     raw["train"]["warmup_steps"] = 1
     proc = _cli_train(raw, tmp_path, "--resume", "auto")
-    out, _ = proc.communicate(timeout=240)
+    out, _ = proc.communicate(timeout=scaled_timeout(240))
     assert proc.returncode == 0, out
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == step_last + 1 or any(r.get("step") == step_last + 1 for r in rows)
@@ -284,7 +284,7 @@ def test_deepspeed_launcher_two_ranks(tmp_path, cache):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     r = subprocess.run([sys.executable, "-m", "smelt_ds.cli", "train", str(recipe), "--nproc", "2"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=scaled_timeout(300))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = Path(raw["train"]["run_dir"])
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -293,3 +293,42 @@ def test_deepspeed_launcher_two_ranks(tmp_path, cache):
     assert ds["train_batch_size"] == 4 and ds["zero_optimization"]["stage"] == 2
     assert sorted(p.name for p in (run_dir / "checkpoints" / "step00000002").glob("client_rank*.pt")) == [
         "client_rank0.pt", "client_rank1.pt"]
+
+
+@pytest.mark.distributed
+def test_resume_at_another_scale_is_refused_before_anything_is_written(tmp_path, cache):
+    """A checkpoint holds per-rank optimizer partitions and per-expert-parallel-rank experts: a
+    resume with another number of ranks, ZeRO stage, backend or expert-parallel size is refused
+    before the run directory changes, naming what differs and the supported path (export, then
+    train.init_from)."""
+    from smelt_ds import checkpoint as ckpt
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.testing import DistributedTestError
+    from smelt_ds.train import check_run_dir
+
+    raw = _raw(tmp_path, cache, train={"max_steps": 2, "eval_every": 2, "save_every": 2},
+               moe={"backend": "autoep", "ep_size": 2}, deepspeed={"zero_stage": 2})
+    run_distributed(_train, 2, args=(raw,), timeout=300)
+    run_dir = Path(raw["train"]["run_dir"])
+    step2 = ckpt.latest_complete(run_dir)
+    meta = json.loads((step2 / ckpt.MARKER).read_text())
+    assert {k: meta[k] for k in ("world_size", "zero_stage", "moe_backend", "ep_size")} == {
+        "world_size": 2, "zero_stage": 2, "moe_backend": "autoep", "ep_size": 2}
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    longer = {**raw, "train": {**raw["train"], "max_steps": 4}}
+    # one rank instead of two (and so expert-parallel size 1): the real journey, in a fresh process
+    one_rank = {**longer, "moe": {**raw["moe"], "ep_size": 1}}
+    with pytest.raises(DistributedTestError, match=r"another layout \(ranks \(data-parallel x expert-parallel\) 2 "
+                                                   r"in the checkpoint vs 1 now; moe.ep_size \(expert-parallel size\) "
+                                                   r"2 in the checkpoint vs 1 now\).*smelt-ds export .*train.init_from"):
+        run_distributed(_train, 1, args=(one_rank, "auto"), timeout=300)
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before   # nothing written
+    cfg = config_from_dict(longer)
+    check_run_dir(run_dir, cfg, "auto", 2)                                           # the same layout: fine
+    with pytest.raises(ConfigError, match=r"ZeRO stage 2 in the checkpoint vs 3 now"):
+        check_run_dir(run_dir, config_from_dict({**longer, "deepspeed": {"zero_stage": 3}}), "auto", 2)
+    with pytest.raises(ConfigError, match=r"ranks \(data-parallel x expert-parallel\) 2 in the checkpoint vs 4 now"):
+        check_run_dir(run_dir, cfg, str(step2), 4)
+    with pytest.raises(ConfigError, match=r"moe.backend 'autoep' in the checkpoint vs 'reference' now"):
+        check_run_dir(run_dir, config_from_dict({**longer, "moe": {k: v for k, v in raw["moe"].items()
+                                                                  if k not in ("backend", "ep_size")}}), "auto", 2)
