@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -84,7 +85,9 @@ def build_ds_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     out["train_micro_batch_size_per_gpu"] = t.micro_batch_size
     out["gradient_accumulation_steps"] = accum
     out["train_batch_size"] = t.micro_batch_size * accum * world_size
-    out["gradient_clipping"] = t.grad_clip
+    from smelt_ds.grad_norm import deepspeed_gradient_clipping  # 0 for EP backends at ZeRO-0: smelt clips there
+
+    out["gradient_clipping"] = deepspeed_gradient_clipping(cfg)
     out["bf16"] = {"enabled": resolve_precision(cfg) == "bf16"}
     zero = out.setdefault("zero_optimization", {})
     zero["stage"] = ds.zero_stage
@@ -245,6 +248,21 @@ def check_activation_checkpointing(cfg: RunConfig) -> None:
                           "partition_activations: true or contiguous_memory_optimization: false")
 
 
+_CPU_CHECKPOINTING_WARNED = False
+
+
+def _warn_cpu_checkpointing_dropped() -> None:
+    """Warn once per process that ``cpu_checkpointing`` is not passed to DeepSpeed here."""
+    global _CPU_CHECKPOINTING_WARNED
+    if _CPU_CHECKPOINTING_WARNED:
+        return
+    _CPU_CHECKPOINTING_WARNED = True
+    warnings.warn("`train.activation_checkpointing.cpu_checkpointing` (True) is ignored on a CPU accelerator: "
+                  "the checkpoints are in host memory already, and DeepSpeed 0.19.8's CPU-checkpoint path loses "
+                  "the input there; the run checkpoints as without the option (it applies on CUDA)",
+                  UserWarning, stacklevel=3)
+
+
 def _torch_checkpoint(fn: Callable, x: torch.Tensor):
     import torch.utils.checkpoint as tuc
 
@@ -256,7 +274,8 @@ def configure_activation_checkpointing(model: torch.nn.Module, cfg: RunConfig) -
 
     ``impl: torch`` uses non-reentrant ``torch.utils.checkpoint``; ``impl: deepspeed`` uses
     ``deepspeed.checkpointing`` configured with ``partition_activations``, ``cpu_checkpointing``
-    (``checkpoint_in_cpu``) and ``contiguous_memory_optimization`` (``contiguous_checkpointing``,
+    (``checkpoint_in_cpu``; on a CPU accelerator it is not passed on, with a one-time UserWarning)
+    and ``contiguous_memory_optimization`` (``contiguous_checkpointing``,
     ``num_checkpoints`` = visits of the plan), through its *non-reentrant* variant
     ``deepspeed.checkpointing.non_reentrant_checkpoint``: the reentrant
     ``deepspeed.checkpointing.checkpoint`` runs a separate backward per checkpointed visit, so a
@@ -288,6 +307,8 @@ def configure_activation_checkpointing(model: torch.nn.Module, cfg: RunConfig) -
     # CPU path (0.19.8) empties the input before reading it back when `.to('cpu')` returns the
     # same tensor, losing it: cpu_checkpointing is only passed on for device accelerators.
     in_cpu = ac.cpu_checkpointing and get_accelerator().device_name() != "cpu"
+    if ac.cpu_checkpointing and not in_cpu:
+        _warn_cpu_checkpointing_dropped()
     deepspeed.checkpointing.configure(None, partition_activations=ac.partition_activations,
                                       checkpoint_in_cpu=in_cpu,
                                       contiguous_checkpointing=ac.contiguous_memory_optimization,

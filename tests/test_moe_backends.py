@@ -398,16 +398,24 @@ def test_autoep_zero3_matches_reference():
                 assert res[ckpt]["rows"][s] == pytest.approx(ref[s][r], abs=LOSS_ATOL), (ckpt, s, r)
 
 
+def _zero_moe_inputs(rank: int) -> list[int]:
+    """Layers whose MoE input ``_empty_expert_worker`` zeroes on ``rank``."""
+    return [3] + ([1] if rank == 0 else [])
+
+
 def _empty_expert_worker(rank: int, world: int) -> dict:
     """The MoE input of layer 1 is zero on rank 0 only, of layer 3 on both ranks: all its tokens
     tie and go to the same top-2 experts, so the other experts get no tokens from that rank
-    (layer 3: from any rank). Two optimizer steps must complete."""
+    (layer 3: from any rank). Two optimizer steps must complete; the gradients of the first
+    backward are returned in the reference layout (``test_grad_norm.canonical``; this rank's
+    experts)."""
+    from test_grad_norm import canonical, ep_rank_of, full_grad
+
     res = {}
     for backend, stage in (("deepspeed", 2), ("autoep", 3), ("autoep", 2)):
         cfg = tiny_cfg(backend=backend, ep_size=2, drop_tokens=False)
         model = build(cfg)
-        zero = [3] + ([1] if rank == 0 else [])
-        for i in zero:
+        for i in _zero_moe_inputs(rank):
             model.layers[i].post_attention_layernorm.register_forward_hook(lambda m, a, out: out * 0.0)
         model = mb.apply_backend(model, cfg, zero_stage=stage)
         extra = {"expert_parallel": mb.autoep_config_section(cfg)} if backend == "autoep" else {}
@@ -416,26 +424,61 @@ def _empty_expert_worker(rank: int, world: int) -> dict:
             model_parameters=mb.optimizer_param_groups(model, [{"params": list(model.parameters()), "name": "all"}],
                                                        cfg),
             optimizer=mb.moe_optimizer(torch.optim.AdamW, lr=1e-2))
-        losses = []
+        losses, grads = [], None
         for ids in shard_batches(2, rank):
             out = engine(ids[:, :-1], labels=ids[:, 1:])
             engine.backward(out.loss)
+            if grads is None:
+                grads = canonical(model, full_grad, ep_rank_of(cfg))
             engine.step()
             losses.append(out.loss.item())
         stats = model.recorder.router_stats()
         res[(backend, stage)] = {"losses": losses, "layer1": stats[(1, 0)]["tokens_per_expert"],
-                                 "layer3": stats[(3, 0)]["tokens_per_expert"]}
+                                 "layer3": stats[(3, 0)]["tokens_per_expert"], "grads": grads}
     return res
+
+
+def _empty_expert_reference_grads() -> dict:
+    """Single process, reference backend, same weights and zeroed inputs per shard: the
+    shard-averaged gradients of the first global batch (``test_grad_norm.canonical`` layout)."""
+    from test_grad_norm import canonical
+
+    model = build(tiny_cfg())
+    zero_now: set[int] = set()
+    for i in (1, 3):
+        model.layers[i].post_attention_layernorm.register_forward_hook(
+            lambda m, a, out, i=i: out * 0.0 if i in zero_now else out)
+    for r in range(WORLD):
+        zero_now.clear()
+        zero_now.update(_zero_moe_inputs(r))
+        ids = shard_batches(1, r)[0]
+        (model(ids[:, :-1], labels=ids[:, 1:]).loss / WORLD).backward()
+    return canonical(model, lambda p: p.grad)
 
 
 @pytest.mark.distributed
 def test_empty_expert_no_hang():
+    """Finite losses, and the gradients of the first step equal the single-process reference's
+    (atol GRAD_ATOL, rtol 1e-4); an expert that got no token from any rank has exactly zero
+    gradients."""
+    from test_grad_norm import merge
+
     r0, r1 = run_distributed(_empty_expert_worker, world_size=WORLD, timeout=TIMEOUT_S)
+    ref = _empty_expert_reference_grads()
+    assert any(float(ref[(1, "expert", e)].abs().sum()) > 0 for e in range(4))  # not a vacuous comparison
     for key in r0:
         for r in (r0, r1):
             assert all(torch.isfinite(torch.tensor(r[key]["losses"]))), key
             assert min(r[key]["layer3"]) == 0, key  # some expert got no token from any rank
         assert min(r0[key]["layer1"]) == 0, key  # ... and on rank 0 only
+        grads = merge([r0[key]["grads"], r1[key]["grads"]])
+        assert set(grads) == set(ref), key
+        for name, want in ref.items():
+            torch.testing.assert_close(grads[name], want, atol=GRAD_ATOL, rtol=1e-4, msg=lambda m: f"{key} {name}: {m}")
+        empty = [e for e in range(4) if r0[key]["layer3"][e] + r1[key]["layer3"][e] == 0]
+        assert empty, key
+        for e in empty:
+            assert torch.count_nonzero(grads[(3, "expert", e)]) == 0, (key, e)
 
 
 def _raise_on_rank_1(rank: int, world: int) -> int:
