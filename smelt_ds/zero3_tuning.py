@@ -26,6 +26,15 @@ buffers (:mod:`smelt_ds.memory`, keeping 10% headroom); it never lowers the temp
 (DeepSpeed's generic defaults), so it costs no more all-gather traffic than ``off``. Values the
 user set in ``deepspeed.config.zero_optimization`` win. Element counts are per GPU (experts
 divided by ``moe.ep_size``).
+
+When it matters: the shipped ``ds_configs/zero3.json`` sets the reuse distance and the live
+parameters to 1e9 elements and the prefetch bucket to 5e7. ``auto`` changes the reuse distance,
+and so the all-gather volume, only when :func:`reuse_distance_needed` exceeds 1e9 (of the shipped
+recipes the looped variants of m, l and xl; only xl runs ZeRO-3); it raises the live cap when the
+need plus two of the largest visit exceeds 1e9, and the prefetch bucket when a visit exceeds 5e7
+elements (prefetching only, not the volume). Below the threshold ``off`` and ``auto`` build the
+same config and gather the same bytes (``tests/test_zero3_tuning_template.py``, comms logger); the
+saving is measured against a template with the three values at 0 (``tests/test_zero3_tuning.py``).
 """
 
 from __future__ import annotations

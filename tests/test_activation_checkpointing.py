@@ -152,20 +152,34 @@ def test_deepspeed_only_options_rejected_for_torch_impl():
 # deepspeed.checkpointing (needs torch.distributed: a world of one) and the DeepSpeed engine
 # ---------------------------------------------------------------------------------------------
 
+# NOT coverage of cpu_checkpointing on a CPU accelerator: configure_activation_checkpointing drops
+# the option there (one-time UserWarning), so that entry re-runs the plain case on CPU and tests the
+# option only on CUDA; test_cpu_checkpointing_is_dropped_on_a_cpu_accelerator pins which happened.
 DS_VARIANTS = [("deepspeed", {}), ("deepspeed", {"partition_activations": True}),
                ("deepspeed", {"partition_activations": True, "contiguous_memory_optimization": True}),
                ("deepspeed", {"cpu_checkpointing": True}), ("reentrant", {})]
 
 
 def _ds_worker(rank, world):
+    import warnings
+
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
     out = {"ref": _step(_raw("none")), "cases": {}}
+    cpu_ckpt = {"accelerator": get_accelerator().device_name(), "passed_on": [], "warnings": []}
     for policy in POLICIES:
         for impl, opts in DS_VARIANTS:
             fn = deepspeed.checkpointing.checkpoint if impl == "reentrant" else None
             key = (policy, impl, tuple(sorted(opts)))
-            out["cases"][key] = _step(_raw(policy, "deepspeed", **opts), checkpoint_fn=fn)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out["cases"][key] = _step(_raw(policy, "deepspeed", **opts), checkpoint_fn=fn)
+            cpu_ckpt["warnings"] += [str(w.message) for w in caught if "cpu_checkpointing" in str(w.message)]
+            if opts.get("cpu_checkpointing"):
+                cpu_ckpt["passed_on"].append(ds_ckpt.CPU_CHECKPOINT)  # what deepspeed.checkpointing runs with
+    out["cpu_ckpt"] = cpu_ckpt
     # input injection re-adds the block input, which partition_activations empties in place
     inj = {**_raw("none"), "loop": {"position": "middle", "input_injection": "add"}}
     out["inj_ref"] = _step(inj)
@@ -221,6 +235,19 @@ def test_deepspeed_impl_reproduces_no_checkpointing(ds_results, policy, impl, op
     got = ds_results["cases"][(policy, impl, tuple(sorted(opts)))]
     _assert_same(got, ds_results["ref"], f"{impl} {opts} {policy}")
     _assert_recompute_routes(got, f"{impl} {opts} {policy}")
+
+
+def test_cpu_checkpointing_is_dropped_on_a_cpu_accelerator(ds_results):
+    """On a CPU accelerator ``cpu_checkpointing`` is not passed to deepspeed.checkpointing (its CPU
+    path loses the input there) and a UserWarning says so, once per process: the
+    ``cpu_checkpointing`` cases above re-run the plain case on CPU. On CUDA it is passed on."""
+    c = ds_results["cpu_ckpt"]
+    assert len(c["passed_on"]) == len(POLICIES)
+    if c["accelerator"] == "cpu":
+        assert c["passed_on"] == [False] * len(POLICIES)
+        assert len(c["warnings"]) == 1 and "ignored on a CPU accelerator" in c["warnings"][0], c["warnings"]
+    else:
+        assert c["passed_on"] == [True] * len(POLICIES) and c["warnings"] == []
 
 
 def test_partition_activations_with_input_injection(ds_results):

@@ -127,6 +127,11 @@ def test_expert_parallel_model_states():
 # ---------------------------------------------------------------------------------------------
 
 
+#: The one fp32 tensor autograd saves that the formula leaves out: cross-entropy's ``total_weight``
+#: (a 0-d fp32 tensor kept by nll_loss for backward). Measured and predicted bytes differ by exactly this.
+UNMODELLED_BYTES = 4
+
+
 @pytest.fixture(scope="module")
 def measured():
     out = {}
@@ -142,7 +147,7 @@ def test_predicted_activations_match_saved_tensors(measured, path):
     for policy, m in ms.items():
         pred = memory.activation_bytes(cfg, policy, 2, 32, 4, device="cpu").stored
         assert m.predicted_activations == pred
-        assert abs(pred - m.saved_activations) <= 0.02 * m.saved_activations, (policy, pred, m.saved_activations)
+        assert m.saved_activations - pred == UNMODELLED_BYTES, (policy, pred, m.saved_activations)
 
 
 def test_checkpointing_policies_order_measured_activation_memory(measured):
@@ -177,7 +182,7 @@ def test_every_optional_feature_is_in_the_formula():
                         "expert_ffn_size": 90},
                    loop={"order": "layer", "input_injection": "none"})
     for m in memory.measure(cfg, ["none", "looped"], steps=1):
-        assert abs(m.predicted_activations - m.saved_activations) <= 0.02 * m.saved_activations, m
+        assert m.saved_activations - m.predicted_activations == UNMODELLED_BYTES, m
 
 
 def test_bf16_formula_matches_a_bf16_model():
@@ -188,17 +193,19 @@ def test_bf16_formula_matches_a_bf16_model():
         raw["train"]["activation_checkpointing"]["policy"] = policy
         c = config_from_dict(raw)
         torch.manual_seed(0)
-        model = SmeltLM(c).to(torch.bfloat16).train()
+        model = SmeltLM(c).train()
+        for p in model.parameters():  # parameters only, as DeepSpeed's bf16 engine casts (0.19.8
+            p.data = p.data.to(torch.bfloat16)  # keeps fp32 buffers: the RoPE tables are cast per call)
         configure_activation_checkpointing(model, c)
         counter = memory.SavedTensorCounter(model.parameters())
         if model.blocks.checkpoint_fn is not None:
             model.blocks.checkpoint_fn = counter.wrap_checkpoint(model.blocks.checkpoint_fn)
         ids = torch.randint(0, 4096, (2, 32))
         with counter:
-            out = model(ids, labels=ids)
+            out = model(ids, labels=ids.clone())  # two int64 storages, as the formula's ids + labels
         got = counter.saved_bytes()
         pred = memory.activation_bytes(c, policy, 2, 32, 2, "cpu").stored
-        assert abs(pred - got) <= 0.02 * got, (policy, pred, got)
+        assert got - pred == UNMODELLED_BYTES, (policy, pred, got)
         out.loss.backward()
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from smelt_ds.model.looping import checkpoint_phase
 
 __all__ = ["RouterOutput", "TopKRouter", "GroupedExperts", "MoE", "SwiGLU",
-           "load_balancing_loss", "router_z_loss", "has_grouped_mm"]
+           "load_balancing_loss", "router_z_loss", "has_grouped_mm", "topk_lowest_index"]
 
 
 def has_grouped_mm() -> bool:
@@ -96,12 +96,34 @@ def _counts_this_call() -> bool:
     return phase != "recompute" and (torch.is_grad_enabled() or phase == "forward")
 
 
+def topk_lowest_index(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest scores of every row, ``(T, E)`` -> ``(T, K)`` int64, in
+    descending score order; among exactly equal scores the lowest expert index comes first.
+
+    A stable descending sort keeps equal scores in index order, on CPU and CUDA alike;
+    ``torch.topk`` leaves the order of equal values unspecified (it may differ between devices,
+    kernels and input sizes). Where no scores tie, the result is ``torch.topk``'s (same indices,
+    same order). The result owns its ``(T, K)`` storage: a view of the sorted ``(T, E)`` indices
+    would keep all of them alive wherever the choice is saved for backward. Raises ValueError
+    unless ``1 <= k <= E``.
+    """
+    E = scores_TE.shape[-1]
+    if not 1 <= k <= E:
+        raise ValueError(f"top-k needs 1 <= k <= number of experts: got k={k} for {E} experts")
+    return scores_TE.sort(dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
+
+
 class TopKRouter(nn.Module):
     """Softmax or sigmoid top-k router with optional aux-loss-free expert bias.
 
     The bias (DeepSeek-V3, arXiv 2412.19437 §2.1.2) only affects *which* experts are selected; the
     combine weights use the unbiased scores. It is a buffer updated outside autograd by
     :meth:`update_bias` from the tokens-per-expert counts accumulated since the last update.
+
+    Ties: experts whose selection scores are exactly equal are chosen lowest expert index first
+    (:func:`topk_lowest_index`), deterministically on CPU and CUDA. A zero-initialised gate, for
+    example, gives every token experts ``0 .. K-1``, and an activation-checkpoint recompute
+    chooses the experts its forward chose, so checkpointing leaves the gradients unchanged.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, score_func: str = "softmax",
@@ -128,7 +150,7 @@ class TopKRouter(nn.Module):
             scores_TE = logits_TE.sigmoid()
             probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
         select_TE = scores_TE + self.expert_bias if self.use_bias else scores_TE
-        topk_idx_TK = select_TE.topk(self.top_k, dim=-1).indices
+        topk_idx_TK = topk_lowest_index(select_TE, self.top_k)
         weight_TK = scores_TE.gather(-1, topk_idx_TK)
         if self.norm_topk_prob:
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
