@@ -19,10 +19,14 @@ A run killed during a save (SIGKILL, node loss) leaves a directory without ``COM
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
 import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +65,146 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (e.g. no space left on device); names the file."""
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only, sequential file object that feeds every byte to SHA-256 as it writes.
+
+    ``torch.save`` writes its archive sequentially to a non-seekable file object (both the zip
+    and the legacy format), so the digest is computed while writing, without reading back."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b)
+        self.sha.update(view)
+        self.n += view.nbytes
+        return self.f.write(view)
+
+    def tell(self) -> int:
+        return self.n
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict: about what ``torch.save`` writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_hashed(obj: Any, path: str | Path, zipfile: bool = True) -> dict[str, Any]:
+    """``torch.save(obj, path)`` through a SHA-256 computed while writing, then fsync.
+
+    Returns ``{"sha256", "bytes"}`` of the file. Raises :class:`CheckpointWriteError` naming the
+    file, the bytes it needs and the bytes free when the device is full (ENOSPC, EDQUOT)."""
+    path = Path(path)
+    try:
+        with open(path, "wb") as f:
+            w = _HashingWriter(f)
+            torch.save(obj, w, _use_new_zipfile_serialization=zipfile)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise CheckpointWriteError(f"No space left on device writing {path} (needs about {_nbytes(obj):,} bytes; "
+                                   f"free {free:,}): free space or point train.run_dir elsewhere; the previous "
+                                   "complete checkpoint is untouched and --resume auto continues from it") from None
+    return {"sha256": w.sha.hexdigest(), "bytes": w.n}
+
+
+def file_digest(path: str | Path) -> dict[str, Any]:
+    """``{"sha256", "bytes"}`` of a file, read in 16 MiB blocks."""
+    sha, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            sha.update(block)
+            n += len(block)
+    return {"sha256": sha.hexdigest(), "bytes": n}
+
+
+class _HashingCheckpointEngine:
+    """Wraps DeepSpeed's ``TorchCheckpointEngine`` so that every file DeepSpeed writes goes through
+    :func:`write_hashed` (digest while writing, fsync, a clear error on a full disk); the digests
+    of this rank's files are collected in ``written`` (path -> digest)."""
+
+    def __init__(self, inner):
+        self.inner, self.written = inner, {}
+
+    def save(self, state_dict, path: str):
+        self.written[str(Path(path).resolve())] = write_hashed(state_dict, path, self.inner.zipfile_serialization)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _hashing_engine(engine) -> _HashingCheckpointEngine | None:
+    """Install (once) the hashing wrapper on a DeepSpeed engine using the plain torch engine."""
+    current = getattr(engine, "checkpoint_engine", None)
+    if isinstance(current, _HashingCheckpointEngine):
+        return current
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    if type(current) is not TorchCheckpointEngine:
+        return None  # another checkpoint engine (configured by the user): files are hashed after the save
+    engine.checkpoint_engine = _HashingCheckpointEngine(current)
+    return engine.checkpoint_engine
+
+
+def _atomic_save(obj: Any, path: Path) -> dict[str, Any]:
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
+    digest = write_hashed(obj, tmp)
     os.replace(tmp, path)
+    return digest
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _write_rank_files(engine, root: Path, tag: str, rank: int, client: dict[str, Any], backend: str) -> dict:
+    """DeepSpeed's files, the client state and the reference shard of this rank; their digests."""
+    from smelt_ds.reference_weights import gather_reference_shard, shard_path
+
+    hashing = _hashing_engine(engine)
+    if hashing is not None:
+        hashing.written = {}
+    engine.save_checkpoint(str(root), tag=tag, client_state={"step": client["step"],
+                                                            "tokens_seen": client["tokens_seen"]})
+    ckpt = (root / tag).resolve()
+    written = {str(Path(p).relative_to(ckpt)): d for p, d in (hashing.written if hashing else {}).items()
+               if Path(p).is_relative_to(ckpt)}
+    written[f"client_rank{rank}.pt"] = _atomic_save(client, root / tag / f"client_rank{rank}.pt")
+    shard = gather_reference_shard(engine, backend)
+    path = shard_path(root / tag, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written[str(path.relative_to(root / tag))] = _atomic_save(shard, path)
+    return written
 
 
 def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state: dict[str, Any],
@@ -72,37 +212,77 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     """Save a checkpoint on every rank (collective). Returns the checkpoint directory.
 
     Writes DeepSpeed's files, this rank's client state and its shard of the reference-layout
-    weights (:func:`smelt_ds.reference_weights.gather_reference_shard`), then, once every rank is
-    done, the ``COMPLETE`` marker. ``layout`` (see :func:`run_layout`) goes into the marker;
-    its ``moe_backend`` (default ``reference``) names the backend whose parameters are mapped.
+    weights (:func:`smelt_ds.reference_weights.gather_reference_shard`), each with a SHA-256
+    computed while writing and fsynced; then, once every rank is done, rank 0 fsyncs the
+    directory and writes the ``COMPLETE`` marker: JSON with the step, tokens seen, ``layout``
+    (see :func:`run_layout`; its ``moe_backend``, default ``reference``, names the backend whose
+    parameters are mapped) and ``files`` (relative path -> sha256, bytes, writing rank).
+
+    Raises :class:`CheckpointWriteError` on every rank when any rank could not write (e.g. a
+    full disk); no marker is written, so the previous complete checkpoint stays the newest.
     """
     import torch.distributed as dist
-
-    from smelt_ds.reference_weights import gather_reference_shard, shard_path
 
     root = checkpoint_dir(run_dir)
     tag = _tag(step)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = {"world_size": world, **(layout or {})}
-    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step, "tokens_seen": tokens_seen})
     client = {"step": step, "tokens_seen": tokens_seen, "loader": loader_state, "rng": rng_state()}
-    _atomic_torch_save(client, root / tag / f"client_rank{rank}.pt")
-    shard = gather_reference_shard(engine, layout.get("moe_backend", "reference"))
-    shard_path(root / tag, rank).parent.mkdir(parents=True, exist_ok=True)
-    _atomic_torch_save(shard, shard_path(root / tag, rank))
-    del shard
-    if dist.is_initialized():
-        dist.barrier()
+    try:
+        written, error = _write_rank_files(engine, root, tag, rank, client, layout.get("moe_backend", "reference")), None
+    except CheckpointWriteError as e:
+        written, error = {}, str(e)
+    gathered = _gather_objects((written, error))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise CheckpointWriteError(errors[0])
     if rank == 0:
+        files = {name: {**d, "rank": r} for r, (w, _) in enumerate(gathered) for name, d in w.items()}
+        for p in sorted((root / tag).rglob("*")):  # files no rank hashed while writing (small ones)
+            name = str(p.relative_to(root / tag))
+            if p.is_file() and name not in files and name != MARKER and not name.endswith(".tmp"):
+                files[name] = {**file_digest(p), "rank": 0}
+        _fsync_dir(root / tag)
         marker = root / tag / MARKER
         tmp = marker.with_name(MARKER + ".tmp")
-        tmp.write_text(json.dumps({"step": step, "tokens_seen": tokens_seen, **layout}))
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"step": step, "tokens_seen": tokens_seen, **layout, "files": files}))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, marker)
+        _fsync_dir(root / tag)
         _prune(root, keep_last)
     if dist.is_initialized():
         dist.barrier()
     return root / tag
+
+
+def verify(path: str | Path, rank: int | None = None, names: list[str] | None = None) -> list[str]:
+    """Problems of checkpoint ``path`` against the digests in its ``COMPLETE`` marker.
+
+    Checks the files written by ``rank`` (all files when None), or only ``names``. Returns one
+    line per problem (missing file, wrong size, wrong SHA-256), naming the file; an empty list
+    when everything matches or the marker predates checksums."""
+    path = Path(path)
+    files = json.loads((path / MARKER).read_text()).get("files")
+    if files is None:
+        return []
+    problems = []
+    for name, want in sorted(files.items()):
+        if (names is not None and name not in names) or (names is None and rank is not None
+                                                         and want.get("rank", 0) != rank):
+            continue
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{f} is missing")
+            continue
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            problems.append(f"{f} has {size:,} bytes, {want['bytes']:,} when written")
+        elif file_digest(f)["sha256"] != want["sha256"]:
+            problems.append(f"{f} has another SHA-256 than when written (damaged)")
+    return problems
 
 
 def run_layout(cfg, world_size: int) -> dict[str, Any]:
@@ -161,25 +341,74 @@ def latest_complete(run_dir: str | Path) -> Path | None:
     return tags[-1] if tags else None
 
 
-def load(engine, run_dir: str | Path, resume: str, layout: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """Load a checkpoint into ``engine`` and return this rank's client state.
-
-    ``resume``: ``auto`` (newest complete checkpoint of ``run_dir``; None when there is none) or a
-    checkpoint directory. Raises ConfigError for a directory that is not a complete checkpoint,
-    or one written with another layout (:func:`check_layout` with ``layout``, or at least by a
-    different number of ranks).
-    """
+def _verify_everywhere(path: Path) -> list[str]:
+    """Every rank checks the files it wrote (in parallel); the union of the problems, on all ranks."""
     import torch.distributed as dist
 
-    if resume == "auto":
-        path = latest_complete(run_dir)
-        if path is None:
-            return None
-    else:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mine = verify(path, rank) if world > 1 else verify(path)
+    return [p for problems in _gather_objects(mine) for p in problems]
+
+
+def _quarantine(path: Path) -> Path:
+    """Move a damaged checkpoint out of the ``step*`` namespace (never deleted; not pruned)."""
+    dest = path.with_name(f"damaged-{path.name}")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"damaged-{path.name}-{n}")
+    os.replace(path, dest)
+    return dest
+
+
+def _choose(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to load: ``--resume PATH`` if it verifies, or the newest complete one that
+    verifies (collective). Damaged newer ones are moved aside with a message."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if resume != "auto":
         path = Path(resume)
         if not (path / MARKER).is_file():
             raise ConfigError(f"--resume {resume!r} is not a complete checkpoint (no {MARKER} marker): pass "
                               "a checkpoints/stepNNNNNNNN directory written to the end, or --resume auto")
+        problems = _verify_everywhere(path)
+        if problems:
+            raise ConfigError(f"--resume {resume}: the checkpoint is damaged ({'; '.join(problems[:3])}): pass an "
+                              "earlier checkpoint, or --resume auto to take the newest one that verifies")
+        return path
+    for path in reversed(_complete_tags(checkpoint_dir(run_dir))):
+        problems = _verify_everywhere(path)
+        if not problems:
+            return path
+        if rank == 0:
+            moved = _quarantine(path)
+            print(f"checkpoint {path} is damaged ({'; '.join(problems[:3])}): moved to {moved} (kept, not "
+                  "deleted); trying the next newest complete checkpoint", file=sys.stderr)
+        if dist.is_initialized():
+            dist.barrier()
+    return None
+
+
+def load(engine, run_dir: str | Path, resume: str, layout: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Load a checkpoint into ``engine`` and return this rank's client state (collective).
+
+    ``resume``: ``auto`` (the newest complete checkpoint of ``run_dir`` whose files match the
+    SHA-256 digests in its marker: a damaged newer one is moved to ``damaged-<tag>`` with a
+    message, and the next newest is tried; None when none is left) or a checkpoint directory.
+
+    Raises:
+        ConfigError: a directory that is not a complete checkpoint or is damaged (naming the
+            file); one written with another layout (:func:`check_layout` with ``layout``, or at
+            least by a different number of ranks); a checkpoint without digests (older smelt-ds)
+            that DeepSpeed cannot read (naming the checkpoint and DeepSpeed's error).
+    """
+    import torch.distributed as dist
+
+    path = _choose(Path(run_dir), resume)
+    if path is None:
+        return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     check_layout(path, layout or {"world_size": dist.get_world_size() if dist.is_initialized() else 1})
     client_file = path / f"client_rank{rank}.pt"
@@ -187,7 +416,12 @@ def load(engine, run_dir: str | Path, resume: str, layout: dict[str, Any] | None
         meta = json.loads((path / MARKER).read_text())
         raise ConfigError(f"checkpoint {path} has no state for rank {rank}: it was written by "
                           f"{meta.get('world_size')} rank(s); resume with that many ranks")
-    load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+    try:
+        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+    except (RuntimeError, OSError, EOFError, AssertionError, KeyError, ValueError) as e:
+        raise ConfigError(f"DeepSpeed could not load checkpoint {path} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160] if str(e) else 'no message'}): it is damaged or from another "
+                          "recipe; resume an earlier checkpoint with --resume checkpoints/stepNNNNNNNN") from None
     if load_path is None:
         raise ConfigError(f"DeepSpeed could not load checkpoint {path}: is it complete and from this recipe?")
     return torch.load(client_file, weights_only=False)

@@ -44,10 +44,15 @@ def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.T
     ``zero_to_fp32`` (ZeRO 1-3) or the rank-0 model file (ZeRO-0). Raises ConfigError naming the
     file for a missing or damaged shard, and for an expert-parallel checkpoint without shards.
     """
-    from smelt_ds.reference_weights import has_reference_shards, merge_reference_shards
+    from smelt_ds.reference_weights import REFERENCE_DIR, has_reference_shards, merge_reference_shards
 
     meta = json.loads((ckpt_dir / ckpt.MARKER).read_text())
     if has_reference_shards(ckpt_dir):
+        shards = [n for n in meta.get("files", {}) if n.startswith(REFERENCE_DIR + "/")]
+        problems = ckpt.verify(ckpt_dir, names=shards)
+        if problems:
+            raise ConfigError(f"checkpoint {ckpt_dir} is damaged ({'; '.join(problems[:3])}): export an earlier "
+                              f"checkpoint ({ckpt_dir.parent}/stepNNNNNNNN)")
         return merge_reference_shards(ckpt_dir, cfg, int(meta.get("world_size", 1)))
     if cfg.moe.backend != "reference":
         raise ConfigError(f"{ckpt_dir} has no reference weights ({ckpt_dir}/reference/): it was written by an "

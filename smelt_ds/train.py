@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from smelt_ds.budget import compute_budget
+from smelt_ds.checkpoint import CheckpointWriteError
 from smelt_ds.config import RunConfig, dump_config, load_config
 from smelt_ds.errors import ConfigError
 
@@ -343,30 +344,79 @@ def build(cfg: RunConfig, world_size: int) -> Built:
     return Built(model, engine, sched, ds_config, ckpt.run_layout(cfg, world_size))
 
 
+def _lock_run_dir(out_dir: Path, rank: int):
+    """Rank 0 takes the run directory's exclusive lock (:class:`smelt_ds.run_lock.RunLock`);
+    every rank raises the same ConfigError when another training holds it (collective).
+    Returns ``(lock or None, created)``: whether this call created the directory."""
+    import torch.distributed as dist
+
+    from smelt_ds.run_lock import RunLock
+
+    lock, error, created = None, None, not out_dir.exists()
+    if rank == 0:
+        try:
+            lock = RunLock(out_dir).acquire()
+        except ConfigError as e:
+            error = str(e)
+    if dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ConfigError(error)
+    return lock, created
+
+
+def _remove_if_only_lock(out_dir: Path) -> None:
+    """A refused run leaves no directory behind that it created (only its lock file is in it)."""
+    from smelt_ds.run_lock import LOCK_NAME
+
+    if out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= {LOCK_NAME}:
+        import shutil
+
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
 def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> RunResult:
     """Train ``cfg`` and return a :class:`RunResult`. Initialises torch.distributed if needed.
 
-    Raises ConfigError for bad configuration, incompatible data or an unusable checkpoint.
+    Rank 0 holds the run directory's exclusive lock for the whole run (one writer per run).
+    Raises ConfigError for bad configuration, incompatible data, an unusable checkpoint, or a
+    run directory another training is using.
     """
-    from smelt_ds import checkpoint as ckpt
-    from smelt_ds.engine import resolve_precision
-    from smelt_ds.train_data import build_data
-
     import torch.distributed as dist
 
     if not dist.is_initialized():
         init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(run_dir or cfg.train.run_dir.format(name=cfg.name))
-    check_run_dir(out_dir, cfg, resume, world)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    lock, created = _lock_run_dir(out_dir, rank)
+    try:
+        try:
+            check_run_dir(out_dir, cfg, resume, world)
+        except ConfigError:
+            if rank == 0 and created:
+                lock.release()
+                lock = None
+                _remove_if_only_lock(out_dir)
+            raise
+        dist.barrier()
+        return _train_in(cfg, resume, out_dir, rank, world)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_in(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int) -> RunResult:
+    """The body of :func:`train`, in a locked, checked run directory."""
+    from smelt_ds import checkpoint as ckpt
+    from smelt_ds.engine import resolve_precision
+    from smelt_ds.train_data import build_data
 
     torch.manual_seed(cfg.train.seed)
     data = build_data(cfg, rank, world)
     built = build(cfg, world)
-    model, engine, sched, ds_config = built.model, built.engine, built.scheduler, built.ds_config
+    model, engine, ds_config = built.model, built.engine, built.ds_config
     if rank == 0 and ds_config.get("zero_optimization", {}).get("stage") == 3:  # loop-aware ZeRO-3 decision
         from smelt_ds.zero3_tuning import write_zero3_tuning
 
@@ -400,6 +450,7 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
     with _Terminator() as term:
         while step < cfg.train.max_steps:
             ids = []
+            lr = step_lr(engine)  # the LR this optimizer step uses (the scheduler moves on in engine.step)
             for m in range(accum):
                 batch = data.train.next_batch()
                 ids.extend(int(i) for i in batch.sample_ids)
@@ -413,7 +464,6 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
             tokens_seen += tokens_per_step
             _after_step(model, cfg)
             means = micro.means()
-            lr = sched.get_last_lr()[0]
             result.losses.append(means["loss"])
             result.lrs.append(lr)
             result.sample_ids.append(ids)
@@ -456,6 +506,14 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
     if rank == 0 and not result.stopped_early and step > result_start:
         _write_summary(out_dir, cfg, result, budget, data)
     return result
+
+
+def step_lr(engine) -> float:
+    """The learning rate the next optimizer step applies to unscaled groups (``lr_scale`` 1;
+    looped groups use ``loop.shared_lr_scale`` times it), read from the optimizer before
+    ``engine.step()`` advances the schedule."""
+    groups = engine.optimizer.param_groups
+    return float(next((g["lr"] for g in groups if g.get("lr_scale", 1.0) == 1.0), groups[0]["lr"]))
 
 
 def _after_step(model, cfg: RunConfig) -> None:
@@ -580,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 trained to ``train.max_steps`` (or stopped by ``train.exit_after_steps``,
     or already finished), 2 bad configuration, 143 stopped by SIGTERM/SIGINT after saving a
     checkpoint (128 + SIGTERM, so ``train && next`` does not go on), 130 Ctrl-C before training
-    started (nothing saved)."""
+    started (nothing saved), 1 a checkpoint could not be written (e.g. a full disk; the previous
+    complete checkpoint stays usable)."""
     args = parse_args(argv)
     try:
         cfg = load_config(args.recipe, args.set)
@@ -588,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"smelt_ds.train: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as e:
+        print(f"smelt_ds.train: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("smelt_ds.train: interrupted before training started; nothing was saved", file=sys.stderr)
         return 130

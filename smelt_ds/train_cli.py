@@ -50,9 +50,14 @@ def run_train(args: argparse.Namespace) -> int:
     from smelt_ds.config import load_config
     from smelt_ds.train import exit_status, train
 
+    from smelt_ds.checkpoint import CheckpointWriteError
+
     cfg = load_config(args.recipe, args.set)
     try:
         result = train(cfg, resume=args.resume, run_dir=args.run_dir)
+    except CheckpointWriteError as e:
+        print(f"smelt-ds train: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("smelt-ds train: interrupted before training started; nothing was saved", file=sys.stderr)
         return 130

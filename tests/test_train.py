@@ -332,3 +332,16 @@ def test_resume_at_another_scale_is_refused_before_anything_is_written(tmp_path,
     with pytest.raises(ConfigError, match=r"moe.backend 'autoep' in the checkpoint vs 'reference' now"):
         check_run_dir(run_dir, config_from_dict({**longer, "moe": {k: v for k, v in raw["moe"].items()
                                                                   if k not in ("backend", "ep_size")}}), "auto", 2)
+
+
+def test_logged_lr_is_the_lr_each_step_used(tmp_path, cache):
+    """Step s (1-based) of a linear warmup over W steps runs at lr * s / W; metrics.jsonl and the
+    result must log that value, not the next step's (as the scheduler reports after stepping)."""
+    raw = _raw(tmp_path, cache, train={"max_steps": 5, "warmup_steps": 4, "lr": 1e-3, "eval_every": 100,
+                                       "save_every": 100, "schedule": "constant"},
+               loop={"position": "middle", "shared_lr_scale": 0.5})
+    r = run_distributed(_train, 1, args=(raw,), timeout=300)[0]
+    expect = [1e-3 * s / 4 for s in (1, 2, 3, 4)] + [1e-3]
+    assert r["lrs"] == pytest.approx(expect, rel=1e-12)
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["lr"] for row in rows if "lr" in row] == pytest.approx(expect, rel=1e-12)
