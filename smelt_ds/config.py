@@ -180,6 +180,9 @@ class TrainConfig(StrictModel):
     init_from: str | None = Field(
         None, description="export directory (`smelt-ds export`) whose model.pt initialises the weights of a "
                           "new run, on any MoE backend; a run resumed from its own checkpoint ignores it")
+    init_from_any_tokenizer: bool = Field(
+        False, description="with init_from: allow data.tokenizer.path to name another tokenizer than the export's "
+                           "(by default the export's tokenizer.json is used and another one is refused)")
     activation_checkpointing: ActivationCheckpointing = Field(default_factory=ActivationCheckpointing)
 
 

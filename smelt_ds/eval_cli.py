@@ -29,6 +29,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of every run's recipe, e.g. --set data.cache_dir=/tmp/cache")
     p.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
+    p.add_argument("--allow-other-tokenizer", action="store_true",
+                   help="tokenise with data.tokenizer.path even when it is not the tokenizer the run was trained with")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +39,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "loss by token position, in-context learning curves (loss and accuracy on "
                                    "answer tokens vs k examples). Writes eval.json, eval.md and PNG plots.")
     _add_common(e)
-    e.add_argument("--batches", type=int, default=32, help="validation micro-batches per domain (default 32)")
+    e.add_argument("--batches", type=int, default=None,
+                   help="validation micro-batches per domain (default 32; with --corpus: every window)")
+    e.add_argument("--corpus", nargs="+", default=None, metavar="PATH",
+                   help="evaluate on these text/JSONL/Parquet files or directories instead of the run's "
+                        "validation data: every document of them, tokenised with the run's tokenizer, one "
+                        "domain per path (its file or directory stem)")
     e.add_argument("--micro-batch", type=int, default=8, help="windows per micro-batch (default 8)")
     e.add_argument("--buckets", default=None, help="position bucket ends in tokens, e.g. 64,256,1024 "
                                                    "(default: powers of two from 8)")
@@ -73,6 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-stop", action="store_true", help="do not stop at end-of-text")
     g.add_argument("--json", action="store_true", help="print JSON instead of text")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe field")
+    g.add_argument("--allow-other-tokenizer", action="store_true",
+                   help="tokenise with data.tokenizer.path even when it is not the tokenizer the run was trained with")
     g.set_defaults(func=run_generate)
 
 
@@ -92,7 +101,13 @@ def _csv(text: str | None) -> list[str] | None:
 def _load(args):
     from smelt_ds.eval.runs import load_runs
 
-    return load_runs(args.runs, args.set, _csv(args.names))
+    runs = load_runs(args.runs, args.set, _csv(args.names), args.allow_other_tokenizer)
+    if getattr(args, "corpus", None):
+        from smelt_ds.eval.data import corpus_config
+
+        for r in runs:
+            r.cfg, r.eval_split = corpus_config(r.cfg, args.corpus), "train"
+    return runs
 
 
 def _out_dir(args, runs) -> Path:
@@ -122,8 +137,9 @@ def run_eval(args: argparse.Namespace) -> int:
     from smelt_ds.eval.suite import EvalSettings, evaluate_runs
 
     _positive(batches=args.batches, micro_batch=args.micro_batch, episodes=args.episodes, seq_len=args.seq_len)
+    batches = args.batches if args.batches is not None else (None if args.corpus else 32)
     check_task_names(tuple(_csv(args.tasks) or TASK_NAMES))  # before the (long) loss pass
-    settings = EvalSettings(seq_len=args.seq_len, micro_batch_size=args.micro_batch, batches=args.batches,
+    settings = EvalSettings(seq_len=args.seq_len, micro_batch_size=args.micro_batch, batches=batches,
                             buckets=parse_buckets(args.buckets), shots=parse_shots(args.shots),
                             episodes=args.episodes, tasks=tuple(_csv(args.tasks) or TASK_NAMES), seed=args.seed)
     runs = _load(args)
@@ -156,7 +172,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.temperature <= 0 and args.mode != "greedy":
         raise ConfigError(f"`--temperature` ({args.temperature}) must be > 0 for sampled decoding: "
                           "use --mode greedy for temperature 0")
-    run = load_run(args.run, args.set)
+    run = load_run(args.run, args.set, allow_other_tokenizer=args.allow_other_tokenizer)
     data = open_eval_data(run.cfg)
     ids = encode_prompt(data.tokenizer, args.prompt, data.eot_id)
     eos = None if args.no_stop else data.eot_id

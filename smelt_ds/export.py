@@ -19,6 +19,7 @@ import torch
 from smelt_ds import checkpoint as ckpt
 from smelt_ds.config import RunConfig, dump_config, load_config
 from smelt_ds.errors import ConfigError
+from smelt_ds.provenance import RUN_TOKENIZER
 
 __all__ = ["consolidated_state_dict", "export_checkpoint", "load_exported", "load_initial_weights"]
 
@@ -70,7 +71,7 @@ def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.T
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)
 
 
-EXPORT_FILES = frozenset({"model.pt", "config.yaml", "SOURCE"})
+EXPORT_FILES = frozenset({"model.pt", "config.yaml", "SOURCE", "tokenizer.json"})
 
 
 def _check_output(out: Path) -> None:
@@ -94,7 +95,8 @@ def _load_weights(path: Path, field: str) -> dict[str, torch.Tensor]:
 
 
 def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
-    """Write ``model.pt``, ``config.yaml`` and ``SOURCE`` (the checkpoint path) to ``out_dir``
+    """Write ``model.pt``, ``config.yaml``, ``tokenizer.json`` (the run's, when it recorded one:
+    :mod:`smelt_ds.provenance`) and ``SOURCE`` (the checkpoint path) to ``out_dir``
     (atomically, through ``<out_dir>.partial``). Returns ``out_dir``.
 
     Raises ConfigError when ``path`` holds no complete checkpoint, or when ``out_dir`` is a file
@@ -109,6 +111,8 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
     tmp.mkdir(parents=True)
     torch.save(state, tmp / "model.pt")
     dump_config(cfg, tmp / "config.yaml")
+    if (run_dir / RUN_TOKENIZER).is_file():  # the tokenizer the model was trained with (provenance)
+        shutil.copyfile(run_dir / RUN_TOKENIZER, tmp / RUN_TOKENIZER)
     (tmp / "SOURCE").write_text(str(ckpt_dir.resolve()) + "\n")
     if out.exists():
         shutil.rmtree(out)

@@ -28,6 +28,7 @@ from smelt_ds.budget import compute_budget
 from smelt_ds.checkpoint import CheckpointWriteError
 from smelt_ds.config import RunConfig, dump_config, load_config
 from smelt_ds.errors import ConfigError
+from smelt_ds.provenance import init_from_tokenizer, record_run_tokenizer
 
 __all__ = ["main", "train", "build", "Built", "parse_args", "RunResult"]
 
@@ -298,6 +299,40 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
         raise ConfigError(f"--resume {resume}: run directory {out_dir} was trained with another model "
                           f"({'; '.join(diffs[:4])}): resume with the run's own recipe ({saved}), or start "
                           "this recipe in a new --run-dir")
+    _check_resume_overrides(old, new, out_dir, resume)
+
+
+# what a resume may change: how long, how often to log/evaluate/save, where data are cached, and
+# evaluation settings; everything else would change the optimisation it continues (the LR, the
+# batch, the data) while the checkpoint restores the old state, so config.yaml would lie
+RESUME_MAY_CHANGE = ("name", "train.max_steps", "train.log_every", "train.eval_every", "train.save_every",
+                     "train.keep_last", "train.exit_after_steps", "train.run_dir", "train.init_from", "eval",
+                     "cluster", "data.num_proc", "data.cache_dir", "data.output_dir", "data.offline", "data.verify",
+                     "data.shared_filesystem", "data.prepare_timeout_s", "deepspeed.comms_logger")
+
+
+def _check_resume_overrides(old: dict, new: dict, out_dir: Path, resume: str) -> None:
+    """Raise ConfigError naming every field outside :data:`RESUME_MAY_CHANGE` whose value differs
+    from the run's ``config.yaml`` (fields the saved file lacks are not compared)."""
+    from smelt_ds.config import config_diff
+
+    def allowed(path: str) -> bool:
+        return any(path == p or path.startswith(p + ".") for p in RESUME_MAY_CHANGE)
+
+    diffs = [d for d in config_diff(_common(new, old), _common(old, new), labels=("in this recipe", "in the run"))
+             if not allowed(d.split(":", 1)[0])]
+    if diffs:
+        raise ConfigError(f"--resume {resume}: {'; '.join(diffs[:4])} (run directory {out_dir}): a resume continues "
+                          "the run's optimisation from its checkpoint and may change only "
+                          f"{', '.join(RESUME_MAY_CHANGE[1:8])}, eval.* and data caching: resume with the run's "
+                          "values, or start a new run from its weights (`smelt-ds export` then train.init_from)")
+
+
+def _common(a: Any, b: Any) -> Any:
+    """``a`` restricted to the keys ``b`` also has (recursively): fields added since ``b`` was written."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _common(v, b[k]) for k, v in a.items() if k in b}
+    return a
 
 
 def threading_is_main() -> bool:
@@ -348,23 +383,32 @@ def _lock_run_dir(out_dir: Path, rank: int):
     """Rank 0 takes the run directory's exclusive lock (:class:`smelt_ds.run_lock.RunLock`);
     every rank raises the same ConfigError when another training holds it (collective).
     Returns ``(lock or None, created)``: whether this call created the directory."""
-    import torch.distributed as dist
 
     from smelt_ds.run_lock import RunLock
 
-    lock, error, created = None, None, not out_dir.exists()
+    created = not out_dir.exists()
+    lock = on_rank0(rank, lambda: RunLock(out_dir).acquire())
+    return lock, created
+
+
+def on_rank0(rank: int, fn):
+    """``fn()`` on global rank 0 (its result there, None elsewhere); a ConfigError it raises is
+    raised on every rank, so no rank waits in a collective for a rank that gave up."""
+    import torch.distributed as dist
+
+    result, error = None, None
     if rank == 0:
         try:
-            lock = RunLock(out_dir).acquire()
+            result = fn()
         except ConfigError as e:
             error = str(e)
-    if dist.get_world_size() > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         box = [error]
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error:
         raise ConfigError(error)
-    return lock, created
+    return result
 
 
 def _remove_if_only_lock(out_dir: Path) -> None:
@@ -390,6 +434,7 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
         init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(run_dir or cfg.train.run_dir.format(name=cfg.name))
+    cfg = init_from_tokenizer(cfg)  # a run started from an export trains on with its tokenizer
     lock, created = _lock_run_dir(out_dir, rank)
     try:
         try:
@@ -415,6 +460,7 @@ def _train_in(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int)
 
     torch.manual_seed(cfg.train.seed)
     data = build_data(cfg, rank, world)
+    on_rank0(rank, lambda: record_run_tokenizer(out_dir, data.prepared, resuming=resume != "none"))
     built = build(cfg, world)
     model, engine, ds_config = built.model, built.engine, built.ds_config
     if rank == 0 and ds_config.get("zero_optimization", {}).get("stage") == 3:  # loop-aware ZeRO-3 decision
@@ -577,15 +623,14 @@ def _progress(rank: int, start: int, total: int):
 
 @torch.no_grad()
 def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
-    """Mean next-token loss (nats/token) per validation domain over ``eval.eval_batches``
-    micro-batches per rank, averaged over ranks; ``all`` is the token-weighted mean over those
-    batches, so every domain weighs the same (``smelt-ds eval`` instead weighs domains by their
-    validation tokens)."""
+    """Mean next-token loss (nats/token) per validation domain over up to ``eval.eval_batches``
+    micro-batches per rank (token-weighted within a domain, summed over ranks); ``all`` is the
+    plain mean of the domains' values, so every domain weighs the same whatever its number of
+    windows (``smelt-ds eval``'s ``all`` instead pools the domains' tokens, and says so)."""
     import torch.distributed as dist
 
     engine.eval()
     out: dict[str, float] = {}
-    tot_loss, tot_tok = 0.0, 0
     for domain, batches in data.validation(cfg.eval.eval_batches).items():
         s = torch.zeros(2, dtype=torch.float64)
         for batch in batches:
@@ -596,9 +641,8 @@ def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
             dist.all_reduce(s)
         if s[1] > 0:
             out[domain] = float(s[0] / s[1])
-            tot_loss, tot_tok = tot_loss + float(s[0]), tot_tok + int(s[1])
-    if tot_tok:
-        out["all"] = tot_loss / tot_tok
+    if out:
+        out["all"] = sum(out.values()) / len(out)
     engine.train()
     return out
 

@@ -194,3 +194,25 @@ def test_write_hashed_digest_equals_the_file(tmp_path):
         d = ckpt.write_hashed(obj, path, zipfile)
         assert d == ckpt.file_digest(path)
         assert torch.equal(torch.load(path, weights_only=True)["w"], obj["w"])
+
+
+def test_resume_may_change_only_what_does_not_change_the_optimisation(trained):
+    """`--set train.lr=...` on resume used to be ignored while config.yaml said it was used."""
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.train import check_run_dir
+
+    raw, run_dir, _ = trained
+
+    def cfg(**train):
+        return config_from_dict({**raw, "train": {**raw["train"], **train}})
+
+    check_run_dir(run_dir, cfg(max_steps=10, eval_every=5, save_every=5, log_every=2, keep_last=1), "auto", 1)
+    check_run_dir(run_dir, config_from_dict({**raw, "eval": {"eval_batches": 4}}), "auto", 1)
+    with pytest.raises(ConfigError, match=r"--resume auto: train.lr: 0.003 in the run, 0.0001 in this recipe .*a "
+                                          r"resume continues the run's optimisation .*may change only train.max_steps"):
+        check_run_dir(run_dir, cfg(lr=1e-4), "auto", 1)
+    for change in ({"warmup_steps": 2}, {"micro_batch_size": 4}, {"seed": 7}, {"grad_clip": 0.5}):
+        with pytest.raises(ConfigError, match=rf"train.{next(iter(change))}: "):
+            check_run_dir(run_dir, cfg(**change), "auto", 1)
+    with pytest.raises(ConfigError, match=r"data.validation_share: "):
+        check_run_dir(run_dir, config_from_dict({**raw, "data": {**raw["data"], "validation_share": 0.2}}), "auto", 1)

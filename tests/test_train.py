@@ -198,7 +198,7 @@ def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     older.rmdir()
     check_run_dir(run_dir, config_from_dict(_raw(tmp_path, cache, train={"max_steps": 8})), "auto")  # same model
     saved_config = (run_dir / "config.yaml").read_text()
-    again = run_distributed(_train, 1, args=({**raw, "train": {**raw["train"], "lr": 1e-4}}, "auto"),
+    again = run_distributed(_train, 1, args=({**raw, "train": {**raw["train"], "eval_every": 1}}, "auto"),
                             timeout=300)[0]
     assert again["step"] == 4 and again["losses"] == []
     assert (run_dir / "config.yaml").read_text() == saved_config
@@ -345,3 +345,29 @@ def test_logged_lr_is_the_lr_each_step_used(tmp_path, cache):
     assert r["lrs"] == pytest.approx(expect, rel=1e-12)
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["lr"] for row in rows if "lr" in row] == pytest.approx(expect, rel=1e-12)
+
+
+def test_validation_all_weighs_domains_equally_when_one_has_fewer_windows():
+    """A domain with fewer than eval.eval_batches windows must not pull ``all`` towards the other
+    domain's tokens: ``all`` is the plain mean of the domain values, as the summary says."""
+    from types import SimpleNamespace
+
+    from smelt_ds.train import evaluate
+
+    def batch(domain):
+        return SimpleNamespace(input_ids=torch.full((2, 8), 0 if domain == "code" else 1), labels=torch.zeros(2, 8))
+
+    class Engine:
+        def __call__(self, ids, labels):
+            return SimpleNamespace(lm_loss=torch.tensor(1.0 if int(ids[0, 0]) == 0 else 4.0))
+
+        def eval(self):
+            pass
+
+        def train(self):
+            pass
+
+    data = SimpleNamespace(validation=lambda n: {"code": [batch("code")] * n, "text": [batch("text")]})
+    cfg = SimpleNamespace(eval=SimpleNamespace(eval_batches=3))
+    val = evaluate(Engine(), data, cfg)
+    assert val == {"code": 1.0, "text": 4.0, "all": 2.5}    # token-weighted would give (3 * 1 + 4) / 4 = 1.75

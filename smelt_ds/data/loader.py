@@ -260,16 +260,18 @@ class ValidationLoader:
     ``windows // W`` of them (the last ``windows % W`` are left out), so all ranks see the same
     number of micro-batches of the same sizes (the last may hold fewer than B samples).
     Iterating again starts from the beginning. Batches are as in :class:`TrainLoader`.
+    ``split`` reads another split's shards in the same way (``train`` for an evaluation corpus).
     Raises ConfigError when the domain has no validation shard or fewer than W windows.
     """
 
     def __init__(self, prepared: PreparedData, domain: str, seq_len: int, micro_batch_size: int, *,
-                 dp_rank: int | None = None, dp_world_size: int | None = None, max_batches: int | None = None):
+                 dp_rank: int | None = None, dp_world_size: int | None = None, max_batches: int | None = None,
+                 split: str = "validation"):
         info = rank_info()
         self.dp_rank = info.rank if dp_rank is None else dp_rank
         self.dp_world_size = info.world_size if dp_world_size is None else dp_world_size
         _check_positive(**{"train.seq_len": seq_len, "micro_batch_size": micro_batch_size})
-        shards = prepared.shards("validation", domain=domain)
+        shards = prepared.shards(split, domain=domain)
         self.domain, self.micro_batch_size, self.max_batches = domain, micro_batch_size, max_batches
         self.windows = _Windows(prepared, shards, seq_len)
         tokens = sum(s["tokens"] for s in shards)

@@ -68,12 +68,14 @@ class EvalData:
         tokenizer: the ``tokenizers.Tokenizer`` the shards were made with.
         byte_lengths: ``(V,)`` UTF-8 bytes per token id (see :func:`token_byte_lengths`).
         domains: validation domains in source order.
+        split: the prepared split read (``validation``; ``train`` for an evaluation corpus).
     """
 
     prepared: object
     tokenizer: object
     byte_lengths: np.ndarray
     domains: list[str]
+    split: str = "validation"
 
     @property
     def eot_id(self) -> int:
@@ -89,14 +91,14 @@ class EvalData:
         from smelt_ds.data.loader import ValidationLoader
 
         vl = ValidationLoader(self.prepared, domain, seq_len, micro_batch_size, dp_rank=0, dp_world_size=1,
-                              max_batches=max_batches)
+                              max_batches=max_batches, split=self.split)
         return [{"input_ids": b["input_ids"], "labels": b["labels"]} for b in vl]
 
     def text_of(self, domain: str, max_tokens: int) -> str:
         """Decoded text of the first ``max_tokens`` validation tokens of ``domain`` (documents
         separated by end-of-text are joined with newlines)."""
         parts, seen = [], 0
-        for shard in self.prepared.shards("validation", domain=domain):
+        for shard in self.prepared.shards(self.split, domain=domain):
             toks = np.asarray(self.prepared.tokens(shard)[: max(0, max_tokens - seen)], dtype=np.int64)
             seen += len(toks)
             docs = np.split(toks, np.flatnonzero(toks == self.eot_id))
@@ -111,20 +113,38 @@ class EvalData:
         return int(self.byte_lengths[ids].sum())
 
 
-def open_eval_data(cfg) -> EvalData:
+def open_eval_data(cfg, split: str = "validation") -> EvalData:
     """Prepare (or reuse) the recipe's data section and check it fits the model.
 
-    Raises ConfigError when the tokenizer vocabulary differs from ``model.vocab_size`` or the data
-    hold no validation split.
+    ``split``: ``validation`` (the run's held-out documents) or ``train`` (every document of an
+    evaluation corpus, see :func:`corpus_config`). Raises ConfigError when the tokenizer
+    vocabulary differs from ``model.vocab_size`` or the split is empty.
     """
     from smelt_ds.data import check_compatible, prepare_from_config
 
     prepared = prepare_from_config(cfg.data)
     check_compatible(prepared, cfg.model.vocab_size)
-    domains = [d for d in prepared.domains if prepared.shards("validation", domain=d)]
+    domains = [d for d in prepared.domains if prepared.shards(split, domain=d)]
     if not domains:
-        raise ConfigError(f"prepared data {prepared.root} hold no validation shards (`data.validation_share` "
+        raise ConfigError(f"prepared data {prepared.root} hold no {split} shards (`data.validation_share` "
                           f"is {cfg.data.validation_share}): set data.validation_share > 0 (e.g. --set "
                           "data.validation_share=0.05) so the data are prepared with a validation split")
     tok = prepared.tokenizer()
-    return EvalData(prepared, tok, token_byte_lengths(tok), domains)
+    return EvalData(prepared, tok, token_byte_lengths(tok), domains, split)
+
+
+def corpus_config(cfg, paths: list[str]):
+    """``cfg`` whose data section reads ``paths`` (files or directories; one domain per path,
+    named by its stem) in full: ``validation_share`` 0 puts every document in the ``train``
+    split, which the evaluation then reads. The tokenizer is kept (the run's, see
+    :func:`smelt_ds.eval.runs.load_run`). Raises ConfigError for a path that does not exist."""
+    from pathlib import Path
+
+    from smelt_ds.data.config import DataConfig
+
+    for p in paths:
+        if not Path(p).exists():
+            raise ConfigError(f"`--corpus` {p!r} does not exist: pass text, JSONL or Parquet files or directories")
+    raw = cfg.data.model_dump(mode="json")
+    raw.update(sources=[{"path": str(p)} for p in paths], validation_share=0.0)
+    return cfg.model_copy(update={"data": DataConfig.model_validate(raw)})

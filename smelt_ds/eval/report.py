@@ -28,6 +28,12 @@ def _finite(x):
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
+def _domain_label(domain: str) -> str:
+    """``all`` in ``smelt-ds eval`` pools every domain's tokens (token-weighted), unlike the
+    training summary's ``all`` (domains weighted equally): the label says which."""
+    return "all (token-weighted)" if domain == "all" else domain
+
+
 def eval_table(result: dict) -> list[dict]:
     """Rows of ``smelt-ds eval``: per-domain loss and bits per byte, loss by position bucket
     (all domains), and in-context loss (and accuracy) per task and k."""
@@ -35,10 +41,10 @@ def eval_table(result: dict) -> list[dict]:
     rows = []
     domains = list(dict.fromkeys(d for n in names for d in result["domains"][n]))
     for d in domains:
-        rows.append(_row("validation", f"loss {d}", "nats/token",
+        rows.append(_row("validation", f"loss {_domain_label(d)}", "nats/token",
                          {n: _finite(result["domains"][n].get(d, {}).get("loss")) for n in names}, names))
     for d in domains:
-        rows.append(_row("validation", f"bits per byte {d}", "bits/byte",
+        rows.append(_row("validation", f"bits per byte {_domain_label(d)}", "bits/byte",
                          {n: _finite(result["domains"][n].get(d, {}).get("bits_per_byte")) for n in names}, names))
     for i, (s, e) in enumerate(result["settings"]["buckets"]):
         vals = {}

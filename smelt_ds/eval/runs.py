@@ -28,6 +28,8 @@ class LoadedRun:
         export_dir: the export directory the weights came from.
         model: :class:`smelt_ds.model.SmeltLM`, CPU, eval mode.
         cfg: the resolved recipe (with the evaluation's ``--set`` overrides applied).
+        eval_split: the prepared split evaluated: ``validation``, or ``train`` for a ``--corpus``
+            (prepared with ``validation_share`` 0, so it holds every document).
     """
 
     name: str
@@ -35,6 +37,7 @@ class LoadedRun:
     export_dir: Path
     model: object
     cfg: RunConfig
+    eval_split: str = "validation"  # "train" for `smelt-ds eval --corpus` (every document of the corpus)
 
 
 def _is_export(path: Path) -> bool:
@@ -71,19 +74,29 @@ def resolve_export(path: str | Path) -> Path:
     return export_checkpoint(ckpt_dir, out)
 
 
-def load_run(path: str | Path, overrides: list[str] | None = None, name: str | None = None) -> LoadedRun:
+def load_run(path: str | Path, overrides: list[str] | None = None, name: str | None = None,
+             allow_other_tokenizer: bool = False) -> LoadedRun:
     """Export (if needed) and load one run. ``overrides`` are ``--set`` items applied to its recipe
-    (e.g. ``data.cache_dir=...``). Raises ConfigError."""
+    (e.g. ``data.cache_dir=...``). The data are tokenised with the tokenizer the run recorded
+    (``tokenizer.json`` of the export, :mod:`smelt_ds.provenance`), whatever the overrides say.
+
+    Raises ConfigError; among others when ``data.tokenizer.path`` names another tokenizer than
+    the run's (both digests named) and ``allow_other_tokenizer`` is false."""
     from smelt_ds.export import load_exported
+    from smelt_ds.provenance import RUN_TOKENIZER, with_tokenizer
 
     export_dir = resolve_export(path)
     model = load_exported(export_dir)
     cfg = load_config(export_dir / "config.yaml",
                       ["moe.backend=reference", "moe.ep_size=1", "deepspeed.zero_stage=0", *(overrides or [])])
+    if (export_dir / RUN_TOKENIZER).is_file():
+        cfg = with_tokenizer(cfg, export_dir / RUN_TOKENIZER, allow_other_tokenizer,
+                             "pass --allow-other-tokenizer to score the model with it anyway")
     return LoadedRun(name or cfg.name, Path(path), export_dir, model, cfg)
 
 
-def load_runs(paths: list[str], overrides: list[str] | None = None, names: list[str] | None = None) -> list[LoadedRun]:
+def load_runs(paths: list[str], overrides: list[str] | None = None, names: list[str] | None = None,
+              allow_other_tokenizer: bool = False) -> list[LoadedRun]:
     """Load every run; names default to the recipe names, made unique with ``-2``, ``-3``...
 
     Raises ConfigError when ``names`` is given with a different length than ``paths``.
@@ -95,7 +108,7 @@ def load_runs(paths: list[str], overrides: list[str] | None = None, names: list[
                           "give one name per run, comma-separated")
     runs, seen = [], {}
     for i, p in enumerate(paths):
-        run = load_run(p, overrides, names[i] if names else None)
+        run = load_run(p, overrides, names[i] if names else None, allow_other_tokenizer)
         base = run.name
         seen[base] = seen.get(base, 0) + 1
         if seen[base] > 1:

@@ -25,7 +25,7 @@ class EvalSettings:
 
     seq_len: int | None = None  # default: the first run's train.seq_len
     micro_batch_size: int = 8
-    batches: int = 32
+    batches: int | None = 32  # None: every window
     buckets: list[int] | None = None  # bucket ends; default powers of two from 8
     shots: tuple[int, ...] = DEFAULT_SHOTS
     episodes: int = 64
@@ -62,9 +62,9 @@ def _data_for(runs: list[LoadedRun]) -> dict[str, EvalData]:
     out = {}
     for r in runs:
         # runs trained on the same data section share one prepared directory
-        key = r.cfg.data.model_dump_json()
+        key = r.cfg.data.model_dump_json() + r.eval_split
         if key not in cache:
-            cache[key] = open_eval_data(r.cfg)
+            cache[key] = open_eval_data(r.cfg, r.eval_split)
         out[r.name] = cache[key]
     return out
 
