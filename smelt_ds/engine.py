@@ -11,18 +11,16 @@ import copy
 import json
 import math
 import warnings
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from smelt_ds.config import RunConfig, resolve_batch
 from smelt_ds.errors import ConfigError
+from smelt_ds.resources import DS_CONFIG_DIR
 
 __all__ = ["DS_CONFIG_DIR", "template_name", "load_template", "build_ds_config", "param_groups",
            "lr_multiplier", "resolve_precision", "deep_merge"]
-
-DS_CONFIG_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
 
 
 def template_name(cfg: RunConfig) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from smelt_ds import resources
 from smelt_ds.budget import Budget, compute_budget, deviations, match_baseline
 from smelt_ds.config import (ClusterLayout, RunConfig, apply_overrides, config_from_dict, config_to_dict,
                              read_yaml_mapping, resolve_batch)
@@ -37,9 +38,11 @@ __all__ = ["REPO_ROOT", "RECIPES_DIR", "DOCS_TABLE", "SIZES", "VARIANTS", "POSIT
            "RecipeEntry", "shipped_recipes", "load_raw", "resolve", "Resolved", "zero_option", "zero3_decision", "memory_report",
            "derive_variants", "write_variants", "recipe_rows", "recipes_table"]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RECIPES_DIR = REPO_ROOT / "recipes"
-DOCS_TABLE = REPO_ROOT / "docs" / "recipes.md"
+#: the folder holding recipes/, launchers/ and ds_configs/: the checkout, or the installed package's
+#: copy (smelt_ds.resources); paths are shown and passed to jobs relative to it
+REPO_ROOT = resources.DATA_ROOT
+RECIPES_DIR = resources.RECIPES_DIR
+DOCS_TABLE = resources.DOCS_TABLE
 SIZES = ("tiny", "s", "m", "l", "xl")
 VARIANTS = ("baseline", "smelt", "uniform", "bottom", "top", "asymmetric")
 #: loop position (``smelt-ds match --position``) of each looped variant
