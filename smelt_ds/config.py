@@ -477,17 +477,70 @@ def config_diff(new: Any, old: Any, path: str = "", labels: tuple[str, str] = ("
     return [] if new == old else [f"{path}: {old!r} {labels[1]}, {new!r} {labels[0]}"]
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last silently).
+
+    ``source`` names the file in messages; key paths (``model.num_layers``, ``data.sources[0].path``)
+    are computed from the node tree before construction. Merge keys (``<<: *anchor``) may be
+    overridden by the mapping's own keys, as YAML specifies.
+    """
+
+    source = "<yaml>"
+
+    def construct_document(self, node):
+        self._paths: dict[int, str] = {}
+        self._index_paths(node, "")
+        return super().construct_document(node)
+
+    def _index_paths(self, node, path: str) -> None:
+        if id(node) in self._paths:  # an alias: keep the first path, do not walk twice
+            return
+        self._paths[id(node)] = path
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+                self._index_paths(value_node, f"{path}.{key}" if path else str(key))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._index_paths(item, f"{path}[{i}]")
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                except TypeError:  # unhashable key: SafeConstructor raises its own error below
+                    continue
+                seen.setdefault(key, line)
+                if first is not None:
+                    parent = self._paths.get(id(node), "")
+                    where = f"{parent}.{key}" if parent else str(key)
+                    raise ConfigError(f"{self.source}: key `{where}` is given twice (lines {first} and {line}); "
+                                      "YAML would silently keep only the last one: delete or merge one of them")
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml_mapping(path: str | Path, what: str = "recipe file", example: str = "recipes/tiny/smelt.yaml"
                       ) -> dict[str, Any]:
     """The YAML mapping in ``path`` (empty file = {}). Raises ConfigError naming ``what`` and the
-    file for a missing file, bad YAML, or a document that is not a mapping."""
+    file for a missing file, bad YAML, a key given twice in one mapping (at any level; both line
+    numbers), or a document that is not a mapping."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{what} {str(path)!r} does not exist: pass the path of a YAML file, e.g. {example}")
+    loader = _UniqueKeyLoader(path.read_text())
+    loader.source = f"{what} {str(path)!r}"
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = loader.get_single_data() or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
     if not isinstance(raw, dict):
         raise ConfigError(f"{what} {str(path)!r} must be a YAML mapping of sections, got {type(raw).__name__}")
     return raw

@@ -274,3 +274,47 @@ def test_yaml_booleans_are_not_numbers(tmp_path, item, path):
     with pytest.raises(ConfigError, match=rf"`{re.escape(path)}` \((True|False)\): .*needs a number, got a boolean"):
         load_config(write(tmp_path, {}), [item])
     assert load_config(write(tmp_path, {}), ["model.tie_embeddings=yes"]).model.tie_embeddings is True
+
+
+# --------------------------------------------------------------------------------------------
+# duplicate YAML keys (issue 13 G): the last one must not silently win
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,key,lines", [
+    ("model:\n  num_layers: 4\ntrain:\n  lr: 0.001\nmodel:\n  hidden_size: 64\n", "model", (1, 5)),
+    ("model:\n  num_layers: 4\n  hidden_size: 64\n  num_layers: 6\n", "model.num_layers", (2, 4)),
+    ("data:\n  sources:\n    - path: a.txt\n      domain: x\n      domain: y\n", "data.sources[0].domain", (4, 5)),
+])
+def test_duplicate_yaml_keys_are_rejected_with_both_lines(tmp_path, text, key, lines):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    msg = str(info.value)
+    assert str(path) in msg and f"`{key}`" in msg
+    assert f"(lines {lines[0]} and {lines[1]})" in msg, msg
+
+
+def test_duplicate_keys_on_one_line_are_rejected(tmp_path):
+    path = tmp_path / "flow.yaml"
+    path.write_text("train: {lr: 0.1, lr: 0.2}\n")
+    with pytest.raises(ConfigError, match=r"key `train.lr` is given twice \(lines 1 and 1\)"):
+        load_config(path)
+
+
+def test_duplicate_keys_in_a_sweep_file_are_rejected(tmp_path):
+    from smelt_ds.config import read_yaml_mapping
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text("name: a\nvariants: []\nname: b\n")
+    with pytest.raises(ConfigError, match=r"sweep file '.*sweep.yaml': key `name` is given twice \(lines 1 and 3\)"):
+        read_yaml_mapping(path, "sweep file")
+
+
+def test_yaml_merge_keys_and_distinct_nested_keys_are_accepted(tmp_path):
+    from smelt_ds.config import read_yaml_mapping
+
+    path = tmp_path / "ok.yaml"
+    path.write_text("base: &b {x: 1, y: 2}\nuse:\n  <<: *b\n  y: 3\nother:\n  x: 5\n")
+    assert read_yaml_mapping(path) == {"base": {"x": 1, "y": 2}, "use": {"x": 1, "y": 3}, "other": {"x": 5}}

@@ -4,6 +4,11 @@ Everything the data pipeline builds (built-in corpus, tokenizers, prepared shard
 written under a temporary name and renamed into place when complete (``os.replace`` of a
 directory is atomic on POSIX file systems), so a reader never takes a partial output for a
 complete one: a directory is complete when its ``_COMPLETE`` marker exists.
+
+The temporary name ``.NAME.tmp-<host>-<pid>-<random>`` records who writes it. A process that is
+killed (SIGKILL, out of memory, a node failure) cannot remove it; the next build in the same
+parent directory on the same host removes every such leftover whose process no longer runs.
+Leftovers of other hosts are left alone (their process may still run there).
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -19,7 +27,7 @@ from typing import Any, Callable
 from smelt_ds.errors import ConfigError
 
 __all__ = ["COMPLETE_MARKER", "cache_root", "sha256_bytes", "sha256_file", "sha256_json", "is_complete",
-           "build_dir_atomically", "write_json"]
+           "build_dir_atomically", "host_tag", "remove_stale_temporaries", "write_json"]
 
 COMPLETE_MARKER = "_COMPLETE"
 _CHUNK_BYTES = 1 << 24
@@ -60,6 +68,45 @@ def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / COMPLETE_MARKER).is_file()
 
 
+_TMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{12}$")
+
+
+def host_tag() -> str:
+    """This host's name as it appears in temporary names (characters outside [A-Za-z0-9._-] -> _)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def remove_stale_temporaries(parent: str | os.PathLike) -> list[Path]:
+    """Remove the temporary build directories in ``parent`` left by killed processes of this host.
+
+    A directory counts as stale when its name is ``.NAME.tmp-<this host>-<pid>-<random>`` and no
+    process ``pid`` runs. Returns the removed paths (each is also reported on stderr).
+    """
+    parent, host, removed = Path(parent), host_tag(), []
+    if not parent.is_dir():
+        return removed
+    for entry in parent.iterdir():
+        m = _TMP_NAME.match(entry.name)
+        if not m or m["host"] != host or not entry.is_dir() or _pid_alive(int(m["pid"])):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            removed.append(entry)
+            print(f"smelt-ds data: removed {str(entry)!r}, left by process {m['pid']} of this host that no "
+                  "longer runs (a killed build)", file=sys.stderr)
+    return removed
+
+
 def _clear_target(out: Path) -> None:
     """Remove an empty ``out``; refuse to replace a non-empty directory that is not complete."""
     if not out.exists() or is_complete(out):
@@ -77,13 +124,16 @@ def build_dir_atomically(out_dir: str | os.PathLike, build: Callable[[Path], Non
     Raises ConfigError if ``out_dir`` exists, is not empty and is not complete (never deleted).
     Returns True when this call built the directory, False when a complete one was already there
     (or another process finished first: the rename loses the race and the loser's copy is removed).
-    The temporary directory is a sibling ``.NAME.tmp-<random>`` and is removed on failure.
+    The temporary directory is a sibling ``.NAME.tmp-<host>-<pid>-<random>``, removed on failure;
+    one left by a killed process of this host is removed by the next call in the same parent
+    directory (:func:`remove_stale_temporaries`).
     """
     out = Path(out_dir)
     if is_complete(out):
         return False
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
+    remove_stale_temporaries(out.parent)
+    tmp = out.parent / f".{out.name}.tmp-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
         build(tmp)

@@ -100,6 +100,9 @@ class DataConfig(StrictModel):
         1, ge=1, description="processes tokenising with datasets.map; 1 = in-process, the tokenizer's threads")
     non_utf8: Literal["replace", "error"] = Field(
         "replace", description="invalid UTF-8 bytes: replace with U+FFFD and count, or stop with an error")
+    max_invalid_utf8_share: float = Field(
+        0.01, ge=0, le=1, description="text files: refuse a file whose invalid UTF-8 bytes exceed this share of "
+                                      "its bytes (bytes / bytes), or that holds a NUL byte: binary, not text")
     bad_jsonl_lines: Literal["error", "skip"] = Field(
         "error", description="JSONL line that is not JSON or lacks `text_field`: stop, or skip and count")
     cache_dir: str | None = Field(
@@ -109,6 +112,10 @@ class DataConfig(StrictModel):
     offline: bool = Field(
         False, description="never touch the network for dataset sources (also on with HF_HUB_OFFLINE=1, "
                            "HF_DATASETS_OFFLINE=1 or SMELT_DS_OFFLINE=1)")
+    tokenize_chunk_bytes: int = Field(
+        1_000_000, ge=1024, description="text handed to the tokenizer in one call, at most (UTF-8 bytes): longer "
+                                        "documents are cut at whitespace into pieces (same ids); memory of "
+                                        "tokenising is up to about 200 bytes per byte of it")
     shard_max_tokens: int = Field(
         1 << 28, gt=0, description="tokens per shard file at most (tokens; 2^28 = 512 MiB at uint16)")
     verify: Literal["checksum", "size"] = Field(

@@ -14,8 +14,16 @@ text inside a document (a literal ``<|endoftext|>``) is encoded as plain text, s
 end-of-text ids in a shard are the separators: a shard holds as many end-of-text ids as documents
 end in it, which is checked while writing. Documents are split into train and validation per
 source (no document in both); validation shards of a domain are its sources' validation shards.
+The split of a file or dataset source is chosen by the documents' text (a keyed hash of each),
+so the same documents give the same split wherever and however their path is written; a
+built-in source keeps its draw seeded by its name.
 
-Token dtype: uint16 when every id fits (vocabulary <= 65,536 tokens), else uint32.
+The tokenizer gets at most ``data.tokenize_chunk_bytes`` UTF-8 bytes per call: documents are
+grouped up to that size and longer ones are cut into pieces at whitespace
+(:func:`smelt_ds.data.tokenizer.cut_document`), which gives the ids of the whole document.
+
+Token dtype: uint16 when every id of the tokenizer's vocabulary and every id produced is below
+65,536, else uint32; an id is never wrapped.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import os
 import shutil
 import socket
 import time
+import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,27 +49,41 @@ import tokenizers
 from tokenizers import Tokenizer
 
 import smelt_ds
-from smelt_ds.data.cache import cache_root, is_complete, sha256_file, sha256_json, write_json
+from smelt_ds.data.cache import (cache_root, host_tag, is_complete, remove_stale_temporaries, sha256_file,
+                                 sha256_json, write_json)
 from smelt_ds.data.config import DataConfig
 from smelt_ds.data.distributed import rank_info, run_once
 from smelt_ds.data.sources import SourceData, read_sources, source_fingerprint
-from smelt_ds.data.tokenizer import (TOKENIZER_FILE, cached_tokenizer, load_tokenizer, special_ids,
-                                     tokenizer_hash, tokenizer_key)
+from smelt_ds.data.tokenizer import (TOKENIZER_FILE, cached_tokenizer, cut_document, cut_problem, load_tokenizer,
+                                     special_ids, tokenizer_hash, tokenizer_key, utf8_len)
 from smelt_ds.errors import ConfigError
 
-__all__ = ["FORMAT_VERSION", "META_FILE", "SPLITS", "token_dtype", "validation_mask", "tokenise",
-           "PreparedData", "preparation_key", "build_tokenizer", "prepare_from_config"]
+__all__ = ["FORMAT_VERSION", "META_FILE", "SPLITS", "token_dtype", "validation_count", "document_keys",
+           "validation_mask", "tokenise", "PreparedData", "preparation_key", "build_tokenizer", "prepare_from_config"]
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 SPLITS = ("train", "validation")
 _ARROW_BATCH_ROWS = 4096
 _MAP_BATCH_ROWS = 1000
+_WRITE_BATCH_TOKENS = 1 << 24  # tokens routed to the shard writers at once, at most (when documents allow)
+SPLIT_SCHEME = "text-hash-v1"  # in the preparation key: outputs made with another split rule are not reused
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 if every id of a ``vocab_size``-token vocabulary fits (ids < 65,536), else uint32."""
+    """uint16 if ids ``0 .. vocab_size - 1`` fit (``vocab_size`` <= 65,536), else uint32.
+
+    ``vocab_size`` is the number of possible ids: pass the largest id + 1 (see :func:`_shard_dtype`).
+    """
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def _rows_per_batch(docs: datasets.Dataset, max_bytes: int, most: int = _MAP_BATCH_ROWS) -> int:
+    """Documents per batch so that a batch holds about ``max_bytes`` UTF-8 bytes of text (1..most)."""
+    col = docs.data.table.column("text")
+    total = pc.sum(pc.binary_length(col)).as_py() or 0
+    mean = total / max(1, len(col))
+    return int(min(most, max(1, max_bytes // max(1.0, mean))))
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,11 +91,53 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # --------------------------------------------------------------------------------------------
 
 
-def _encode_batch(batch: dict[str, list], tokenizer: Tokenizer, eot_id: int) -> dict[str, list]:
-    """``{"text": [doc, ...]}`` -> ``{"input_ids": [ids + [eot_id], ...]}`` (one row per document)."""
+def _encode_batch(batch: dict[str, list], indices: list[int], tokenizer: Tokenizer, eot_id: int,
+                  max_bytes: int = 1_000_000, cut_problem: str | None = None, where: str = "source",
+                  ) -> dict[str, list]:
+    """``{"text": [doc, ...]}`` -> ``{"input_ids": [ids + [eot_id], ...]}`` (one row per document).
+
+    The tokenizer gets at most ``max_bytes`` UTF-8 bytes per call: documents are grouped up to that
+    size, a longer one is cut into pieces (:func:`~smelt_ds.data.tokenizer.cut_document`) whose
+    ids are concatenated. ``cut_problem`` (from :func:`~smelt_ds.data.tokenizer.cut_problem`)
+    says why this tokenizer's ids could change when cut: then a longer document is refused.
+    """
     tokenizer.encode_special_tokens = True  # a literal "<|endoftext|>" in a document is plain text
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-    return {"input_ids": [e.ids + [eot_id] for e in encode(batch["text"])]}
+    texts = batch["text"]
+    sizes = [utf8_len(t) for t in texts]
+    if sum(sizes) <= max_bytes:  # the common case: one call, as before
+        return {"input_ids": [e.ids + [eot_id] for e in encode(texts)]}
+    parts: list[list] = [[] for _ in texts]
+    group: list[tuple[int, str]] = []
+    group_bytes = 0
+
+    def flush() -> None:
+        for (i, _), e in zip(group, encode([piece for _, piece in group])):
+            parts[i].append(e.ids)
+        group.clear()
+
+    for i, (text, size) in enumerate(zip(texts, sizes)):
+        if size > max_bytes and cut_problem is not None:
+            raise ConfigError(f"{where} document {indices[i] + 1} (in source order): {size:,} UTF-8 bytes, more than "
+                              f"data.tokenize_chunk_bytes ({max_bytes}), and this tokenizer cannot be cut exactly: "
+                              f"{cut_problem}: raise data.tokenize_chunk_bytes above {size} (memory of tokenising "
+                              "is up to about 200 bytes per byte), or split documents (sample_by: paragraph or line)")
+        pieces = [text] if size <= max_bytes else cut_document(text, max_bytes)
+        for piece in pieces:
+            piece_bytes = size if len(pieces) == 1 else utf8_len(piece)
+            if group and group_bytes + piece_bytes > max_bytes:
+                flush()
+                group_bytes = 0
+            group.append((i, piece))
+            group_bytes += piece_bytes
+    flush()
+    out = []
+    for ids in parts:
+        if len(ids) == 1:
+            out.append(ids[0] + [eot_id])
+        else:  # a cut document: int32 arrays, not a list of Python ints (about 40 bytes each)
+            out.append(np.concatenate([np.asarray(x, dtype=np.int32) for x in ids] + [np.array([eot_id], np.int32)]))
+    return {"input_ids": out}
 
 
 def _ids_features() -> datasets.Features:
@@ -101,20 +166,25 @@ def _tokenizers_parallelism_off(active: bool):
 
 
 def tokenise(docs: datasets.Dataset, tokenizer: Tokenizer, eot_id: int, num_proc: int,
-             cache_file: Path, where: str = "source") -> datasets.Dataset:
+             cache_file: Path, where: str = "source", max_bytes: int = 1_000_000) -> datasets.Dataset:
     """Token ids of every document, end-of-text appended: one ``input_ids`` row per document.
 
     ``num_proc > 1`` runs ``datasets.map`` in forked workers; TOKENIZERS_PARALLELISM is set to
     false around the call so a tokenizer whose thread pool ran in this process cannot deadlock in
     a forked child (the tokenizers library only guards this itself when the variable is unset).
     ``num_proc == 1`` runs in this process and lets the tokenizer use its own threads.
+    ``max_bytes`` (UTF-8 bytes) bounds the text of one batch and of one tokenizer call (see
+    :func:`_encode_batch`), hence memory.
 
-    Raises ConfigError if the map returns a different number of rows than documents it received.
+    Raises ConfigError if the map returns a different number of rows than documents it received,
+    or for a document longer than ``max_bytes`` that this tokenizer cannot take in pieces.
     """
     with _tokenizers_parallelism_off(num_proc > 1):
-        out = docs.map(_encode_batch, batched=True, batch_size=_MAP_BATCH_ROWS,
+        out = docs.map(_encode_batch, batched=True, with_indices=True, batch_size=_rows_per_batch(docs, max_bytes),
                        num_proc=num_proc if num_proc > 1 else None,
-                       fn_kwargs={"tokenizer": tokenizer, "eot_id": eot_id}, remove_columns=docs.column_names,
+                       fn_kwargs={"tokenizer": tokenizer, "eot_id": eot_id, "max_bytes": max_bytes,
+                                  "cut_problem": cut_problem(tokenizer), "where": where},
+                       remove_columns=docs.column_names,
                        features=_ids_features(), cache_file_name=str(cache_file), desc=f"tokenise {where}",
                        new_fingerprint=_map_fingerprint(docs, tokenizer, eot_id))
     if len(out) != len(docs):
@@ -128,25 +198,66 @@ def tokenise(docs: datasets.Dataset, tokenizer: Tokenizer, eot_id: int, num_proc
 # --------------------------------------------------------------------------------------------
 
 
-def validation_mask(num_docs: int, share: float, seed: int, source_key: str, where: str = "source") -> np.ndarray:
-    """Boolean mask (num_docs,) of the documents held out for validation.
-
-    ``max(1, round(share * num_docs))`` documents when ``share > 0`` (0 otherwise), drawn without
-    replacement by a generator seeded with ``(seed, crc32(source_key))``: the split of a source
-    does not change when other sources are added or reordered. Raises ConfigError when the source
-    has too few documents to keep at least one for training.
-    """
-    mask = np.zeros(num_docs, dtype=bool)
+def validation_count(num_docs: int, share: float, where: str = "source") -> int:
+    """Documents held out: ``max(1, round(share * num_docs))`` when ``share > 0``, else 0.
+    Raises ConfigError when that leaves no document for training."""
     if share <= 0:
-        return mask
+        return 0
     n_val = max(1, round(share * num_docs))
     if n_val >= num_docs:
         raise ConfigError(f"{where}: {num_docs} document(s) cannot be split into train and validation with "
                           f"data.validation_share={share}: add documents, split files into more documents "
                           "(sample_by: paragraph or line), or set data.validation_share=0")
-    rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(source_key.encode())]))
+    return n_val
+
+
+def document_keys(docs: datasets.Dataset, seed: int, max_bytes: int = 1_000_000) -> np.ndarray:
+    """uint64 (num_docs,): a hash of each document's UTF-8 text keyed by ``seed`` (BLAKE2b, 8 bytes).
+
+    Depends on the text only, not on where the file is or how its path is written.
+    """
+    key = hashlib.sha256(f"smelt-ds validation split, seed {seed}".encode()).digest()
+    out = np.empty(len(docs), dtype=np.uint64)
+    i = 0
+    for batch in docs.with_format("arrow").iter(batch_size=_rows_per_batch(docs, max_bytes)):
+        for text in batch.column("text").cast(pa.large_binary()).to_pylist():
+            out[i] = int.from_bytes(hashlib.blake2b(text, digest_size=8, key=key).digest(), "little")
+            i += 1
+    return out
+
+
+def validation_mask(num_docs: int, share: float, seed: int, source_key: str | None = None, where: str = "source",
+                    doc_keys: np.ndarray | None = None) -> np.ndarray:
+    """Boolean mask (num_docs,) of the documents held out for validation.
+
+    ``max(1, round(share * num_docs))`` documents when ``share > 0`` (0 otherwise). With
+    ``doc_keys`` (:func:`document_keys`, keyed by the seed) the documents with the smallest keys
+    (ties: the earlier document): the split follows the documents' text, so the same documents give
+    the same split wherever they are, in any order, and identical documents go to the same side
+    unless they straddle the cut. Without, drawn without replacement by a generator seeded with
+    ``(seed, crc32(source_key))`` (the built-in sources, whose key is their name). Either way the
+    split of a source does not change when other sources are added or reordered. Raises
+    ConfigError when the source has too few documents to keep at least one for training.
+    """
+    mask = np.zeros(num_docs, dtype=bool)
+    n_val = validation_count(num_docs, share, where)
+    if n_val == 0:
+        return mask
+    if doc_keys is not None:
+        mask[np.argsort(doc_keys, kind="stable")[:n_val]] = True
+        return mask
+    rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(str(source_key).encode())]))
     mask[rng.choice(num_docs, size=n_val, replace=False)] = True
     return mask
+
+
+def _validation_mask(sd: SourceData, num_docs: int, cfg: DataConfig) -> np.ndarray:
+    if sd.config.builtin is not None:  # unchanged draw: README numbers were measured on this split
+        return validation_mask(num_docs, cfg.validation_share, cfg.seed, f"{sd.config.label()}|{sd.domain}", sd.where)
+    if cfg.validation_share <= 0:
+        return np.zeros(num_docs, dtype=bool)
+    return validation_mask(num_docs, cfg.validation_share, cfg.seed, where=sd.where,
+                           doc_keys=document_keys(sd.dataset, cfg.seed, cfg.tokenize_chunk_bytes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,7 +300,13 @@ class _ShardWriter:
         self._mm = None
 
     def write(self, ids: np.ndarray) -> None:
-        """Append token ids (any integer dtype, values < 2**bits of the shard dtype)."""
+        """Append token ids (any integer dtype). Raises ConfigError for an id the shard dtype cannot
+        hold (negative, or >= 2**bits): ids are never wrapped."""
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) > np.iinfo(self.dtype).max):
+            bad = int(ids.max()) if int(ids.max()) > np.iinfo(self.dtype).max else int(ids.min())
+            raise ConfigError(f"token id {bad} does not fit {self.dtype.name} ({self.split} shard of "
+                              f"{self.domain}): the shard dtype was chosen too small; nothing was kept (report "
+                              "this as a bug)")
         while ids.size:
             if self._mm is None:
                 self._open()
@@ -223,8 +340,10 @@ def _write_source(root: Path, sd: SourceData, ids: datasets.Dataset, val: np.nda
     masks = {"train": ~val, "validation": val}
     writers = {split: _ShardWriter(root, split, sd.domain, sd.index, int(lengths[m].sum()), dtype,
                                    cfg.shard_max_tokens, eot_id) for split, m in masks.items()}
+    mean_tokens = float(lengths.mean()) if lengths.size else 1.0
+    rows = int(min(_ARROW_BATCH_ROWS, max(1, _WRITE_BATCH_TOKENS // max(1.0, mean_tokens))))
     start = 0
-    for batch in table.to_batches(max_chunksize=_ARROW_BATCH_ROWS):
+    for batch in table.to_batches(max_chunksize=rows):
         col, stop = batch.column(0), start + batch.num_rows
         for split, m in masks.items():
             picked = pc.filter(col, pa.array(m[start:stop]))
@@ -348,11 +467,15 @@ class PreparedData:
 
     def _verify_shard(self, shard: dict, level: str) -> None:
         path = self.root / shard["file"]
-        size = path.stat().st_size if path.is_file() else None
+        if not path.is_file():
+            raise ConfigError(f"shard {str(path)!r} is missing (meta.json lists it with {shard['tokens']} tokens of "
+                              f"{self.meta['dtype']}, {shard['bytes']} bytes): the prepared directory is damaged; "
+                              "delete it and prepare again")
+        size = path.stat().st_size
         if size != shard["bytes"]:
             raise ConfigError(f"shard {str(path)!r} has {size} bytes, meta.json says {shard['bytes']} "
-                              f"({shard['tokens']} tokens of {self.meta['dtype']}): the shard is missing or "
-                              "truncated; delete the prepared directory and prepare again")
+                              f"({shard['tokens']} tokens of {self.meta['dtype']}): the shard is "
+                              "truncated or was overwritten; delete the prepared directory and prepare again")
         if level == "checksum" and (digest := sha256_file(path)) != shard["sha256"]:
             raise ConfigError(f"shard {str(path)!r}: sha256 {digest[:12]} does not match meta.json "
                               f"({shard['sha256'][:12]}): the shard was modified; delete the prepared directory "
@@ -390,15 +513,17 @@ def preparation_key(cfg: DataConfig) -> str:
     Cheap (file stats, no content read), so every rank can compute it.
     """
     fps = [source_fingerprint(s, i, cfg) for i, s in enumerate(cfg.sources)]
-    settings = cfg.model_dump(mode="json", include={"validation_share", "seed", "non_utf8", "bad_jsonl_lines",
-                                                     "shard_max_tokens", "builtin_max_bytes"})
-    return sha256_json({"format": FORMAT_VERSION, "sources": fps, "tokenizer": _tokenizer_identity(cfg, fps),
+    settings = cfg.model_dump(mode="json", include={"validation_share", "seed", "non_utf8", "max_invalid_utf8_share",
+                                                     "bad_jsonl_lines", "shard_max_tokens", "builtin_max_bytes"})
+    return sha256_json({"format": FORMAT_VERSION, "split": SPLIT_SCHEME, "sources": fps,
+                        "tokenizer": _tokenizer_identity(cfg, fps),
                         "eot": cfg.tokenizer.eot_token, "pad": cfg.tokenizer.pad_token, **settings})
 
 
-def _text_batches(sources: list[SourceData]) -> Iterator[list[str]]:
+def _text_batches(sources: list[SourceData], max_bytes: int) -> Iterator[list[str]]:
+    """Documents of all sources in order, in batches of about ``max_bytes`` UTF-8 bytes."""
     for sd in sources:
-        for batch in sd.dataset.iter(batch_size=_MAP_BATCH_ROWS):
+        for batch in sd.dataset.iter(batch_size=_rows_per_batch(sd.dataset, max_bytes)):
             yield batch["text"]
 
 
@@ -414,34 +539,52 @@ def build_tokenizer(cfg: DataConfig, cache_dir: str | Path | None = None,
         return Path(cfg.tokenizer.path).expanduser(), False
     root = cache_root(cache_dir if cache_dir is not None else cfg.cache_dir)
     key = tokenizer_key([source_fingerprint(s, i, cfg) for i, s in enumerate(cfg.sources)], cfg.tokenizer)
-    work = root / "tmp" / f"tokenizer-{os.getpid()}-{time.time_ns()}"
+    remove_stale_temporaries(root / "tmp")  # work directories of killed runs
+    work = root / "tmp" / f".tokenizer.tmp-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
     def batches() -> Iterator[list[str]]:
-        yield from _text_batches(sources if sources is not None else read_sources(cfg, work, root))
+        yield from _text_batches(sources if sources is not None else read_sources(cfg, work, root),
+                                 cfg.tokenize_chunk_bytes)
 
     try:
-        return cached_tokenizer(root, key, batches, cfg.tokenizer)
+        return cached_tokenizer(root, key, batches, cfg.tokenizer, cfg.tokenize_chunk_bytes)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _shard_dtype(tok: Tokenizer, ids: list[datasets.Dataset]) -> np.dtype:
+    """The smallest of uint16 / uint32 that holds every id of the vocabulary and every id produced
+    (a vocabulary can be small but sparse: get_vocab_size() is not the largest id + 1)."""
+    top = max(tok.get_vocab_size() - 1, max(tok.get_vocab(with_added_tokens=True).values(), default=-1))
+    for d in ids:
+        values = pc.list_flatten(d.data.table.column("input_ids"))
+        if len(values):
+            top = max(top, pc.max(values).as_py())
+    if top > np.iinfo(np.uint32).max:
+        raise ConfigError(f"token id {top} does not fit uint32: use a tokenizer with fewer than 2**32 ids")
+    return token_dtype(top + 1)
 
 
 def _prepare_into(tmp: Path, cfg: DataConfig, root: Path, key: str) -> None:
     t0 = time.time()
     work = tmp / "_work"
     sources = read_sources(cfg, work, root)
+    for sd in sources:  # before the tokenizer is trained: fail fast
+        validation_count(len(sd.dataset), cfg.validation_share, sd.where)
     tok_path, trained = build_tokenizer(cfg, root, sources)
     shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
     tok = load_tokenizer(tmp / TOKENIZER_FILE)
     eot_id, pad_id = special_ids(tok, cfg.tokenizer)
-    dtype = token_dtype(tok.get_vocab_size())
+    ids = [tokenise(sd.dataset, tok, eot_id, cfg.num_proc, work / f"ids-{sd.index}.arrow", sd.where,
+                    cfg.tokenize_chunk_bytes) for sd in sources]
+    dtype = _shard_dtype(tok, ids)
     shards, source_meta = [], []
-    for sd in sources:
-        ids = tokenise(sd.dataset, tok, eot_id, cfg.num_proc, work / f"ids-{sd.index}.arrow", sd.where)
-        val = validation_mask(len(ids), cfg.validation_share, cfg.seed, f"{sd.config.label()}|{sd.domain}", sd.where)
-        new = _write_source(tmp, sd, ids, val, dtype, cfg, eot_id)
+    for sd, sd_ids in zip(sources, ids):
+        val = _validation_mask(sd, len(sd_ids), cfg)
+        new = _write_source(tmp, sd, sd_ids, val, dtype, cfg, eot_id)
         shards += new
         source_meta.append(_source_meta(sd, val, new, sd.report["fingerprint"]))
-        del ids
+    del ids
     shutil.rmtree(work, ignore_errors=True)
     info = rank_info()
     write_json(tmp / META_FILE, {

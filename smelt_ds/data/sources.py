@@ -6,7 +6,11 @@ every skip is counted from the data itself: ``empty_document`` (whitespace only)
 (0 bytes, inside a directory), ``blank_line`` (JSONL), ``bad_jsonl_line`` (not JSON, not an
 object, or the text field missing / not a string; only with ``bad_jsonl_lines: skip``). Invalid
 UTF-8 byte sequences are replaced by U+FFFD and counted (``non_utf8: replace``) or stop the run
-naming file, line and byte offset (``non_utf8: error``).
+naming file, line and byte offset (``non_utf8: error``). A text-format file (not JSONL or Parquet)
+that holds a NUL byte, or whose invalid UTF-8 bytes are more than ``max_invalid_utf8_share`` of its
+bytes, is refused: it is a binary file or another encoding, and replacing would train on noise.
+A document longer than ``tokenize_chunk_bytes`` that cannot be cut into pieces for the tokenizer
+(no whitespace between non-whitespace characters for that long) is refused, naming file and line.
 
 Dataset sources go through ``datasets.load_dataset``. Offline (``offline: true`` or
 ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` / ``SMELT_DS_OFFLINE`` set) turns on the offline mode
@@ -23,7 +27,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import datasets
 import pyarrow.compute as pc
@@ -34,6 +38,7 @@ from datasets.exceptions import DatasetGenerationError
 from smelt_ds.data.builtin import builtin_corpus_dir, builtin_key
 from smelt_ds.data.cache import sha256_json
 from smelt_ds.data.config import DataConfig, SourceConfig
+from smelt_ds.data.tokenizer import UncuttableDocument, cut_document, utf8_len
 from smelt_ds.errors import ConfigError
 
 __all__ = ["SourceData", "read_source", "read_sources", "source_fingerprint", "offline_requested",
@@ -116,6 +121,16 @@ def _decode(raw: bytes, policy: str, where: str, line_base: int = 1) -> tuple[st
     return text, text.count("\ufffd") - raw.count("\ufffd".encode())
 
 
+def _check_cuttable(doc: str, max_bytes: int, where: Callable[[], str]) -> None:
+    """Refuse a document longer than ``max_bytes`` that cannot be cut into pieces for the tokenizer
+    (see :func:`smelt_ds.data.tokenizer.cut_document`); ``where()`` names it."""
+    if len(doc) > max_bytes // 4 and utf8_len(doc) > max_bytes:
+        try:
+            cut_document(doc, max_bytes)
+        except UncuttableDocument as e:
+            raise ConfigError(f"{where()}: {e}") from None
+
+
 def _row(text: str | None, file: str, skip: str = "", replaced: int = 0) -> dict:
     return {"text": text, "skip": skip, "file": file, "replaced": replaced}
 
@@ -128,9 +143,42 @@ def _split_text(text: str, sample_by: str) -> list[str]:
     return _LINE_BREAK.split(text)
 
 
-def _text_rows(path: Path, src: SourceConfig, policy: str) -> Iterator[dict]:
-    text, replaced = _decode(path.read_bytes(), policy, f"file {str(path)!r}")
+def _invalid_utf8_bytes(raw: bytes) -> int:
+    """Bytes of ``raw`` that belong to no valid UTF-8 sequence."""
+    return len(raw) - len(raw.decode("utf-8", "ignore").encode("utf-8"))
+
+
+def _refuse_binary(raw: bytes, path: Path, policy: str, max_invalid_share: float) -> None:
+    """ConfigError for a text-format file that holds a NUL byte, or (``non_utf8: replace``) whose
+    invalid UTF-8 bytes are more than ``max_invalid_share`` of its bytes: binary or another encoding."""
+    nul = raw.count(b"\x00")
+    bad = 0
+    if nul or policy == "replace":
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            bad = _invalid_utf8_bytes(raw)
+    share = f"{bad:,} of {len(raw):,} bytes ({100 * bad / len(raw):.1f}%) are not valid UTF-8"
+    where = f"file {str(path)!r}"
+    if nul:
+        raise ConfigError(f"{where}: {nul:,} NUL byte(s) in {len(raw):,} bytes" + (f", and {share}" if bad else "")
+                          + ": this is not text (a text file has no NUL byte; UTF-16 text has one in every other "
+                          "byte): remove it from the source (e.g. a narrower `glob` such as '**/*.txt') or convert "
+                          "it to UTF-8 (e.g. iconv -f utf-16 -t utf-8)")
+    if bad > max_invalid_share * len(raw):
+        raise ConfigError(f"{where}: {share}, more than data.max_invalid_utf8_share ({max_invalid_share}): this is "
+                          "not UTF-8 text (a binary file, or another encoding): remove it from the source (e.g. a "
+                          "narrower `glob` such as '**/*.txt'), convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), "
+                          "or raise data.max_invalid_utf8_share to replace and count such bytes")
+
+
+def _text_rows(path: Path, src: SourceConfig, cfg: DataConfig, where: str) -> Iterator[dict]:
+    raw = path.read_bytes()
+    _refuse_binary(raw, path, cfg.non_utf8, cfg.max_invalid_utf8_share)
+    text, replaced = _decode(raw, cfg.non_utf8, f"file {str(path)!r}")
+    del raw
     for i, doc in enumerate(_split_text(text, src.sample_by)):
+        _check_cuttable(doc, cfg.tokenize_chunk_bytes, lambda i=i: f"{where} file {str(path)!r} {src.sample_by} {i + 1}")
         # the replaced count goes on the first row of the file so the total is exact
         yield _row(doc, str(path), "" if doc.strip() else "empty_document", replaced if i == 0 else 0)
 
@@ -140,7 +188,7 @@ def _jsonl_error(path: Path, lineno: int, problem: str, field_name: str) -> Conf
                        f"data.bad_jsonl_lines=skip to skip and count such lines (text field: {field_name!r})")
 
 
-def _jsonl_line(line: bytes, lineno: int, path: Path, src: SourceConfig, cfg: DataConfig) -> dict:
+def _jsonl_line(line: bytes, lineno: int, path: Path, src: SourceConfig, cfg: DataConfig, where: str) -> dict:
     text, replaced = _decode(line, cfg.non_utf8, f"file {str(path)!r}", lineno)
     if not text.strip():
         return _row(None, str(path), "blank_line", replaced)
@@ -152,33 +200,39 @@ def _jsonl_line(line: bytes, lineno: int, path: Path, src: SourceConfig, cfg: Da
         problem = f"not valid JSON ({e.msg} at column {e.colno})"
     if problem is None:
         doc = obj[src.text_field]
+        _check_cuttable(doc, cfg.tokenize_chunk_bytes, lambda: f"{where} file {str(path)!r} line {lineno}")
         return _row(doc, str(path), "" if doc.strip() else "empty_document", replaced)
     if cfg.bad_jsonl_lines == "error":
         raise _jsonl_error(path, lineno, problem, src.text_field)
     return _row(None, str(path), "bad_jsonl_line", replaced)
 
 
-def _jsonl_rows(path: Path, src: SourceConfig, cfg: DataConfig) -> Iterator[dict]:
+def _jsonl_rows(path: Path, src: SourceConfig, cfg: DataConfig, where: str) -> Iterator[dict]:
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, start=1):
-            yield _jsonl_line(line, lineno, path, src, cfg)
+            yield _jsonl_line(line, lineno, path, src, cfg, where)
 
 
-def _parquet_rows(path: Path, src: SourceConfig) -> Iterator[dict]:
+def _parquet_rows(path: Path, src: SourceConfig, cfg: DataConfig, where: str) -> Iterator[dict]:
     pf = pq.ParquetFile(path)
     names = pf.schema_arrow.names
     if src.text_field not in names:
         raise ConfigError(f"file {str(path)!r}: no column {src.text_field!r} (columns: {names}): "
                           "set the source's text_field to the column holding the text")
+    row = -1
     for batch in pf.iter_batches(columns=[src.text_field], batch_size=4096):
         for doc in batch.column(0).to_pylist():
+            row += 1
             if doc is not None and not isinstance(doc, str):
                 raise ConfigError(f"file {str(path)!r}: column {src.text_field!r} holds "
                                   f"{type(doc).__name__}, not text: choose a string column as text_field")
+            if doc is not None:
+                _check_cuttable(doc, cfg.tokenize_chunk_bytes,
+                                lambda row=row: f"{where} file {str(path)!r} row {row} (0-based)")
             yield _row(doc, str(path), "" if doc and doc.strip() else "empty_document")
 
 
-def _file_rows(files: list[str], src_json: str, cfg_json: str, fingerprint: str) -> Iterator[dict]:
+def _file_rows(files: list[str], src_json: str, cfg_json: str, fingerprint: str, where: str) -> Iterator[dict]:
     """Generator for ``Dataset.from_generator`` (arguments are plain data so they hash stably)."""
     src, cfg = SourceConfig.model_validate_json(src_json), DataConfig.model_validate_json(cfg_json)
     kept = 0
@@ -188,8 +242,8 @@ def _file_rows(files: list[str], src_json: str, cfg_json: str, fingerprint: str)
             yield _row(None, name, "empty_file")
             continue
         fmt = file_format(path, src.format)
-        rows = (_jsonl_rows(path, src, cfg) if fmt == "jsonl" else _parquet_rows(path, src) if fmt == "parquet"
-                else _text_rows(path, src, cfg.non_utf8))
+        rows = (_jsonl_rows(path, src, cfg, where) if fmt == "jsonl" else _parquet_rows(path, src, cfg, where)
+                if fmt == "parquet" else _text_rows(path, src, cfg, where))
         for row in rows:
             yield row
             kept += row["skip"] == ""
@@ -265,15 +319,20 @@ def _load_hub_dataset(src: SourceConfig, where: str, offline: bool) -> datasets.
     return ds
 
 
-def _hub_rows(batch: dict, text_field: str, name: str) -> dict:
+def _hub_rows(batch: dict, indices: list[int], text_field: str, name: str, where: str, max_bytes: int) -> dict:
     texts = batch[text_field]
+    for i, t in zip(indices, texts):
+        if isinstance(t, str):
+            _check_cuttable(t, max_bytes, lambda i=i: f"{where} dataset {name!r} row {i} (0-based)")
     skip = ["" if isinstance(t, str) and t.strip() else "empty_document" for t in texts]
     return {"text": texts, "skip": skip, "file": [name] * len(texts), "replaced": [0] * len(texts)}
 
 
 def _dataset_rows(src: SourceConfig, where: str, cfg: DataConfig, work_dir: Path, index: int) -> datasets.Dataset:
     ds = _load_hub_dataset(src, where, offline_requested(cfg))
-    return ds.map(_hub_rows, batched=True, fn_kwargs={"text_field": src.text_field, "name": src.dataset},
+    return ds.map(_hub_rows, batched=True, with_indices=True,
+                  fn_kwargs={"text_field": src.text_field, "name": src.dataset, "where": where,
+                             "max_bytes": cfg.tokenize_chunk_bytes},
                   remove_columns=ds.column_names, features=_FEATURES,
                   cache_file_name=str(work_dir / f"rows-{index}.arrow"), desc=f"read {src.label()}")
 
@@ -299,9 +358,10 @@ def _kept(rows: datasets.Dataset, max_documents: int | None) -> datasets.Dataset
     return kept.select_columns(["text"])
 
 
-def _local_rows(src: SourceConfig, files: list[Path], cfg: DataConfig, work_dir: Path, fp: str) -> datasets.Dataset:
+def _local_rows(src: SourceConfig, files: list[Path], cfg: DataConfig, work_dir: Path, fp: str,
+                where: str) -> datasets.Dataset:
     kwargs = {"files": [str(p) for p in files], "src_json": src.model_dump_json(),
-              "cfg_json": cfg.model_dump_json(), "fingerprint": fp}
+              "cfg_json": cfg.model_dump_json(), "fingerprint": fp, "where": where}
     try:
         return datasets.Dataset.from_generator(_file_rows, features=_FEATURES, gen_kwargs=kwargs,
                                                cache_dir=str(work_dir / "generator"))
@@ -330,7 +390,7 @@ def read_source(src: SourceConfig, index: int, cfg: DataConfig, work_dir: Path,
             local = src.model_copy(update={"builtin": None, "path": str(corpus / f"{src.builtin}.jsonl"),
                                            "format": "jsonl", "domain": src.resolved_domain()})
         files = resolve_files(local, where)
-        rows = _local_rows(local, files, cfg, work_dir, fp)
+        rows = _local_rows(local, files, cfg, work_dir, fp, where)
     skips, replaced = _count(rows)
     kept = _kept(rows, src.max_documents)
     if len(kept) == 0:

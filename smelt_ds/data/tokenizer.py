@@ -9,10 +9,19 @@ The tokenizer hash is the sha256 of ``Tokenizer.to_str()`` (the canonical JSON `
 writes), so it does not depend on file formatting. Trained tokenizers are cached under
 ``<cache>/tokenizers/<key>/tokenizer.json`` where the key hashes the inputs' identities and the
 settings: a rerun with the same inputs and settings does not retrain.
+
+Long documents are handed to ``tokenizers`` in pieces (:func:`cut_document`): its memory grows
+with the length of each text it gets in one call (up to about 200 bytes per byte: offsets and
+alignments per byte), so a 50 MB single-line document needed about 8 GB. Pieces are cut just
+before a whitespace character that has non-whitespace on both sides; the GPT-2 pre-tokenizer
+always separates words there, so for the byte-level BPE trained here (no normalizer, no
+post-processor) the pieces give exactly the words (training) and ids (encoding) of the whole text.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -25,7 +34,8 @@ from smelt_ds.data.config import TokenizerConfig
 from smelt_ds.errors import ConfigError
 
 __all__ = ["TOKENIZER_FILE", "train_tokenizer", "tokenizer_hash", "load_tokenizer", "special_ids",
-           "tokenizer_key", "cached_tokenizer"]
+           "tokenizer_key", "cached_tokenizer", "utf8_len", "cut_document", "cut_batches", "cut_problem",
+           "UncuttableDocument"]
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -38,16 +48,34 @@ def train_tokenizer(batches: Iterable[list[str]], cfg: TokenizerConfig) -> Token
         cfg: ``vocab_size`` (tokens, the 2 special tokens included), ``min_frequency``
             (occurrences), ``eot_token`` and ``pad_token`` (ids 0 and 1).
 
-    Returns the trained tokenizer. Its vocabulary can be smaller than ``vocab_size`` when the text
-    has fewer distinct mergeable pairs (read ``get_vocab_size()``).
+    Returns the trained tokenizer, with exactly ``cfg.vocab_size`` tokens. Raises ConfigError when
+    the text has too few distinct pairs seen ``min_frequency`` times to reach ``cfg.vocab_size``
+    (``model.vocab_size`` must equal the tokenizer's, so a smaller vocabulary is never returned);
+    the message gives the size the text supports.
     """
+    seen = {"documents": 0, "bytes": 0}
+
+    def counted() -> Iterator[list[str]]:
+        for batch in batches:
+            seen["documents"] += len(batch)
+            seen["bytes"] += sum(utf8_len(t) for t in batch)
+            yield batch
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
                                   special_tokens=[cfg.eot_token, cfg.pad_token],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(batches, trainer=trainer)
+    tok.train_from_iterator(counted(), trainer=trainer)
+    got = tok.get_vocab_size()
+    if got < cfg.vocab_size:
+        raise ConfigError(
+            f"`data.tokenizer.vocab_size` ({cfg.vocab_size}): the training text ({seen['bytes']:,} UTF-8 bytes in "
+            f"{seen['documents']:,} documents or pieces) supports only {got:,} tokens with "
+            f"min_frequency={cfg.min_frequency} (no more pairs occur that often): set "
+            f"data.tokenizer.vocab_size={got} (--vocab-size {got}) or less and model.vocab_size to the same value, "
+            "add text, or lower data.tokenizer.min_frequency")
     return tok
 
 
@@ -110,19 +138,119 @@ def capped_batches(batches: Iterable[list[str]], max_bytes: int | None) -> Itera
 
 
 def cached_tokenizer(root: Path, key: str, batches: Callable[[], Iterable[list[str]]],
-                     cfg: TokenizerConfig) -> tuple[Path, bool]:
+                     cfg: TokenizerConfig, max_piece_bytes: int | None = None) -> tuple[Path, bool]:
     """``<root>/tokenizers/<key>/tokenizer.json``, trained from ``batches()`` unless cached.
 
-    Returns the file path and whether this call trained it.
+    Documents are capped by ``cfg.max_train_bytes`` and then cut into pieces of at most
+    ``max_piece_bytes`` UTF-8 bytes (:func:`cut_batches`; the same tokenizer as without cutting).
+    Returns the file path and whether this call trained it; nothing is cached when training fails.
     """
     out = root / "tokenizers" / key[:20]
 
     def build(tmp: Path) -> None:
-        tok = train_tokenizer(capped_batches(batches(), cfg.max_train_bytes), cfg)
+        docs = capped_batches(batches(), cfg.max_train_bytes)
+        tok = train_tokenizer(cut_batches(docs, max_piece_bytes) if max_piece_bytes else docs, cfg)
         tok.save(str(tmp / TOKENIZER_FILE))
 
     trained = build_dir_atomically(out, build)
     return out / TOKENIZER_FILE, trained
+
+
+# --------------------------------------------------------------------------------------------
+# long documents: pieces of bounded size
+# --------------------------------------------------------------------------------------------
+
+# a whitespace character with a non-whitespace character on both sides. Python's \s (str.isspace)
+# contains every character Unicode calls White_Space, so a \S here is non-whitespace for the
+# pre-tokenizer's regex too.
+_CUT_POINT = re.compile(r"(?<=\S)\s(?=\S)")
+
+
+class UncuttableDocument(ConfigError):
+    """A document with a stretch longer than the piece size that has no cut point."""
+
+    def __init__(self, doc_bytes: int, start: int, max_bytes: int, preview: str):
+        self.doc_bytes, self.start, self.max_bytes = doc_bytes, start, max_bytes
+        super().__init__(f"a document of {doc_bytes:,} UTF-8 bytes has no whitespace between two non-whitespace "
+                         f"characters within the {max_bytes:,} bytes from character {start:,} ({preview!r}...), so "
+                         f"it cannot be cut into pieces of data.tokenize_chunk_bytes ({max_bytes}) for the tokenizer: "
+                         "raise data.tokenize_chunk_bytes (tokenising takes up to about 200 bytes of memory per "
+                         "byte of a piece), or remove the document (long stretches without spaces are rarely text)")
+
+
+def utf8_len(text: str) -> int:
+    """Length of ``text`` in UTF-8 bytes (lone surrogates, which JSON allows, count 3 bytes)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _prefix_end(text: str, start: int, max_bytes: int) -> int:
+    """Largest ``end`` with ``utf8_len(text[start:end]) <= max_bytes`` (``max_bytes`` >= 4)."""
+    hi = min(len(text), start + max_bytes)
+    if utf8_len(text[start:hi]) <= max_bytes:
+        return hi
+    lo = start + max_bytes // 4  # a character has at most 4 bytes
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if utf8_len(text[start:mid]) <= max_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def cut_document(text: str, max_bytes: int) -> list[str]:
+    """``text`` as consecutive pieces of at most ``max_bytes`` UTF-8 bytes (``[text]`` if it fits).
+
+    Each cut is made just before a whitespace character that has a non-whitespace character on
+    both sides, as late as the size allows; ``"".join(pieces) == text``. Raises
+    :class:`UncuttableDocument` when ``max_bytes`` bytes pass without such a character.
+    """
+    size = utf8_len(text)
+    if size <= max_bytes:
+        return [text]
+    pieces, start = [], 0
+    while True:
+        end = _prefix_end(text, start, max_bytes)
+        if end == len(text):
+            pieces.append(text[start:])
+            return pieces
+        cut = None
+        for m in _CUT_POINT.finditer(text, start + 1, end + 2):  # the cut character may sit at `end`
+            if m.start() <= end:
+                cut = m.start()
+        if cut is None:
+            raise UncuttableDocument(size, start, max_bytes, text[start:start + 40])
+        pieces.append(text[start:cut])
+        start = cut
+
+
+def cut_batches(batches: Iterable[list[str]], max_bytes: int) -> Iterator[list[str]]:
+    """Batches of documents with each document longer than ``max_bytes`` replaced by its pieces."""
+    for batch in batches:
+        if all(len(t) <= max_bytes // 4 or utf8_len(t) <= max_bytes for t in batch):
+            yield batch
+        else:
+            yield [piece for t in batch for piece in cut_document(t, max_bytes)]
+
+
+def cut_problem(tok: Tokenizer) -> str | None:
+    """Why cutting a document may change this tokenizer's ids (None: pieces give exactly the ids
+    of the whole text, as for the byte-level BPE trained by :func:`train_tokenizer`)."""
+    spec = json.loads(tok.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    if spec.get("normalizer") is not None:
+        return f"it has a normalizer ({spec['normalizer'].get('type')})"
+    if not (pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")):
+        return (f"its pre-tokenizer is {pre.get('type')} {pre}, not ByteLevel(add_prefix_space=False, "
+                "use_regex=True)")
+    if (spec.get("post_processor") or {"type": "ByteLevel"}).get("type") != "ByteLevel":
+        return f"it has a {spec['post_processor'].get('type')} post-processor (it would act on every piece)"
+    if spec.get("truncation") is not None or spec.get("padding") is not None:
+        return "it truncates or pads (per piece)"
+    for t in spec.get("added_tokens", []):
+        if not t.get("special") and (t.get("lstrip") or t.get("rstrip") or any(c.isspace() for c in t["content"])):
+            return f"its added token {t['content']!r} may span or absorb whitespace"
+    return None
 
 
 def copy_tokenizer(src: Path, dst: str | Path) -> Path:

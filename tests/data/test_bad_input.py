@@ -98,7 +98,8 @@ BAD_UTF8 = (b"first line is fine\n"
 def test_non_utf8_replaced_and_counted(tmp_path):
     path = tmp_path / "latin.txt"
     path.write_bytes(BAD_UTF8 * 12)
-    p = prepare_from_config(config(tmp_path, [{"path": str(path), "sample_by": "line"}], validation_share=0.0))
+    p = prepare_from_config(config(tmp_path, [{"path": str(path), "sample_by": "line"}], validation_share=0.0,
+                                   max_invalid_utf8_share=0.05))  # 4 of 131 bytes (3.1%) are invalid
     src = p.meta["sources"][0]
     assert src["replaced_invalid_utf8"] == 3 * 12  # \xe9, \xff, \xe2\x82; the genuine U+FFFD is not counted
     assert src["skipped"]["empty_document"] == 1  # the empty string after the final newline
@@ -267,3 +268,90 @@ def test_shards_split_at_shard_max_tokens(tmp_path):
     assert len(shards) > 2 and all(s["tokens"] == 1000 for s in shards[:-1]) and shards[-1]["tokens"] <= 1000
     stream = np.concatenate([np.asarray(p.tokens(s)) for s in shards])
     assert split_at_eot(stream, p.eot_id) == encode_documents(p.root / "tokenizer.json", docs, p.eot_id)
+
+
+# --------------------------------------------------------------------------------------------
+# issue 13: binary files (D), missing shards and leftovers of killed runs (F)
+# --------------------------------------------------------------------------------------------
+
+
+def _bad_bytes(raw: bytes) -> int:
+    return len(raw) - len(raw.decode("utf-8", "ignore").encode("utf-8"))
+
+
+def test_binary_file_is_refused_naming_file_and_share(tmp_path):
+    rng = np.random.default_rng(0)
+    blob = b"\x7fELF\x02\x01\x01\x00" + rng.integers(0, 256, 20_000, dtype=np.uint8).tobytes()
+    path = tmp_path / "libfoo.so"
+    path.write_bytes(blob)
+    bad, nul = _bad_bytes(blob), blob.count(b"\x00")
+    with pytest.raises(ConfigError) as info:
+        prepare_from_config(config(tmp_path, [{"path": str(path), "sample_by": "line"}]))
+    msg = str(info.value)
+    assert "libfoo.so" in msg and f"{nul:,} NUL byte" in msg, msg
+    assert f"{bad:,} of {len(blob):,} bytes ({100 * bad / len(blob):.1f}%) are not valid UTF-8" in msg, msg
+
+
+def test_mostly_invalid_utf8_without_nul_is_refused(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, d in enumerate(prose(20)):
+        (corpus / f"doc{i:02d}.txt").write_text(d)
+    greek = "Καλημέρα κόσμε, αυτό είναι ελληνικό κείμενο.\n".encode("iso-8859-7") * 50  # not UTF-8
+    (corpus / "zz-greek.txt").write_bytes(greek)
+    bad = _bad_bytes(greek)
+    with pytest.raises(ConfigError, match=rf"zz-greek.txt'.*{bad:,} of {len(greek):,} bytes .* not valid UTF-8.*"
+                                          r"data.max_invalid_utf8_share \(0.01\).*iconv"):
+        prepare_from_config(config(tmp_path, [{"path": str(corpus), "sample_by": "line"}]))
+    p = prepare_from_config(config(tmp_path, [{"path": str(corpus), "sample_by": "line"}], max_invalid_utf8_share=0.9))
+    assert p.meta["sources"][0]["replaced_invalid_utf8"] > 0
+
+
+def test_nul_bytes_are_refused_even_in_valid_utf8(tmp_path):
+    path = tmp_path / "utf16.txt"
+    raw = "\n".join(prose(20)).encode("utf-16-le")  # about every other byte is NUL, all valid UTF-8
+    path.write_bytes(raw)
+    with pytest.raises(ConfigError, match=rf"utf16.txt': {raw.count(0):,} NUL byte\(s\) in {len(raw):,} bytes: "
+                                          r"this is not text.*iconv -f utf-16"):
+        prepare_from_config(config(tmp_path, [{"path": str(path), "sample_by": "line"}], non_utf8="error"))
+
+
+def test_verify_says_a_deleted_shard_is_missing(prepared_copy, capsys):
+    from smelt_ds.cli import main
+
+    root, shard = prepared_copy
+    (root / shard["file"]).unlink()
+    assert main(["data", "verify", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert f"shard {str(root / shard['file'])!r} is missing" in err and "None" not in err, err
+
+
+def test_a_killed_prepare_leaves_nothing_behind_after_the_next_run(tmp_path):
+    """A run killed (SIGKILL) while writing leaves its hidden temporary directory; the next run removes it."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    data = write_jsonl(tmp_path / "d.jsonl", prose(60))
+    out = tmp_path / "prepared"
+    cfg = config(tmp_path, [{"path": str(data)}], output_dir=str(out))
+    script = textwrap.dedent(f"""
+        import os, signal
+        import smelt_ds.data.prepare as prep
+        from smelt_ds.data import DataConfig
+        def killed(tmp, *args):
+            (tmp / "train").mkdir()
+            (tmp / "train" / "partial.bin").write_bytes(b"0" * 1000)
+            os.kill(os.getpid(), signal.SIGKILL)
+        prep._prepare_into = killed
+        prep.prepare_from_config(DataConfig.model_validate_json({cfg.model_dump_json()!r}))
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == -9, res.stderr[-2000:]
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".prepared.tmp-")]
+    assert len(left) == 1, "the killed run should have left its temporary directory"
+    p = prepare_from_config(cfg)
+    assert p.created and p.root == out
+    assert [q.name for q in tmp_path.iterdir() if ".tmp-" in q.name] == []
+    assert not os.path.exists(tmp_path / left[0])

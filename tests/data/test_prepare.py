@@ -138,8 +138,8 @@ def test_map_returning_fewer_rows_is_an_error(tmp_path, monkeypatch):
 
     real = prep._encode_batch
 
-    def drops_one(batch, tokenizer, eot_id):
-        out = real(batch, tokenizer, eot_id)
+    def drops_one(batch, *args, **kwargs):
+        out = real(batch, *args, **kwargs)
         return {"input_ids": out["input_ids"][:-1]}
 
     monkeypatch.setattr(prep, "_encode_batch", drops_one)
@@ -156,8 +156,8 @@ def test_missing_end_of_text_is_caught_while_writing(tmp_path, monkeypatch):
 
     real = prep._encode_batch
 
-    def no_separator_for_the_first(batch, tokenizer, eot_id):
-        out = real(batch, tokenizer, eot_id)
+    def no_separator_for_the_first(batch, *args, **kwargs):
+        out = real(batch, *args, **kwargs)
         out["input_ids"][0] = out["input_ids"][0][:-1]
         return out
 
@@ -203,3 +203,165 @@ def test_num_proc_2_with_tokenizers_parallelism_true_finishes(tmp_path):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     p = PreparedData.load(out["root"])
     _check_source(p, 0, prose(1000))
+
+
+# --------------------------------------------------------------------------------------------
+# issue 13: the split does not depend on how a path is written (A), ids are never wrapped (B),
+# long documents are tokenised in bounded pieces (E)
+# --------------------------------------------------------------------------------------------
+
+
+def test_split_does_not_depend_on_how_or_where_the_path_is_written(tmp_path, monkeypatch):
+    import shutil
+
+    docs = prose(200, seed=1)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    original = write_jsonl(tmp_path / "a" / "d.jsonl", docs)
+    moved = tmp_path / "b" / "moved.jsonl"
+    shutil.copyfile(original, moved)
+    monkeypatch.chdir(tmp_path)
+
+    def split(path: str):
+        p = prepare_from_config(DataConfig(sources=[{"path": path, "domain": "d"}], tokenizer={"vocab_size": 300},
+                                           cache_dir=str(tmp_path / "c")))
+        return [s["sha256"] for s in p.shards("validation")], p.meta["splits"]["validation"]["d"]
+
+    absolute = split(str(original))
+    assert absolute[1]["documents"] == 10
+    assert split("a/d.jsonl") == absolute            # relative
+    assert split("./a/../a/d.jsonl") == absolute     # another spelling
+    assert split(str(moved)) == absolute             # the same content elsewhere, under another name
+
+
+def test_split_follows_the_documents_not_their_positions(tmp_path):
+    """The held-out documents are chosen by their text: reordering a file keeps the same ones held out."""
+    docs = prose(120, seed=2)
+
+    def cfg(name: str, d: list[str]) -> DataConfig:
+        return DataConfig(sources=[{"path": str(write_jsonl(tmp_path / name, d)), "domain": "d"}],
+                          tokenizer={"vocab_size": 300}, cache_dir=str(tmp_path / "c"))
+
+    def held(p: PreparedData, d: list[str]) -> list[str]:
+        return sorted(doc for doc, v in zip(d, _check_source(p, 0, d)) if v)
+
+    forward = prepare_from_config(cfg("f.jsonl", docs))
+    backward = prepare_from_config(cfg("r.jsonl", docs[::-1]))
+    assert held(forward, docs) == held(backward, docs[::-1])
+    assert len(held(forward, docs)) == 6
+    other_seed = prepare_from_config(cfg("f.jsonl", docs).model_copy(update={"seed": 99}))
+    assert held(other_seed, docs) != held(forward, docs)
+
+
+def test_builtin_split_is_unchanged(builtin_prepared, session_cache):
+    """The built-in corpus keeps its split (drawn by (seed, crc32(name))): README numbers were measured on it."""
+    import zlib
+
+    for index, domain in enumerate(["code", "text"]):
+        docs = builtin_documents(session_cache, domain)
+        mask = _check_source(builtin_prepared, index, docs)
+        n_val = max(1, round(0.05 * len(docs)))
+        rng = np.random.default_rng(np.random.SeedSequence([1234, zlib.crc32(f"builtin={domain}|{domain}".encode())]))
+        expected = np.zeros(len(docs), dtype=bool)
+        expected[rng.choice(len(docs), size=n_val, replace=False)] = True
+        assert mask == expected.tolist()
+
+
+def test_ids_above_uint16_are_never_wrapped(tmp_path):
+    """A tokenizer whose vocabulary is small but sparse (an id of 70,000): uint32, the id kept as is."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "<|pad|>": 1, "a": 2, "b": 70_000}, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "sparse.json"))
+    docs = ["a b a", "b b", "a a"] * 10
+    cfg = DataConfig(sources=[{"path": str(write_jsonl(tmp_path / "d.jsonl", docs))}], validation_share=0.0,
+                     tokenizer={"path": str(tmp_path / "sparse.json")}, cache_dir=str(tmp_path / "c"))
+    p = prepare_from_config(cfg)
+    stream = _stream(p, "train", 0)
+    assert p.vocab_size == 4 and p.dtype == np.uint32
+    assert stream.tolist() == [2, 70_000, 2, 0, 70_000, 70_000, 0, 2, 2, 0] * 10
+    assert p.shards("train")[0]["max_token_id"] == 70_000
+
+
+def test_shard_writer_refuses_an_id_its_dtype_cannot_hold(tmp_path):
+    from smelt_ds.data.prepare import _ShardWriter
+
+    w = _ShardWriter(tmp_path, "train", "d", 0, 3, np.dtype(np.uint16), 100, 0)
+    with pytest.raises(ConfigError, match=r"token id 70000 does not fit uint16"):
+        w.write(np.array([5, 70_000, 0], dtype=np.int64))
+
+
+ONE_LINE_MB = 3
+
+
+def _one_line_text(n_bytes: int) -> str:
+    text = " ".join(p.replace("\n", " ") for p in prose(3000))
+    return (text * (n_bytes // len(text) + 1))[:n_bytes]
+
+
+def test_a_long_single_line_document_is_tokenised_in_bounded_memory(tmp_path):
+    """A 3 MB single-line document with a 64 KB limit: preparing it takes about 130 MB more than the
+    interpreter already holds (about 750 MB when the whole document goes to the tokenizer at once)."""
+    (tmp_path / "one.txt").write_text(_one_line_text(ONE_LINE_MB * 1_000_000))
+    script = textwrap.dedent(f"""
+        import json, resource
+        import smelt_ds.data.prepare as prep
+        from smelt_ds.data import DataConfig
+        cfg = DataConfig(sources=[{{"path": {str(tmp_path / 'one.txt')!r}, "sample_by": "line"}}],
+                         validation_share=0.0, tokenizer={{"vocab_size": 300}}, tokenize_chunk_bytes=65536,
+                         cache_dir={str(tmp_path / 'c')!r})
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        p = prep.prepare_from_config(cfg)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps({{"delta_mb": (after - before) / 1024, "tokens": p.meta["splits"]["train"]["one"]["tokens"]}}))
+    """)
+    env = {**os.environ, "RAYON_NUM_THREADS": "2"}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         timeout=scaled_timeout(300))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["tokens"] > 100_000
+    assert out["delta_mb"] < 250, out  # about 750 MB when the whole document goes to the tokenizer at once
+
+
+def test_cut_documents_give_the_ids_of_whole_documents(tmp_path):
+    """Cutting long documents at whitespace (limit 8 KB) changes neither the tokenizer nor the shards."""
+    docs = prose(60) + [_one_line_text(300_000), "\n".join(prose(400, seed=3))]
+    path = write_jsonl(tmp_path / "d.jsonl", docs)
+
+    def prepare(limit: int, name: str):
+        return prepare_from_config(DataConfig(sources=[{"path": str(path), "domain": "d"}], tokenize_chunk_bytes=limit,
+                                              tokenizer={"vocab_size": 400}, cache_dir=str(tmp_path / name)))
+
+    cut, whole = prepare(8192, "cut"), prepare(10_000_000, "whole")
+    assert cut.tokenizer_hash == whole.tokenizer_hash
+    assert [s["sha256"] for s in cut.meta["shards"]] == [s["sha256"] for s in whole.meta["shards"]]
+    _check_source(cut, 0, docs)
+
+
+def test_a_long_stretch_without_whitespace_is_refused(tmp_path):
+    docs = prose(30) + ["x" * 20_000]
+    cfg = DataConfig(sources=[{"path": str(write_jsonl(tmp_path / "d.jsonl", docs))}], tokenize_chunk_bytes=8192,
+                     tokenizer={"vocab_size": 300}, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match=r"data.sources\[0\] file '.*d.jsonl' line 31: a document of 20,000 UTF-8 "
+                                          r"bytes has no whitespace.*data.tokenize_chunk_bytes \(8192\)"):
+        prepare_from_config(cfg)
+
+
+def test_long_documents_with_a_tokenizer_that_cannot_be_cut_exactly(tmp_path):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "<|pad|>": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "wl.json"))
+    docs = prose(30) + [_one_line_text(20_000)]
+    size = len(docs[-1].encode("utf-8"))
+    cfg = DataConfig(sources=[{"path": str(write_jsonl(tmp_path / "d.jsonl", docs))}], tokenize_chunk_bytes=8192,
+                     tokenizer={"path": str(tmp_path / "wl.json")}, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match=rf"data.sources\[0\] .* document 31 \(in source order\): {size:,} UTF-8 "
+                                          r"bytes, .*cannot be cut exactly: it has a normalizer \(Lowercase\)"):
+        prepare_from_config(cfg)
+    ok = prepare_from_config(cfg.model_copy(update={"tokenize_chunk_bytes": size}))
+    assert ok.meta["sources"][0]["documents"] == 31

@@ -89,3 +89,24 @@ def test_training_text_cap_counts_utf8_bytes():
     assert list(capped_batches(batches, 7)) == [["aé", "bb"], ["cc"]]
     assert list(capped_batches(batches, 4)) == [["aé"]]
     assert list(capped_batches(batches, None)) == batches
+
+
+def test_a_vocabulary_the_corpus_cannot_fill_is_an_error(tmp_path, capsys):
+    """--vocab-size 100000 on a small corpus: say how many tokens it supports, write nothing."""
+    import re
+
+    from smelt_ds.cli import main
+
+    data = write_jsonl(tmp_path / "d.jsonl", prose(30))
+    argv = ["data", "tokenizer", "--input", str(data), "--vocab-size", "100000", "-o", str(tmp_path / "tok.json"),
+            "--cache-dir", str(tmp_path / "c")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "`data.tokenizer.vocab_size` (100000)" in err and "min_frequency=2" in err, err
+    supported = int(re.search(r"supports only ([\d,]+) tokens", err).group(1).replace(",", ""))
+    assert 258 < supported < 100_000
+    assert train_tokenizer([prose(30)], TokenizerConfig(vocab_size=supported)).get_vocab_size() == supported
+    assert f"vocab_size={supported}" in err  # the fix names the size that works
+    assert not (tmp_path / "tok.json").exists() and not list((tmp_path / "c" / "tokenizers").glob("*/tokenizer.json"))
+    with pytest.raises(ConfigError, match=rf"supports only {supported:,} tokens"):
+        train_tokenizer([prose(30)], TokenizerConfig(vocab_size=supported + 1))
