@@ -11,13 +11,16 @@ import copy
 import json
 import math
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
 from smelt_ds.config import RunConfig, resolve_batch
 from smelt_ds.errors import ConfigError
 from smelt_ds.resources import DS_CONFIG_DIR
+
+if TYPE_CHECKING:
+    from smelt_ds.model.looping import LoopingBlockManager
 
 __all__ = ["DS_CONFIG_DIR", "template_name", "load_template", "build_ds_config", "param_groups",
            "lr_multiplier", "resolve_precision", "deep_merge"]
@@ -125,7 +128,8 @@ def param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]
 
     Each group carries ``name`` for logging. Empty groups are dropped.
     """
-    looped = model.looped_parameter_names() if hasattr(model, "looped_parameter_names") else set()
+    looped: set[str] = (cast(Any, model).looped_parameter_names() if hasattr(model, "looped_parameter_names")
+                        else set())
     scale = cfg.loop.shared_lr_scale
     buckets: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     seen: set[int] = set()
@@ -275,19 +279,16 @@ def configure_activation_checkpointing(model: torch.nn.Module, cfg: RunConfig) -
     (``checkpoint_in_cpu``; on a CPU accelerator it is not passed on, with a one-time UserWarning)
     and ``contiguous_memory_optimization`` (``contiguous_checkpointing``,
     ``num_checkpoints`` = visits of the plan), through its *non-reentrant* variant
-    ``deepspeed.checkpointing.non_reentrant_checkpoint``: the reentrant
-    ``deepspeed.checkpointing.checkpoint`` runs a separate backward per checkpointed visit, so a
-    looped layer's parameters receive their gradient in two pieces and ZeRO-2/3 fail
-    ("has already been reduced") or, with AutoEP at ZeRO-3, lose part of it (see
-    ``smelt_ds/moe_backends.py``). The MoE losses are outputs of the checkpointed function (see
-    :class:`smelt_ds.model.looping.LoopingBlockManager`), so they get their gradient under either
-    variant. Both restore the RNG state on recompute: same dropout masks and router jitter, hence
-    the same experts. ``deepspeed.checkpointing`` needs ``torch.distributed`` initialised (a world
-    of one is enough). Raises ConfigError for inconsistent options
+    ``deepspeed.checkpointing.non_reentrant_checkpoint`` (the reentrant one breaks looped layers
+    under ZeRO-2/3: ``docs/deepspeed_notes.md``). The MoE losses are outputs of the checkpointed
+    function (see :class:`smelt_ds.model.looping.LoopingBlockManager`), so they get their gradient
+    under either variant. Both restore the RNG state on recompute: same dropout masks and router
+    jitter, hence the same experts. ``deepspeed.checkpointing`` needs ``torch.distributed``
+    initialised (a world of one is enough). Raises ConfigError for inconsistent options
     (:func:`check_activation_checkpointing`)."""
     check_activation_checkpointing(cfg)
     ac = cfg.train.activation_checkpointing
-    manager = model.blocks
+    manager = cast("LoopingBlockManager", model.blocks)
     visits = checkpointed_visits(cfg, manager.schedule)
     manager.checkpoint_frees_inputs = False
     if not visits:
@@ -301,9 +302,8 @@ def configure_activation_checkpointing(model: torch.nn.Module, cfg: RunConfig) -
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
-    # On a CPU accelerator the checkpoints already live in host memory, and DeepSpeed's blocking
-    # CPU path (0.19.8) empties the input before reading it back when `.to('cpu')` returns the
-    # same tensor, losing it: cpu_checkpointing is only passed on for device accelerators.
+    # cpu_checkpointing is only passed on for device accelerators (on a CPU accelerator DeepSpeed
+    # loses the checkpoint's input: docs/deepspeed_notes.md)
     in_cpu = ac.cpu_checkpointing and get_accelerator().device_name() != "cpu"
     if ac.cpu_checkpointing and not in_cpu:
         _warn_cpu_checkpointing_dropped()

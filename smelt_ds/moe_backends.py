@@ -15,170 +15,29 @@ autoep      DeepSpeed AutoEP replaces ``layers.{i}.mlp`` in           0-3     ``
             ``deepspeed.initialize`` (``expert_parallel`` section)            moe.ep_size``
 ==========  =======================================================  ======  ================
 
-How the engine uses it (all ranks, same order)::
-
-    deepspeed.init_distributed(dist_backend=...)          # process group first
-    model = SmeltLM(cfg)
-    model = apply_backend(model, cfg)                     # BEFORE deepspeed.initialize; raises ConfigError
-    ds_config = {..., "zero_optimization": {"stage": s}}
-    if cfg.moe.backend == "autoep":
-        ds_config["expert_parallel"] = autoep_config_section(cfg)
-    groups = optimizer_param_groups(model, my_groups, cfg)   # splits expert params for 'deepspeed'
-    engine, *_ = deepspeed.initialize(
-        model=model, config=ds_config, model_parameters=groups,
-        optimizer=moe_optimizer(torch.optim.AdamW, lr=...))   # a callable: DeepSpeed calls it
-                                                              # after AutoEP replaced the layers
-    out = engine(input_ids, labels=labels); engine.backward(out.loss); engine.step()
+How the engine uses it (:func:`smelt_ds.engine.initialize`, :func:`smelt_ds.train.build`; all
+ranks, same order): after ``deepspeed.init_distributed`` and ``SmeltLM(cfg)``,
+:func:`apply_backend` converts the model (before ``deepspeed.initialize``; raises ConfigError);
+``build_ds_config`` adds the ``expert_parallel`` section (:func:`autoep_config_section`) for
+``autoep``; :func:`optimizer_param_groups` splits expert parameters into ``moe`` groups for
+``deepspeed``; and ``deepspeed.initialize`` gets ``optimizer=moe_optimizer(torch.optim.AdamW,
+...)``, a factory DeepSpeed calls after AutoEP has replaced the layers.
 
 ``out.loss`` already holds ``aux_loss_coef * aux + z_loss_coef * z`` for every backend (mean over
 MoE *visits*, the reference definitions), so the training loop does not change with the backend.
+Checkpoints of every backend also carry the weights in the reference layout
+(:mod:`smelt_ds.reference_weights`).
 
-What we found out about DeepSpeed 0.19.8 on this machine (torch 2.13 CPU, DeepSpeed's CPU
-accelerator, 2 gloo ranks, fp32), each checked by ``tests/test_moe_backends.py`` or by hand:
-
-Native DeepSpeed-MoE (``deepspeed.moe.layer.MoE``, backend ``deepspeed``)
-    * Experts are ``Experts(expert, E / ep_size)``: a ModuleList of deep copies of one expert
-      module; each receives ``(ep_size, 1, capacity, H)``. Our expert is
-      :class:`smelt_ds.model.moe.SwiGLU` (``down(silu(gate(x)) * up(x))``), filled from
-      ``gate_up_proj[e, :F]`` (gate), ``gate_up_proj[e, F:]`` (up), ``down_proj[e]``. Rank ``r`` of
-      the expert-parallel group owns global experts ``r * E/ep .. (r+1) * E/ep - 1`` (the
-      all-to-all splits the expert dimension in group-rank order). Expert params get
-      ``allreduce = False`` and ``group_name = "ep_size_{ep}"``; that is how DeepSpeed finds them.
-    * ``TopKGate``: softmax only (-> ConfigError for ``score_func: sigmoid``); no expert bias
-      (-> ConfigError for ``aux_loss_free_bias``); k = 1 (``top1gating``, Random Token
-      Selection, raw softmax combine weight, asserts ``T >= min_capacity``), k = 2
-      (``top2gating``, weights renormalised over the kept routes; by default the 2nd expert is
-      *sampled* with Gumbel noise, we turn that off) and k > 2 (``topkgating``, renormalised) all
-      work although the docstring says "only supports k=1 or k=2". So ``norm_topk_prob`` must be
-      false for k = 1 and true for k >= 2 (-> ConfigError otherwise). Capacity per expert =
-      ``max(ceil(T / E * capacity_factor * k), min_capacity)`` (``eval_capacity_factor`` in eval);
-      ``drop_tokens: false`` makes the capacity the largest per-expert count, all-reduced (MAX)
-      over the EP group, so nothing drops. Dropping keeps first choices first (top-2) or the
-      highest gate values (k > 2, ``drop_policy='probs'``); dropped copies contribute 0. With
-      ``drop_tokens: true`` evaluation and generation drop too (``eval_capacity_factor``).
-      ``noisy_gate_policy='Jitter'`` uses a fixed 1e-2; :class:`SmeltTopKGate` uses
-      ``moe.router_jitter`` instead.
-    * ``l_aux``: k = 1: ``E * sum_e P_e f_e`` (= ours); k > 2: ``E^2 / k * mean_e(P_e c_e)``
-      (= ours, c_e = routed copies / T); **k = 2: ``E * sum_e P_e f1_e`` with f1_e counting only
-      the tokens' first choice** (differs from ours; e.g. 1.0295 vs 1.0097 on a tiny model).
-      The router logits are not returned, so :class:`SmeltTopKGate` keeps them and
-      :class:`DeepSpeedMoE` computes *our* aux loss (over the T*K choices before dropping) and
-      z-loss from them: with nothing dropped the backend equals the reference to fp32 rounding
-      (forward, losses and gradients; ``test_deepspeed_conversion_matches_reference``). DeepSpeed's
-      ``l_aux`` is kept, detached, as ``last_route.ds_l_aux``; it is not in the loss.
-    * Router statistics per visit: ``last_route`` is a :class:`CapacityRouterOutput` with
-      ``topk_idx_TK`` (choices), ``kept_TK`` (fit into capacity), ``dropped_share``,
-      ``capacity`` (tokens per expert). ``VisitRecorder.router_stats()`` still reports
-      ``dropped_share`` 0.0 for every backend (it does not read the route's field); read
-      ``model.recorder.routes[visit].dropped_share`` until it does.
-    * ZeRO-3: ``deepspeed.initialize`` raises ``AssertionError: Native DeepSpeed MoE is not
-      supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.``
-      :func:`check_backend_compat` raises a ConfigError before that, pointing to ``autoep``.
-    * Optimizer groups: with an optimizer from the DeepSpeed config the engine splits MoE groups
-      itself (``configure_moe_param_groups``). A client optimizer must already hold groups with
-      ``moe: True`` holding only expert params (``split_params_into_different_moe_groups_for_
-      optimizer``), else ZeRO-1/2 raise ``AssertionError: The model has moe layers, but None of
-      the param groups are marked as MoE``; that function also needs a ``name`` key in every group
-      (KeyError otherwise) -- :func:`split_params_into_moe_groups` adds one. ZeRO-2 for MoE also
-      asserts ``contiguous_gradients`` and ``reduce_scatter`` true (the defaults). A torch SGD
-      client optimizer needs ``"zero_allow_untested_optimizer": true`` with ZeRO.
-    * Expert gradients are averaged over the *whole* data-parallel world (not the expert-data
-      group), so ``ep_size`` 1 and 2 give the same expert gradients, losses and ZeRO-2 updates on
-      the same global batch (checked; no EP-size scaling bug in 0.19.8), and the global gradient
-      norm used for clipping is the same for both.
-    * DeepSpeed 0.19.8 clips gradients at norm **1.0 by default** (``GRADIENT_CLIPPING_DEFAULT``):
-      always write ``gradient_clipping`` into the config (0 disables).
-    * ``deepspeed.moe.layer.MoE`` works in a single process without ``torch.distributed``
-      (ep_size 1). For ``ep_size > 1`` the expert groups must exist before the local experts are
-      picked: :func:`expert_parallel_rank` creates DeepSpeed's ``ep_size_{n}`` groups exactly as
-      the engine would (``use_data_before_expert_parallel`` must match the DeepSpeed config key
-      ``use_data_before_expert_parallel_``), and the engine then reuses them.
-    * All EP ranks must feed the same number of tokens per micro-batch when ``drop_tokens`` is
-      true (the capacity, hence the all-to-all size, is computed from the local T).
-    * ``use_tutel``: DeepSpeed silently falls back to its own dispatch when tutel is missing
-      (only a log warning); we raise a ConfigError instead. tutel is not on the package index
-      (``pip install git+https://github.com/microsoft/tutel@main``, CUDA only).
-    * An expert that receives no tokens still runs on its zero-padded capacity buffer; the step
-      completes (``test_empty_expert_no_hang``).
-
-AutoEP (backend ``autoep``; ``deepspeed/module_inject/auto_ep*.py``)
-    * The engine applies it in ``DeepSpeedEngine.__init__`` (``_configure_expert_parallel``)
-      when the config has ``expert_parallel: {enabled: true, ...}``: ``AutoEP(model,
-      cfg).ep_parser()`` matches ``re.fullmatch(moe_layer_pattern, name)`` over
-      ``named_modules()``, requires the ``router_pattern`` and ``expert_pattern`` children (note:
-      the DeepSpeed key is ``expert_pattern``, the preset field ``experts_pattern``), replaces each
-      layer by ``AutoEPMoELayer`` (router ``TokenChoiceTopKRouter`` as ``mlp.router.gate.weight``,
-      local experts ``mlp.experts.w1/w2/w3 [E/ep, ...]``), then creates the EP groups. This
-      happens before ZeRO-3 partitioning. Dense layers (no ``experts`` child) are skipped.
-    * Our layers match a custom pattern (no preset; SmeltLM has no HF ``model.config``, so
-      ``num_experts_attr``/``top_k_attr`` are never read: E comes from the router weight shape
-      and ``top_k`` must be given explicitly). ``expert_w3: null`` means fused gate+up in
-      ``gate_up_proj`` (``[E, 2F, H]``, gate first: the "gate_up_first" layout).
-      ``score_func`` softmax and sigmoid, ``route_norm`` (= ``norm_topk_prob``) and the shared
-      expert with its sigmoid gate all reproduce the reference exactly.
-    * Rejected by AutoEP: ``load_balance_coeff`` (any non-null value raises ``ValueError:
-      load_balance_coeff=... is not supported in this AutoEP build``) -> our
-      ``aux_loss_free_bias`` is refused with a ConfigError; router jitter is not implemented
-      (DeepSpeed only warns for HF configs) -> refused. No capacity / token dropping: AutoEP is
-      dropless, so ``capacity_factor``, ``min_capacity`` and ``drop_tokens`` do not apply.
-    * Aux loss / router logits: ``AutoEPMoELayer.forward`` returns only the output tensor for our
-      layers (``return_router_logits`` is only set for HF modules with ``_can_record_outputs``)
-      and implements neither aux loss nor z-loss. :func:`attach_autoep_hooks` adds forward hooks
-      on ``router.gate`` (logits) and ``router`` (choices) and sets ``last_route`` /
-      ``last_losses`` on the layer exactly as the reference MoE does; :func:`apply_backend`
-      registers a pre-hook that attaches them on the first forward after ``deepspeed.initialize``.
-      The aux loss is per rank over the local tokens, as it is for DDP with the reference backend.
-    * ``torch._grouped_mm`` runs on CPU when the row strides are multiples of 16 bytes;
-      ``autoep_config_section`` sets ``use_grouped_mm: false`` (per-expert loop) otherwise.
-    * Looped layers (called twice per forward) work with AutoEP at ZeRO 0-3 and ``autoep_size``
-      2: loss, aux and z over 3 AdamW steps equal the single-process reference to 2.4e-7
-      (``test_autoep_zero3_matches_reference``), also under *non-reentrant* activation
-      checkpointing (``torch.utils.checkpoint(use_reentrant=False)`` or DeepSpeed's
-      ``non_reentrant_checkpoint``).
-    * Client optimizers: an optimizer object built before ``deepspeed.initialize`` is remapped by
-      the engine to the replaced parameters, which works at ZeRO-0 and ZeRO-3 but fails at ZeRO-1/2
-      (``None of the param groups are marked as MoE``: the replaced expert params land in the
-      source's ordinary group). Pass a *callable* instead (:func:`moe_optimizer`, with
-      ``model_parameters=groups``), which works at every stage for every backend, or put the
-      optimizer in the DeepSpeed config (the engine splits MoE groups itself; on CPU use
-      ``"torch_adam": true``, else DeepSpeed JIT-builds its CPU Adam op for minutes). A layer's
-      expert tensors must all sit in one source param group (else RuntimeError).
-
-Reentrant activation checkpointing (``deepspeed.checkpointing.checkpoint``, torch
-``use_reentrant=True``) -- applies to every backend, not only AutoEP:
-    * A reentrant checkpoint runs its forward under ``no_grad``, so a loss merely *recorded*
-      inside it would carry no gradient (no load balancing, no z-loss for that visit).
-      ``LoopingBlockManager`` avoids this by returning each checkpointed visit's aux and z losses
-      as outputs of the checkpointed function; custom layers run outside the manager do not.
-    * Checkpointing *looped* visits: ZeRO-2 raises ``AssertionError: The parameter ... has
-      already been reduced``; ZeRO-3 with the reference backend raises ``AssertionError`` in
-      ``__reduce_and_partition_ipg_grads`` (duplicate ``ds_id``); **ZeRO-3 with AutoEP raises
-      nothing but the gradients of the looped layers are wrong** (about half of the attention
-      gradient is lost). ZeRO-0/1 are fine apart from the lost aux/z gradient.
-    * Non-reentrant checkpointing has none of these problems. Use it for every policy.
-
-Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``, 2 ranks, ``ep_size`` 2)
-    * Both EP backends write one file per expert (``layer_{l}_expert_{e}_mp_rank_00_model_states
-      .pt``) from every expert-parallel rank and load them back by global expert id.
-    * But ``SmeltLM`` registers its unique layers twice (``layers.*`` and, through
-      ``LoopingBlockManager``, ``blocks.layers.*``), so ``state_dict()`` holds every layer tensor
-      under two names. The model file (written by rank 0) carries rank 0's local experts under
-      ``blocks.layers.*``, and ``load_state_dict`` applies them after the per-expert files: rank 1
-      **silently resumes with rank 0's experts** (deepspeed backend at ZeRO-0/2, AutoEP at
-      ZeRO-2), and AutoEP at ZeRO-3 fails to load (``size mismatch for
-      blocks.layers.3.mlp.experts.w1: copying a param with shape torch.Size([0])``). Keeping the
-      manager's reference unregistered (``object.__setattr__(self, "layers", layers)`` in
-      ``LoopingBlockManager.__init__``) fixes all three (checked by hand).
-    * Parameter names differ between backends (``mlp.moe.deepspeed_moe...``,
-      ``mlp.router.gate.weight`` / ``mlp.experts.w1,w2,w3``), so checkpoints do not move between
-      backends; there is no converter to the reference layout yet.
+What DeepSpeed 0.19.8 does with these layers (gating maths, aux-loss differences, ZeRO and
+optimizer-group constraints, AutoEP's limits, checkpoint files) and why the code is as it is:
+``docs/deepspeed_notes.md``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeVar, cast
 
 import deepspeed
 import torch
@@ -202,6 +61,8 @@ BACKENDS = ("reference", "deepspeed", "autoep")
 #: Module-name regex AutoEP matches against ``named_modules()`` of the model given to
 #: ``deepspeed.initialize`` (``re.fullmatch``): our MoE FFNs are ``layers.{i}.mlp``.
 AUTOEP_LAYER_PATTERN = r"layers\.\d+\.mlp"
+
+_ModuleT = TypeVar("_ModuleT", bound=nn.Module)
 
 TUTEL_INSTALL_HINT = ("pip install --upgrade git+https://github.com/microsoft/tutel@main "
                       "(tutel is not on the package index; needs a CUDA build)")
@@ -303,8 +164,8 @@ def _check_autoep_backend(moe) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def apply_backend(model: nn.Module, cfg, zero_stage: int | None = None, world_size: int | None = None,
-                  use_data_before_expert_parallel: bool = False) -> nn.Module:
+def apply_backend(model: _ModuleT, cfg, zero_stage: int | None = None, world_size: int | None = None,
+                  use_data_before_expert_parallel: bool = False) -> _ModuleT:
     """Prepare ``model`` (a :class:`SmeltLM` with reference MoE layers) for ``cfg.moe.backend``.
 
     Call it after the process group is initialised and *before* ``deepspeed.initialize``.
@@ -328,7 +189,7 @@ def apply_backend(model: nn.Module, cfg, zero_stage: int | None = None, world_si
         convert_to_deepspeed_moe(model, cfg, use_data_before_expert_parallel)
     elif cfg.moe.backend == "autoep" and not getattr(model, "_smelt_autoep_prehook", False):
         model.register_forward_pre_hook(_autoep_prehook)
-        model._smelt_autoep_prehook = True
+        cast(Any, model)._smelt_autoep_prehook = True
     return model
 
 
@@ -466,7 +327,7 @@ class DeepSpeedMoE(nn.Module):
         new.gate.wg.weight.copy_(ref.gate.weight)
         F_ = moe_cfg.expert_ffn_size
         first = ep_rank * (moe_cfg.num_experts // ep_size)
-        for j, expert in enumerate(new.local_experts):
+        for j, expert in enumerate(cast(Iterable[SwiGLU], new.local_experts)):
             e = first + j
             expert.gate_proj.weight.copy_(ref.experts.gate_up_proj[e, :F_])
             expert.up_proj.weight.copy_(ref.experts.gate_up_proj[e, F_:])
@@ -480,6 +341,7 @@ class DeepSpeedMoE(nn.Module):
         out_BSH, _, _ = self.moe(x_BSH)
         route = self._route()
         if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None  # the reference MoE has both or neither
             x_TH = x_BSH.reshape(B * S, H)
             shared_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
             out_BSH = out_BSH + shared_TH.reshape(B, S, H)
@@ -491,8 +353,9 @@ class DeepSpeedMoE(nn.Module):
     def _route(self) -> CapacityRouterOutput:
         """Our :class:`RouterOutput` view of the gate's last call (``sparse_routes`` layout:
         ``indices [K, T]`` with -1 for dropped copies, ``gates [K, T]``)."""
-        logits_TE = self.gate.last_logits_TE
-        l_aux, capacity, _, idx_KT, _, gates_KT, _ = self.gate.last_gate_out
+        logits_TE, gate_out = self.gate.last_logits_TE, self.gate.last_gate_out
+        assert logits_TE is not None and gate_out is not None  # set by the gate's forward
+        l_aux, capacity, _, idx_KT, _, gates_KT, _ = gate_out
         probs_TE = logits_TE.softmax(dim=-1)
         topk_idx_TK = _gate_choices(logits_TE, probs_TE, self.num_experts_per_tok)
         return CapacityRouterOutput(logits_TE, probs_TE, topk_idx_TK, gates_KT.t(), kept_TK=idx_KT.t() >= 0,
@@ -567,7 +430,7 @@ def split_params_into_moe_groups(param_groups: Iterable[dict[str, Any]] | dict[s
     empty groups are dropped. ZeRO-1/2 refuse MoE models whose optimizer has no ``moe`` group
     (``AssertionError: The model has moe layers, but None of the param groups are marked as MoE``).
     """
-    groups = [param_groups] if isinstance(param_groups, dict) else list(param_groups)
+    groups: list[Any] = [param_groups] if isinstance(param_groups, dict) else list(param_groups)
     if groups and not isinstance(groups[0], dict):  # a plain iterable of parameters
         groups = [{"params": groups}]
     groups = [{**g, "params": list(g["params"]), "name": g.get("name", f"group{i}")} for i, g in enumerate(groups)]
@@ -677,6 +540,7 @@ def attach_autoep_hooks(model: nn.Module) -> int:
     way for every backend. Idempotent; returns the number of layers newly hooked.
     """
     n = 0
+    layer: Any  # AutoEPMoELayer, given the attributes below
     for _, layer in autoep_layers(model):
         if getattr(layer, "_smelt_hooked", False):
             continue
@@ -693,21 +557,21 @@ def _autoep_prehook(model: nn.Module, args) -> None:
     attach_autoep_hooks(model)  # returns nothing: a forward pre-hook's return value replaces the inputs
 
 
-def _capture_logits_hook(layer: nn.Module):
+def _capture_logits_hook(layer: Any):
     def hook(module, args, logits_TE):
         layer._smelt_capture["logits_TE"] = logits_TE
 
     return hook
 
 
-def _capture_route_hook(layer: nn.Module):
+def _capture_route_hook(layer: Any):
     def hook(module, args, out):
         layer._smelt_capture["top_scores_TK"], layer._smelt_capture["selected_TK"] = out[0], out[1]
 
     return hook
 
 
-def _finish_route_hook(layer: nn.Module, args, output) -> None:
+def _finish_route_hook(layer: Any, args, output) -> None:
     cap = layer._smelt_capture
     logits_TE = cap.pop("logits_TE").float()
     if layer.router.score_func == "softmax":
