@@ -89,7 +89,7 @@ def layer_params(cfg: RunConfig, layer: int) -> dict[str, int]:
 def _visit_forward_flops(cfg: RunConfig, layer: int, n_keys: float) -> float:
     H, Nq, Nkv, D = _attn_dims(cfg)
     moe = cfg.moe
-    flops = 2 * (2 * H * Nq * D + 2 * H * Nkv * D)  # q, o and k, v projections
+    flops: float = 2 * (2 * H * Nq * D + 2 * H * Nkv * D)  # q, o and k, v projections
     flops += 2 * 2 * n_keys * Nq * D  # q k^T and p v
     if layer < cfg.model.first_k_dense:
         return flops + 6 * H * cfg.model.dense_ffn_size
@@ -284,6 +284,7 @@ def match_baseline(baseline_raw: dict[str, Any], position: str, repeats: int = 2
         key = (max(abs(v) for v in devs.values()), -L, balance)
         if best is None or key < best[0]:
             best = (key, raw, cfg, matched, devs, visits)
+    assert best is not None  # `scored` is non-empty, so the loop ran at least once
     _, raw, cfg, matched, devs, visits = best
     notes = []
     if visits != L_B:

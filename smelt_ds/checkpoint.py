@@ -28,7 +28,7 @@ import random
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
@@ -119,7 +119,7 @@ def write_hashed(obj: Any, path: str | Path, zipfile: bool = True) -> dict[str, 
     try:
         with open(path, "wb") as f:
             w = _HashingWriter(f)
-            torch.save(obj, w, _use_new_zipfile_serialization=zipfile)
+            torch.save(obj, cast(IO[bytes], w), _use_new_zipfile_serialization=zipfile)
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:

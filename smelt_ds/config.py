@@ -487,12 +487,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     source = "<yaml>"
 
-    def construct_document(self, node):
+    def construct_document(self, node: yaml.Node) -> Any:
         self._paths: dict[int, str] = {}
         self._index_paths(node, "")
         return super().construct_document(node)
 
-    def _index_paths(self, node, path: str) -> None:
+    def _index_paths(self, node: yaml.Node, path: str) -> None:
         if id(node) in self._paths:  # an alias: keep the first path, do not walk twice
             return
         self._paths[id(node)] = path
@@ -504,7 +504,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             for i, item in enumerate(node.value):
                 self._index_paths(item, f"{path}[{i}]")
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
         if isinstance(node, yaml.MappingNode):
             seen: dict[Any, int] = {}
             for key_node, _ in node.value:

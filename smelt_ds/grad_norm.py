@@ -137,7 +137,7 @@ def param_grad_shards(params: Iterable[torch.nn.Parameter]) -> list[GradShard]:
         seen.add(id(p))
         copies = dp
         if is_moe_param(p) and _dist_ready():
-            copies = groups._get_expert_data_parallel_world_size(p.group_name)
+            copies = groups._get_expert_data_parallel_world_size(getattr(p, "group_name"))
         out.append(GradShard(p.grad, copies))
     return out
 
@@ -223,6 +223,7 @@ def clip_before_step(engine, max_norm: float) -> float | None:
                               "the DeepSpeed config and clip with smelt_ds.grad_norm.clip_before_step (the recipe "
                               "field is train.grad_clip; do not set deepspeed.config.gradient_clipping)")
         return norm
+    assert norm is not None  # engine_grad_norm always has the norm at ZeRO-0
     clip_grads_(params, max_norm, norm)
     return norm
 

@@ -678,7 +678,7 @@ class SavedTensorCounter:
         self._exclude = {p.untyped_storage().data_ptr() for p in parameters}
         self._handles: weakref.WeakSet = weakref.WeakSet()
         self._inputs: list[torch.Tensor] = []
-        self._ctx = None
+        self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def _pack(self, t: torch.Tensor) -> _Packed:
         h = _Packed(t)
@@ -697,6 +697,7 @@ class SavedTensorCounter:
         return self
 
     def __exit__(self, *exc) -> None:
+        assert self._ctx is not None  # set by __enter__
         self._ctx.__exit__(*exc)
 
     def wrap_checkpoint(self, checkpoint_fn):
@@ -748,7 +749,7 @@ class Measurement:
         return asdict(self)
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+def _storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     seen = {}
     for t in tensors:
         if t is not None and isinstance(t, torch.Tensor):

@@ -110,7 +110,7 @@ def _expert_placement(t: torch.Tensor, backend: str, local: int | None) -> list[
     from deepspeed.utils import groups
 
     if backend == "deepspeed":
-        ep_rank = groups._get_expert_parallel_rank(t.group_name)
+        ep_rank = groups._get_expert_parallel_rank(getattr(t, "group_name"))
         n_local = getattr(t, "_smelt_local_experts", None)
         return [ep_rank * n_local + local]
     from deepspeed.module_inject.auto_ep_layer import (AUTOEP_PARAM_LOCAL_EXPERTS,  # noqa: F401
@@ -126,7 +126,7 @@ def _is_expert(t: torch.Tensor) -> bool:
 def _expert_data_rank(t: torch.Tensor) -> int:
     from deepspeed.utils import groups
 
-    return groups._get_expert_data_parallel_rank(t.group_name)
+    return groups._get_expert_data_parallel_rank(getattr(t, "group_name"))
 
 
 def _mark_local_expert_counts(module: torch.nn.Module) -> None:

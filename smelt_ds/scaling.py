@@ -194,7 +194,10 @@ def collect_runs(paths: Sequence[str | Path], loss_key: str = "all") -> tuple[li
                 continue
             seen.add(d.resolve())
             r = _read_point(d, loss_key)
-            (points if isinstance(r, RunPoint) else excluded).append(r)
+            if isinstance(r, RunPoint):
+                points.append(r)
+            else:
+                excluded.append(r)
     return points, excluded
 
 
@@ -385,7 +388,8 @@ def single_blas_thread():
             setter(n)
 
 
-def fit_law(N: Sequence[float], D: Sequence[float], L: Sequence[float], delta: float = HUBER_DELTA,
+def fit_law(N: Sequence[float] | np.ndarray, D: Sequence[float] | np.ndarray, L: Sequence[float] | np.ndarray,
+            delta: float = HUBER_DELTA,
             n_starts: int = 32, extra_starts: Sequence[np.ndarray] = ()) -> FitResult:
     """Fit ``L(N, D) = E + A/N^alpha + B/D^beta`` (Hoffmann et al. 2022, App. D.2).
 
@@ -416,6 +420,8 @@ def fit_law(N: Sequence[float], D: Sequence[float], L: Sequence[float], delta: f
                            bounds=BOUNDS, options={"maxiter": 5000, "ftol": 1e-12, "gtol": 1e-8, "maxcor": 20})
             if best is None or res.fun < best.fun:
                 best = res
+    if best is None:
+        raise ValueError(f"fit_law needs at least one start: got n_starts={n_starts} and no extra_starts")
     at_bound = [name for name, v, (lo, hi) in zip(("log A", "log B", "log E", "alpha", "beta"), best.x, BOUNDS)
                 if min(v - lo, hi - v) < 1e-6]
     return FitResult(ScalingLaw.from_theta(best.x), float(best.fun), len(L), at_bound, bool(best.success))
@@ -568,7 +574,7 @@ def bootstrap(by_arch: dict[str, list[RunPoint]], fits: dict[str, FitResult], fm
     return {a: {k: (np.array(v) if isinstance(v, list) else v) for k, v in d.items()} for a, d in out.items()}
 
 
-def _ci(samples: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+def _ci(samples: np.ndarray | None, level: float = 0.95) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
     if samples is None or len(samples) == 0:
         return None, None
     q = (1 - level) / 2 * 100
@@ -689,12 +695,12 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
             "n_runs": len(pts), "params": fit.law.as_dict(), "objective": fit.objective,
             "at_bound": fit.at_bound, "converged": fit.converged,
             "params_ci95": ({n: [float(plo[i]), float(phi[i])] for i, n in enumerate(PARAM_NAMES)}
-                            if plo is not None else None),
+                            if plo is not None and phi is not None else None),
             "rmse_log_loss": float(np.sqrt(np.mean((np.log(pred) - np.log([p.loss for p in pts])) ** 2))),
             "flops_per_token": {"f0": fms[arch].f0, "fh": fms[arch].fh, "f1": fms[arch].f1,
                                 "max_rel_residual": fms[arch].max_rel_residual},
             "frontier": {k: v.tolist() for k, v in opt.items()},
-            "frontier_ci95": [flo.tolist(), fhi.tolist()] if flo is not None else None,
+            "frontier_ci95": [flo.tolist(), fhi.tolist()] if flo is not None and fhi is not None else None,
             "bootstrap_samples": int(len(b.get("params", []))), "bootstrap_failed": int(b.get("failed", 0)),
             "envelope": [_point_dict(p) for p in envelope(pts)],
             "isoflop": isoflop_profiles(pts),
@@ -704,8 +710,9 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
             slo, shi = _ci(b.get("saving"))
             dlo, dhi = _ci(b.get("loss_delta"))
             archs[arch]["savings"] = {k: v.tolist() for k, v in s.items()}
-            archs[arch]["savings_ci95"] = [slo.tolist(), shi.tolist()] if slo is not None else None
-            archs[arch]["loss_delta_ci95"] = [dlo.tolist(), dhi.tolist()] if dlo is not None else None
+            archs[arch]["savings_ci95"] = [slo.tolist(), shi.tolist()] if slo is not None and shi is not None else None
+            archs[arch]["loss_delta_ci95"] = ([dlo.tolist(), dhi.tolist()] if dlo is not None and dhi is not None
+                                              else None)
             archs[arch]["envelope_savings"] = _envelope_savings(envelope(by_arch[base]), envelope(pts))
             archs[arch]["paired"] = paired_comparison(by_arch[base], pts)
     return {"law": "L(N, D) = E + A / N^alpha + B / D^beta",
@@ -736,7 +743,8 @@ def paired_comparison(base_pts: list[RunPoint], other_pts: list[RunPoint], rel_t
     """
     from scipy import stats
 
-    pairs, unpaired = [], 0
+    pairs: list[dict[str, Any]] = []
+    unpaired = 0
     for p in other_pts:
         if p.size is not None and p.budget is not None:
             match = [b for b in base_pts if b.size == p.size and b.budget == p.budget]

@@ -3,7 +3,7 @@ sections without importing the whole recipe tree)."""
 
 import types
 import typing
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -27,7 +27,7 @@ class StrictModel(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and _is_number_type(cls.model_fields[info.field_name].annotation):
+        if isinstance(value, bool) and _is_number_type(cls.model_fields[cast(str, info.field_name)].annotation):
             raise ValueError("needs a number, got a boolean: write a number (YAML reads true/false/yes/no/on/off "
                              "as booleans)")
         return value

@@ -580,14 +580,14 @@ def render_slurm(plan: SweepPlan) -> list[Path]:
     """Write ``<output_dir>/launch/slurm/runs/<NNN>-<run>.sbatch`` (one job script per run, from
     :func:`smelt_ds.launch.render`) and one array script per node layout,
     ``<output_dir>/launch/slurm/array-<nodes>x<gpus>.sbatch``. Returns the array scripts."""
-    from smelt_ds.launch import plan_job, render
+    from smelt_ds.launch import JobPlan, plan_job, render
 
     materialize(plan)
     root = plan.output_dir / "launch" / "slurm"
     (root / "runs").mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
     log_dir = str((root / "logs").resolve())
-    groups: dict[tuple[int, int], list[tuple[PlannedRun, Path, str]]] = {}
+    groups: dict[tuple[int, int], list[tuple[PlannedRun, Path, JobPlan]]] = {}
     for r in plan.runs:
         job = plan_job(r.recipe_path, _job_options(plan, r, "slurm", log_dir))
         script = root / "runs" / f"{r.index:03d}-{r.name}.sbatch"

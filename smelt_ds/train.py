@@ -187,6 +187,7 @@ class MetricsWriter:
             f.write(json.dumps(row) + "\n")
         for k, v in row.items():
             if isinstance(v, (int, float)) and k != "step":
+                assert self.tb is not None  # created when enabled
                 self.tb.add_scalar(k, v, step)
 
     def close(self) -> None:
@@ -220,7 +221,7 @@ class _Terminator:
 
     def __init__(self) -> None:
         self.requested = False
-        self._old = {}
+        self._old: dict[signal.Signals, Any] = {}
 
     def __enter__(self):
         if threading_is_main():
@@ -495,7 +496,7 @@ def _train_in(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int)
     t_last, tok_last = time.perf_counter(), tokens_seen
     with _Terminator() as term:
         while step < cfg.train.max_steps:
-            ids = []
+            ids: list[int] = []
             lr = step_lr(engine)  # the LR this optimizer step uses (the scheduler moves on in engine.step)
             for m in range(accum):
                 batch = data.train.next_batch()
@@ -649,7 +650,7 @@ def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
 
 def _write_summary(out_dir: Path, cfg: RunConfig, result: RunResult, budget, data) -> None:
     metrics = [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    last = next((m for m in reversed(metrics) if "loss" in m), {})
+    last: dict[str, Any] = next((m for m in reversed(metrics) if "loss" in m), {})
     tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
     summary = {
         "name": cfg.name, "steps": result.step, "tokens": result.tokens_seen,

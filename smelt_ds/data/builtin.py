@@ -103,8 +103,10 @@ def _docstrings(source: str) -> str:
 
 
 def _prose_files(root: Path) -> Iterator[Document]:
+    topics: dict[str, str]
     try:
-        from pydoc_data.topics import topics
+        from pydoc_data import topics as pydoc_topics
+        topics = pydoc_topics.topics
     except ImportError:  # some distributions strip pydoc_data
         topics = {}
     for name in sorted(topics):

@@ -92,7 +92,8 @@ def remove_stale_temporaries(parent: str | os.PathLike) -> list[Path]:
     A directory counts as stale when its name is ``.NAME.tmp-<this host>-<pid>-<random>`` and no
     process ``pid`` runs. Returns the removed paths (each is also reported on stderr).
     """
-    parent, host, removed = Path(parent), host_tag(), []
+    parent, host = Path(parent), host_tag()
+    removed: list[Path] = []
     if not parent.is_dir():
         return removed
     for entry in parent.iterdir():
@@ -118,7 +119,7 @@ def _clear_target(out: Path) -> None:
                       f"(no {COMPLETE_MARKER} marker): delete it or choose another directory")
 
 
-def build_dir_atomically(out_dir: str | os.PathLike, build: Callable[[Path], None]) -> bool:
+def build_dir_atomically(out_dir: str | os.PathLike, build: Callable[[Path], object]) -> bool:
     """Run ``build(tmp_dir)`` and rename ``tmp_dir`` to ``out_dir``; a no-op if ``out_dir`` is complete.
 
     Raises ConfigError if ``out_dir`` exists, is not empty and is not complete (never deleted).

@@ -161,7 +161,7 @@ def _tokenizers_parallelism_off(active: bool):
     finally:
         if active and saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        elif active:
+        elif active and saved is not None:  # (saved is None was the branch above)
             os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 

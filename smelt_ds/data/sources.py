@@ -27,7 +27,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import datasets
 import pyarrow.compute as pc
@@ -82,7 +82,7 @@ class SourceData:
 def resolve_files(src: SourceConfig, where: str) -> list[Path]:
     """Files of a ``path`` source in sorted order. Raises ConfigError for a missing path,
     an explicit empty file, or a directory without matching files."""
-    path = Path(src.path).expanduser()
+    path = Path(cast(str, src.path)).expanduser()  # a path source (DataConfig checks the kind)
     if not path.exists():
         raise ConfigError(f"`{where}.path` ({src.path!r}): no such file or directory (working directory "
                           f"{os.getcwd()!r}): fix the path or remove the source")
@@ -121,9 +121,10 @@ def _decode(raw: bytes, policy: str, where: str, line_base: int = 1) -> tuple[st
     return text, text.count("\ufffd") - raw.count("\ufffd".encode())
 
 
-def _check_cuttable(doc: str, max_bytes: int, where: Callable[[], str]) -> None:
+def _check_cuttable(doc: str, max_bytes: int, where: Callable[..., str]) -> None:
     """Refuse a document longer than ``max_bytes`` that cannot be cut into pieces for the tokenizer
-    (see :func:`smelt_ds.data.tokenizer.cut_document`); ``where()`` names it."""
+    (see :func:`smelt_ds.data.tokenizer.cut_document`); ``where()`` names it (``...``: callers pass
+    ``lambda i=i: ...``, whose default argument mypy cannot match to ``Callable[[], str]``)."""
     if len(doc) > max_bytes // 4 and utf8_len(doc) > max_bytes:
         try:
             cut_document(doc, max_bytes)
@@ -270,8 +271,9 @@ def source_fingerprint(src: SourceConfig, index: int, cfg: DataConfig) -> str:
         parts["files"] = _stat_list(resolve_files(src, where))
     elif src.builtin is not None:
         parts["builtin"] = builtin_key(cfg.builtin_max_bytes)
-    elif Path(src.dataset).expanduser().is_dir():
-        parts["files"] = _stat_list(sorted(p for p in Path(src.dataset).expanduser().rglob("*") if p.is_file()))
+    elif Path(cast(str, src.dataset)).expanduser().is_dir():  # neither path nor builtin: a dataset source
+        parts["files"] = _stat_list(sorted(p for p in Path(cast(str, src.dataset)).expanduser().rglob("*")
+                                           if p.is_file()))
     return sha256_json(parts)
 
 
@@ -381,6 +383,7 @@ def read_source(src: SourceConfig, index: int, cfg: DataConfig, work_dir: Path,
     """
     where = f"data.sources[{index}]"
     fp = source_fingerprint(src, index, cfg)
+    files: list[str] | list[Path]
     if src.dataset is not None:
         rows, files = _dataset_rows(src, where, cfg, work_dir, index), [src.dataset]
     else:

@@ -125,7 +125,7 @@ def capped_batches(batches: Iterable[list[str]], max_bytes: int | None) -> Itera
         if max_bytes is None:
             yield batch
             continue
-        kept = []
+        kept: list[str] = []
         for text in batch:
             size = len(text.encode("utf-8"))
             if total + size > max_bytes and total > 0:

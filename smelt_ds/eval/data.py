@@ -11,11 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from smelt_ds.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from smelt_ds.data.prepare import PreparedData
 
 __all__ = ["EvalData", "bytes_to_unicode", "token_byte_lengths", "open_eval_data"]
 
@@ -71,8 +77,8 @@ class EvalData:
         split: the prepared split read (``validation``; ``train`` for an evaluation corpus).
     """
 
-    prepared: object
-    tokenizer: object
+    prepared: PreparedData
+    tokenizer: Tokenizer
     byte_lengths: np.ndarray
     domains: list[str]
     split: str = "validation"

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from smelt_ds.config import RunConfig, load_config
 from smelt_ds.errors import ConfigError
+
+if TYPE_CHECKING:
+    from smelt_ds.model import SmeltLM
 
 __all__ = ["LoadedRun", "resolve_export", "load_run", "load_runs", "describe_model"]
 
@@ -35,7 +39,7 @@ class LoadedRun:
     name: str
     path: Path
     export_dir: Path
-    model: object
+    model: SmeltLM
     cfg: RunConfig
     eval_split: str = "validation"  # "train" for `smelt-ds eval --corpus` (every document of the corpus)
 
@@ -59,6 +63,7 @@ def resolve_export(path: str | Path) -> Path:
     if not path.is_dir():
         raise ConfigError(f"run {str(path)!r} does not exist: pass a run directory (with "
                           f"checkpoints/step*/{ckpt.MARKER}) or an export directory (model.pt + config.yaml)")
+    ckpt_dir: Path | None
     if (path / ckpt.MARKER).is_file():
         run_dir, ckpt_dir = path.parent.parent, path
     else:
@@ -106,7 +111,8 @@ def load_runs(paths: list[str], overrides: list[str] | None = None, names: list[
     if names is not None and len(names) != len(paths):
         raise ConfigError(f"`--names` ({','.join(names)}) has {len(names)} names for {len(paths)} runs: "
                           "give one name per run, comma-separated")
-    runs, seen = [], {}
+    runs: list[LoadedRun] = []
+    seen: dict[str, int] = {}
     for i, p in enumerate(paths):
         run = load_run(p, overrides, names[i] if names else None, allow_other_tokenizer)
         base = run.name

@@ -6,6 +6,7 @@ the Baseline).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -89,7 +90,7 @@ def evaluate_runs(runs: list[LoadedRun], settings: EvalSettings, log=print) -> d
     buckets = position_buckets(seq_len, settings.buckets)
     max_len = min(r.cfg.model.max_seq_len for r in runs)
     data = _data_for(runs)
-    result = {"kind": "eval", "runs": [describe_model(r) for r in runs],
+    result: dict[str, Any] = {"kind": "eval", "runs": [describe_model(r) for r in runs],
               "settings": {**asdict(settings), "seq_len": seq_len, "icl_max_len": max_len,
                            "buckets": [list(b) for b in buckets]},
               "domains": {}, "icl": {}, "tasks": {}, "notes": []}
@@ -138,7 +139,7 @@ def analyze_runs(runs: list[LoadedRun], settings: AnalysisSettings, log=print) -
     """
     seq_len = resolve_seq_len(runs, settings.seq_len)
     data = _data_for(runs)
-    result = {"kind": "analysis", "runs": [describe_model(r) for r in runs],
+    result: dict[str, Any] = {"kind": "analysis", "runs": [describe_model(r) for r in runs],
               "settings": {**asdict(settings), "seq_len": seq_len}, "analysis": {}, "notes": []}
     note = _same_data_note(data)
     if note:

@@ -38,6 +38,9 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """RoPE tables (Su et al. 2021) in the half-split convention of Llama/Qwen in transformers."""
 
+    cos: torch.Tensor  # buffers (register_buffer)
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

@@ -9,7 +9,7 @@ Shape legend: B batch, S sequence (tokens), H hidden, V vocabulary, E experts, K
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,14 @@ def routing_divergence(topk_a_TK: torch.Tensor, topk_b_TK: torch.Tensor) -> floa
     a, _ = topk_a_TK.sort(dim=-1)
     b, _ = topk_b_TK.sort(dim=-1)
     return (a != b).any(dim=-1).float().mean().item()
+
+
+class RouterStats(TypedDict):
+    """One visit's entry of :meth:`VisitRecorder.router_stats`."""
+
+    load_max_over_mean: float
+    dropped_share: float
+    tokens_per_expert: list[int]
 
 
 @dataclass
@@ -59,11 +67,11 @@ class VisitRecorder:
         vals = [d[name] for d in self.losses.values() if name in d]
         return torch.stack(vals).mean() if vals else None
 
-    def router_stats(self) -> dict[Visit, dict[str, float]]:
+    def router_stats(self) -> dict[Visit, RouterStats]:
         """Per visit: ``load_max_over_mean`` (max tokens per expert / mean), ``dropped_share`` (share of
         routed token copies dropped by a capacity limit; 0 for dropless backends) and
         ``tokens_per_expert`` (list of ints)."""
-        out = {}
+        out: dict[Visit, RouterStats] = {}
         for visit, r in sorted(self.routes.items()):
             counts = torch.bincount(r.topk_idx_TK.reshape(-1), minlength=r.logits_TE.shape[-1]).float()
             out[visit] = {"load_max_over_mean": (counts.max() / counts.mean()).item(),
@@ -106,7 +114,8 @@ class Block(nn.Module):
         x = x + F.dropout(a, self.dropout, self.training)
         h = self.mlp(self.post_attention_layernorm(x))
         if recorder is not None and self.is_moe:  # any MoE backend's FFN (reference, deepspeed, autoep)
-            recorder.record(visit, self.mlp.last_route, self.mlp.last_losses)
+            mlp: Any = self.mlp  # MoE or a backend's replacement (DeepSpeedMoE, AutoEP layer)
+            recorder.record(visit, mlp.last_route, mlp.last_losses)
         return x + F.dropout(h, self.dropout, self.training)
 
 

@@ -265,6 +265,8 @@ class LoopingBlockManager(nn.Module):
     ``x.data``); the manager then keeps a copy of a looped block's input for input injection.
     """
 
+    layers: nn.ModuleList  # set with object.__setattr__ (not a registered submodule)
+
     def __init__(self, layers: nn.ModuleList, schedule: LoopSchedule, input_injection: str = "none"):
         super().__init__()
         if len(layers) != schedule.num_layers:
@@ -329,6 +331,7 @@ class LoopingBlockManager(nn.Module):
                 return y
             return (y, *(capture.losses[n] for n in names))
 
+        assert self.checkpoint_fn is not None  # _run_visit checkpoints only with a checkpoint_fn
         outs = self.checkpoint_fn(run, x)
         outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
         capture = first[0]

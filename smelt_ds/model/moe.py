@@ -126,6 +126,9 @@ class TopKRouter(nn.Module):
     chooses the experts its forward chose, so checkpointing leaves the gradients unchanged.
     """
 
+    expert_bias: torch.Tensor  # buffers (register_buffer)
+    tokens_per_expert: torch.Tensor
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, score_func: str = "softmax",
                  norm_topk_prob: bool = True, aux_loss_free_bias: bool = False, jitter: float = 0.0):
         super().__init__()
@@ -277,6 +280,7 @@ class MoE(nn.Module):
         y_NH = self.experts(x_TH[token_N], counts_E)
         out_TH = self.combine(y_NH, route.topk_weight_TK.reshape(-1)[order_N], token_N, x_TH)
         if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None  # built together with shared_expert
             out_TH = out_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
         self.last_route = route
         self.last_losses = {"aux": load_balancing_loss(route.probs_TE, route.topk_idx_TK),

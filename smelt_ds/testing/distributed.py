@@ -35,9 +35,12 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
 __all__ = ["TIMEOUT_SCALE_ENV", "DistributedTestError", "find_free_port", "run_distributed", "scaled_timeout",
            "timeout_scale"]
@@ -164,7 +167,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, backend: str = 
     """
     scale = timeout_scale()
     limit = scaled_timeout(timeout)
-    ctx = mp.get_context(start_method)
+    # A named start method gives a concrete context (typeshed types get_context(str) as BaseContext).
+    ctx = cast("SpawnContext | ForkContext | ForkServerContext", mp.get_context(start_method))
     results = ctx.Queue()
     port = find_free_port()
     procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, init_deepspeed, num_threads,
