@@ -289,8 +289,7 @@ def run_layout(cfg, world_size: int) -> dict[str, Any]:
     """What a checkpoint's files depend on besides the model: ``world_size`` (ranks),
     ``zero_stage`` (as DeepSpeed sees it), ``moe_backend`` and ``ep_size`` (expert-parallel
     size; 1 for the reference backend). Stored in the ``COMPLETE`` marker."""
-    zero = (cfg.deepspeed.config.get("zero_optimization") or {}).get("stage", cfg.deepspeed.zero_stage)
-    return {"world_size": world_size, "zero_stage": int(zero), "moe_backend": cfg.moe.backend,
+    return {"world_size": world_size, "zero_stage": cfg.deepspeed.effective_zero_stage, "moe_backend": cfg.moe.backend,
             "ep_size": cfg.moe.ep_size if cfg.moe.backend != "reference" else 1}
 
 

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from smelt_ds.data.config import DataConfig
-from smelt_ds.errors import ConfigError
+from smelt_ds.errors import ConfigError, fail
 from smelt_ds.schema import StrictModel
 
 __all__ = [
@@ -198,6 +198,13 @@ class DeepSpeedSection(StrictModel):
     comms_logger: bool = Field(False, description="enable DeepSpeed's comms logger")
     config: dict[str, Any] = Field(default_factory=dict, description="raw DeepSpeed keys, passed through")
 
+    @property
+    def effective_zero_stage(self) -> int:
+        """The ZeRO stage DeepSpeed will see: ``config.zero_optimization.stage`` (merged last into
+        the DeepSpeed JSON) wins over ``zero_stage``."""
+        raw = self.config.get("zero_optimization", {}) or {}
+        return int(raw.get("stage", self.zero_stage))
+
 
 class EvalConfig(StrictModel):
     """Evaluation settings."""
@@ -261,10 +268,6 @@ class RunConfig(StrictModel):
 # --------------------------------------------------------------------------------------------
 
 
-def _fail(path: str, value: Any, rule: str, fix: str) -> None:
-    raise ConfigError(f"`{path}` ({value!r}) {rule}: {fix}")
-
-
 def check_run_config(cfg: RunConfig) -> None:
     """Cross-field checks of a parsed config. Raises ConfigError naming the field path."""
     _check_model(cfg.model)
@@ -277,53 +280,53 @@ def check_run_config(cfg: RunConfig) -> None:
 
 def _check_model(m: ModelConfig) -> None:
     if m.head_dim is None and m.hidden_size % m.num_heads:
-        _fail("model.num_heads", m.num_heads, f"must divide `model.hidden_size` ({m.hidden_size})",
+        fail("model.num_heads", m.num_heads, f"must divide `model.hidden_size` ({m.hidden_size})",
               "choose num_heads that divides hidden_size, or set model.head_dim")
     if m.num_heads % m.num_kv_heads:
-        _fail("model.num_kv_heads", m.num_kv_heads, f"must divide `model.num_heads` ({m.num_heads})",
+        fail("model.num_kv_heads", m.num_kv_heads, f"must divide `model.num_heads` ({m.num_heads})",
               "choose num_kv_heads among the divisors of num_heads")
     if m.resolved_head_dim % 2:
-        _fail("model.head_dim", m.resolved_head_dim, "must be even for RoPE",
+        fail("model.head_dim", m.resolved_head_dim, "must be even for RoPE",
               "pick hidden_size / num_heads even, or set model.head_dim")
     if m.first_k_dense > m.num_layers:
-        _fail("model.first_k_dense", m.first_k_dense, f"must be <= `model.num_layers` ({m.num_layers})",
+        fail("model.first_k_dense", m.first_k_dense, f"must be <= `model.num_layers` ({m.num_layers})",
               "lower first_k_dense")
 
 
 def _check_moe(moe: MoEConfig, m: ModelConfig, zero_stage: int = 0) -> None:
     if moe.top_k > moe.num_experts:
-        _fail("moe.top_k", moe.top_k, f"must be <= `moe.num_experts` ({moe.num_experts})",
+        fail("moe.top_k", moe.top_k, f"must be <= `moe.num_experts` ({moe.num_experts})",
               "lower moe.top_k or raise moe.num_experts")
     if moe.backend in ("deepspeed", "autoep") and moe.num_experts % moe.ep_size:
-        _fail("moe.num_experts", moe.num_experts, f"must be divisible by `moe.ep_size` ({moe.ep_size})",
+        fail("moe.num_experts", moe.num_experts, f"must be divisible by `moe.ep_size` ({moe.ep_size})",
               "choose an expert count that is a multiple of ep_size")
     if moe.backend == "deepspeed" and zero_stage == 3:
-        _fail("moe.backend", moe.backend, "does not support `deepspeed.zero_stage` (3): DeepSpeed-MoE refuses "
+        fail("moe.backend", moe.backend, "does not support `deepspeed.zero_stage` (3): DeepSpeed-MoE refuses "
               "ZeRO-3", "use moe.backend 'autoep' (ZeRO 0-3) or zero_stage <= 2")
     if moe.backend == "autoep" and moe.aux_loss_free_bias:
-        _fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'autoep' (AutoEP rejects "
+        fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'autoep' (AutoEP rejects "
               "load_balance_coeff)", "set moe.aux_loss_free_bias to false or use backend 'reference'")
     if moe.use_tutel and moe.backend != "deepspeed":
-        _fail("moe.use_tutel", True, f"only applies to moe.backend 'deepspeed' (this recipe: {moe.backend!r})",
+        fail("moe.use_tutel", True, f"only applies to moe.backend 'deepspeed' (this recipe: {moe.backend!r})",
               "set moe.backend to 'deepspeed' (tutel kernels for DeepSpeed-MoE) or moe.use_tutel to false")
     if moe.backend == "reference" and moe.ep_size != 1:
-        _fail("moe.ep_size", moe.ep_size, "needs an expert-parallel backend",
+        fail("moe.ep_size", moe.ep_size, "needs an expert-parallel backend",
               "set moe.backend to 'deepspeed' or 'autoep', or moe.ep_size to 1")
 
 
 def _check_train(cfg: RunConfig) -> None:
     t = cfg.train
     if t.seq_len > cfg.model.max_seq_len:
-        _fail("train.seq_len", t.seq_len, f"must be <= `model.max_seq_len` ({cfg.model.max_seq_len})",
+        fail("train.seq_len", t.seq_len, f"must be <= `model.max_seq_len` ({cfg.model.max_seq_len})",
               "raise model.max_seq_len or shorten train.seq_len")
     if t.warmup_steps > t.max_steps:
-        _fail("train.warmup_steps", t.warmup_steps, f"must be <= `train.max_steps` ({t.max_steps})",
+        fail("train.warmup_steps", t.warmup_steps, f"must be <= `train.max_steps` ({t.max_steps})",
               "shorten the warmup or train longer")
     if cfg.deepspeed.offload_param != "none" and cfg.deepspeed.zero_stage != 3:
-        _fail("deepspeed.offload_param", cfg.deepspeed.offload_param, "needs `deepspeed.zero_stage` 3",
+        fail("deepspeed.offload_param", cfg.deepspeed.offload_param, "needs `deepspeed.zero_stage` 3",
               "set zero_stage: 3 or offload_param: none")
     if cfg.deepspeed.offload_optimizer != "none" and cfg.deepspeed.zero_stage == 0:
-        _fail("deepspeed.offload_optimizer", cfg.deepspeed.offload_optimizer, "needs ZeRO stage 1-3",
+        fail("deepspeed.offload_optimizer", cfg.deepspeed.offload_optimizer, "needs ZeRO stage 1-3",
               "set deepspeed.zero_stage >= 1 or offload_optimizer: none")
 
 
@@ -340,13 +343,13 @@ def resolve_batch(cfg: RunConfig, data_parallel_size: int) -> tuple[int, int]:
         accum = t.gradient_accumulation_steps or 1
         return accum, per_micro * accum
     if t.global_batch_tokens % per_micro:
-        _fail("train.global_batch_tokens", t.global_batch_tokens,
+        fail("train.global_batch_tokens", t.global_batch_tokens,
               f"must be a multiple of micro_batch_size * seq_len * data-parallel size "
               f"({t.micro_batch_size} * {t.seq_len} * {data_parallel_size} = {per_micro})",
               "change global_batch_tokens, micro_batch_size or the number of ranks")
     accum = t.global_batch_tokens // per_micro
     if t.gradient_accumulation_steps is not None and t.gradient_accumulation_steps != accum:
-        _fail("train.gradient_accumulation_steps", t.gradient_accumulation_steps,
+        fail("train.gradient_accumulation_steps", t.gradient_accumulation_steps,
               f"disagrees with `train.global_batch_tokens` ({t.global_batch_tokens}), which needs {accum} "
               f"on {data_parallel_size} rank(s)", "set only one of them")
     return accum, t.global_batch_tokens

@@ -58,12 +58,18 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def resolve_precision(cfg: RunConfig) -> str:
-    """``bf16`` or ``fp32``. ``auto`` picks bf16 only on CUDA with bf16 support (CPU runs fp32).
+def resolve_precision(cfg: RunConfig, precision: str | None = None, target: str = "here") -> str:
+    """``bf16`` or ``fp32``: ``precision`` (default ``train.precision``) resolved for ``target``.
 
-    Raises ConfigError when bf16 is requested where the accelerator does not support it.
+    ``target="here"`` (training): ``auto`` picks bf16 only on CUDA with bf16 support (CPU runs
+    fp32). ``target="gpu"`` (memory planning for a bf16-capable GPU): ``auto`` is bf16.
+    Raises ConfigError for an unknown precision, or bf16 requested here on a GPU without it.
     """
-    p = cfg.train.precision
+    p = precision or cfg.train.precision
+    if p not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"`precision` ({p!r}) is unknown: use bf16, fp32 or auto")
+    if target == "gpu":
+        return "bf16" if p == "auto" else p
     cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if p == "auto":
         return "bf16" if cuda_bf16 else "fp32"

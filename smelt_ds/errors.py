@@ -9,5 +9,13 @@ validators into its own `ValidationError`, which would lose the field path we al
 """
 
 
+from typing import Any, NoReturn
+
+
 class ConfigError(Exception):
     """Bad configuration or bad input (recipe field, CLI flag, data file)."""
+
+
+def fail(path: str, value: Any, rule: str, fix: str) -> NoReturn:
+    """Raise the one message shape of a bad field: ```path` (value) rule: fix``."""
+    raise ConfigError(f"`{path}` ({value!r}) {rule}: {fix}")

@@ -240,9 +240,8 @@ def deepspeed_gradient_clipping(cfg) -> float:
     clip = cfg.train.grad_clip
     if cfg.moe.backend not in EP_BACKENDS:
         return clip
-    from smelt_ds.moe_backends import effective_zero_stage
 
-    if effective_zero_stage(cfg) == 0:
+    if cfg.deepspeed.effective_zero_stage == 0:
         raw = (cfg.deepspeed.config or {}).get("gradient_clipping")
         if raw:
             raise ConfigError(f"`deepspeed.config.gradient_clipping` ({raw!r}) with moe.backend "

@@ -556,15 +556,6 @@ def _check_cluster(cfg: RunConfig, nodes: int, gpus_per_node: int) -> None:
                           f"of {ep} GPUs; use a multiple of {ep} GPUs or lower moe.ep_size")
 
 
-def _resolve_precision(cfg: RunConfig, precision: str | None) -> str:
-    p = precision or cfg.train.precision
-    if p == "auto":
-        return "bf16"  # a GPU target: `auto` picks bf16 on CUDA
-    if p not in ("bf16", "fp32"):
-        raise ConfigError(f"`precision` ({p!r}) is unknown: use bf16, fp32 or auto")
-    return p
-
-
 def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memory_bytes: int | str = 80 * GiB,
              seq_len: int | None = None, micro_batch: int | None = None, precision: str | None = None,
              context_len: int | None = None, kv_dtype: str = "bf16", device: str = "cuda",
@@ -595,7 +586,9 @@ def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memo
     cfg = _with_batch(cfg, seq_len, micro_batch)
     _check_cluster(cfg, nodes, gpus_per_node)
     dev_mem = parse_bytes(device_memory_bytes)
-    prec = _resolve_precision(cfg, precision)
+    from smelt_ds.engine import resolve_precision
+
+    prec = resolve_precision(cfg, precision, target="gpu")  # a GPU target: `auto` is bf16
     a = 2 if prec == "bf16" else 4
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
     counts = param_counts(cfg)

@@ -48,10 +48,10 @@ from deepspeed.moe.sharded_moe import TopKGate
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from torch import nn
 
-from smelt_ds.errors import ConfigError
+from smelt_ds.errors import fail
 from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU, load_balancing_loss, router_z_loss
 
-__all__ = ["BACKENDS", "AUTOEP_LAYER_PATTERN", "apply_backend", "check_backend_compat", "effective_zero_stage",
+__all__ = ["BACKENDS", "AUTOEP_LAYER_PATTERN", "apply_backend", "check_backend_compat", 
            "tutel_available", "CapacityRouterOutput", "SmeltTopKGate", "DeepSpeedMoE", "convert_to_deepspeed_moe",
            "expert_parallel_rank", "optimizer_param_groups", "split_params_into_moe_groups", "moe_optimizer",
            "autoep_config_section", "attach_autoep_hooks", "autoep_layers"]
@@ -78,23 +78,12 @@ def tutel_available() -> bool:
     return importlib.util.find_spec("tutel") is not None and sharded_moe.TUTEL_INSTALLED
 
 
-def effective_zero_stage(cfg) -> int:
-    """The ZeRO stage DeepSpeed will see: ``deepspeed.config.zero_optimization.stage`` (passed
-    through last) wins over ``deepspeed.zero_stage``."""
-    raw = cfg.deepspeed.config.get("zero_optimization", {}) or {}
-    return int(raw.get("stage", cfg.deepspeed.zero_stage))
-
-
-def _fail(path: str, value: Any, rule: str, fix: str) -> None:
-    raise ConfigError(f"`{path}` ({value!r}) {rule}: {fix}")
-
-
 def check_backend_compat(cfg, zero_stage: int | None = None, world_size: int | None = None) -> None:
     """Raise :class:`ConfigError` for a recipe the chosen ``moe.backend`` cannot run.
 
     Args:
         cfg: a :class:`smelt_ds.config.RunConfig`.
-        zero_stage: the ZeRO stage of the DeepSpeed config (default: :func:`effective_zero_stage`).
+        zero_stage: the ZeRO stage of the DeepSpeed config (default: ``cfg.deepspeed.effective_zero_stage``).
         world_size: number of ranks, when known (``moe.ep_size`` must divide it).
 
     Raises:
@@ -109,13 +98,13 @@ def check_backend_compat(cfg, zero_stage: int | None = None, world_size: int | N
             Any EP backend: ``moe.ep_size`` not dividing ``world_size``.
     """
     moe = cfg.moe
-    stage = effective_zero_stage(cfg) if zero_stage is None else zero_stage
+    stage = cfg.deepspeed.effective_zero_stage if zero_stage is None else zero_stage
     if moe.backend not in BACKENDS:
-        _fail("moe.backend", moe.backend, "is unknown", f"use one of {list(BACKENDS)}")
+        fail("moe.backend", moe.backend, "is unknown", f"use one of {list(BACKENDS)}")
     if moe.backend == "reference":
         return
     if world_size is not None and world_size % moe.ep_size:
-        _fail("moe.ep_size", moe.ep_size, f"must divide the number of ranks ({world_size})",
+        fail("moe.ep_size", moe.ep_size, f"must divide the number of ranks ({world_size})",
               "launch a multiple of ep_size ranks or lower moe.ep_size")
     if moe.backend == "deepspeed":
         _check_deepspeed_backend(moe, stage)
@@ -125,38 +114,38 @@ def check_backend_compat(cfg, zero_stage: int | None = None, world_size: int | N
 
 def _check_deepspeed_backend(moe, stage: int) -> None:
     if stage == 3:
-        _fail("moe.backend", "deepspeed", "does not support ZeRO stage 3 (DeepSpeed raises 'Native DeepSpeed "
+        fail("moe.backend", "deepspeed", "does not support ZeRO stage 3 (DeepSpeed raises 'Native DeepSpeed "
               "MoE is not supported with ZeRO Stage 3')", "use moe.backend 'autoep' for ZeRO-3, or "
               "deepspeed.zero_stage <= 2")
     if moe.score_func != "softmax":
-        _fail("moe.score_func", moe.score_func, "is not supported by moe.backend 'deepspeed' (TopKGate is "
+        fail("moe.score_func", moe.score_func, "is not supported by moe.backend 'deepspeed' (TopKGate is "
               "softmax-only)", "set moe.score_func to 'softmax', or use moe.backend 'autoep' or 'reference'")
     if moe.aux_loss_free_bias:
-        _fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'deepspeed' (TopKGate has no "
+        fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'deepspeed' (TopKGate has no "
               "expert bias)", "set moe.aux_loss_free_bias to false, or use moe.backend 'reference'")
     want = moe.top_k >= 2
     if moe.norm_topk_prob != want:
         how = ("renormalises the top-k weights to sum to 1" if want else
                "weights the top-1 expert by its raw softmax probability")
-        _fail("moe.norm_topk_prob", moe.norm_topk_prob, f"differs from DeepSpeed's gate, which for top_k "
+        fail("moe.norm_topk_prob", moe.norm_topk_prob, f"differs from DeepSpeed's gate, which for top_k "
               f"{moe.top_k} {how}", f"set moe.norm_topk_prob to {str(want).lower()}, or use moe.backend "
               "'autoep' or 'reference'")
     if moe.use_tutel and not tutel_available():
-        _fail("moe.use_tutel", True, "needs the optional package `tutel`, which is not installed",
+        fail("moe.use_tutel", True, "needs the optional package `tutel`, which is not installed",
               f"install it ({TUTEL_INSTALL_HINT}) or set moe.use_tutel to false")
 
 
 def _check_autoep_backend(moe) -> None:
     if moe.aux_loss_free_bias:
-        _fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'autoep' (DeepSpeed AutoEP "
+        fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'autoep' (DeepSpeed AutoEP "
               "rejects expert_parallel.load_balance_coeff)", "set moe.aux_loss_free_bias to false, or use "
               "moe.backend 'reference'")
     if moe.router_jitter > 0:
-        _fail("moe.router_jitter", moe.router_jitter, "is not supported by moe.backend 'autoep' (AutoEP's "
+        fail("moe.router_jitter", moe.router_jitter, "is not supported by moe.backend 'autoep' (AutoEP's "
               "TokenChoiceTopKRouter has no input jitter)", "set moe.router_jitter to 0, or use moe.backend "
               "'deepspeed' or 'reference'")
     if moe.use_tutel:
-        _fail("moe.use_tutel", True, "only applies to moe.backend 'deepspeed'", "set moe.use_tutel to false")
+        fail("moe.use_tutel", True, "only applies to moe.backend 'deepspeed'", "set moe.use_tutel to false")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -154,9 +154,9 @@ def zero3_decision(cfg: RunConfig, layout: ClusterLayout, world_size: int):
     will get on ``world_size`` GPUs of the layout's memory, or None below ZeRO-3."""
     from smelt_ds.engine import load_template, template_name
     from smelt_ds.memory import GiB
-    from smelt_ds.zero3_tuning import effective_zero_stage, plan_zero3
+    from smelt_ds.zero3_tuning import plan_zero3
 
-    if effective_zero_stage(cfg) != 3:
+    if cfg.deepspeed.effective_zero_stage != 3:
         return None
     zero = dict(load_template(template_name(cfg)).get("zero_optimization", {}))
     return plan_zero3(cfg, zero, world_size, int(layout.device_memory_gib * GiB))

@@ -29,6 +29,7 @@ from smelt_ds.checkpoint import CheckpointWriteError
 from smelt_ds.config import RunConfig, dump_config, load_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.provenance import init_from_tokenizer, record_run_tokenizer
+from smelt_ds.testing.distributed import find_free_port
 
 __all__ = ["main", "train", "build", "Built", "parse_args", "RunResult"]
 
@@ -66,7 +67,7 @@ def init_distributed() -> tuple[int, int, int]:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(find_free_port())
     backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
     deepspeed.init_distributed(dist_backend=backend)
     import torch.distributed as dist
@@ -75,14 +76,6 @@ def init_distributed() -> tuple[int, int, int]:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     return dist.get_rank(), local_rank, dist.get_world_size()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,11 +29,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def launcher_command(args: argparse.Namespace) -> list[str]:
     """The deepspeed launcher command line for ``--nproc N``."""
-    from smelt_ds.train import _free_port
+    from smelt_ds.testing.distributed import find_free_port
 
     # the launcher of *this* interpreter (a bare `deepspeed` on PATH may belong to another env)
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
-           "--master_port", str(_free_port()),
+           "--master_port", str(find_free_port()),
            "--module", "smelt_ds.train", args.recipe, "--resume", args.resume]
     for s in args.set:
         cmd += ["--set", s]

@@ -49,7 +49,7 @@ from smelt_ds.config import RunConfig
 from smelt_ds.model.looping import LoopSchedule, Visit
 
 __all__ = ["KEYS", "Zero3Tuning", "visit_numel", "trace", "reuse_distance_needed", "tune_zero3",
-           "write_zero3_tuning", "effective_zero_stage", "HEADROOM"]
+           "write_zero3_tuning", "HEADROOM"]
 
 #: The ZeRO-3 keys this module sets.
 KEYS = ("stage3_max_reuse_distance", "stage3_max_live_parameters", "stage3_prefetch_bucket_size")
@@ -87,12 +87,6 @@ class Zero3Tuning:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def effective_zero_stage(cfg: RunConfig) -> int:
-    """The ZeRO stage DeepSpeed will see (``deepspeed.config.zero_optimization.stage`` wins)."""
-    raw = cfg.deepspeed.config.get("zero_optimization", {}) or {}
-    return int(raw.get("stage", cfg.deepspeed.zero_stage))
 
 
 def visit_numel(cfg: RunConfig, layer: int) -> int:
@@ -188,7 +182,7 @@ def plan_zero3(cfg: RunConfig, zero: dict[str, Any], world_size: int,
                device_memory_bytes: int | None = None) -> Zero3Tuning:
     """Decide the three ZeRO-3 values for ``cfg`` given the ``zero_optimization`` section built so
     far (template values = base). See the module docstring for the rules."""
-    stage = effective_zero_stage(cfg)
+    stage = cfg.deepspeed.effective_zero_stage
     user = {k: v for k, v in (cfg.deepspeed.config.get("zero_optimization", {}) or {}).items() if k in KEYS}
     base = _base_values(zero)
     schedule = LoopSchedule.from_config(cfg.loop, cfg.model.num_layers)
