@@ -50,6 +50,7 @@ from pydantic import Field, model_validator
 
 from smelt_ds.config import LoopPosition, LoopRange, RunConfig, apply_overrides, config_from_dict, config_to_dict, \
     config_diff, read_yaml_mapping, resolve_batch, validate_model
+from smelt_ds.engine import deep_merge
 from smelt_ds.errors import ConfigError
 from smelt_ds.schema import StrictModel
 
@@ -217,13 +218,6 @@ class SweepPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in (over or {}).items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
-
-
 def _size_baseline(sweep: SweepConfig, source: Path, i: int, overrides: list[str]) -> dict[str, Any]:
     from smelt_ds.recipes import load_raw
 
@@ -237,7 +231,7 @@ def _size_baseline(sweep: SweepConfig, source: Path, i: int, overrides: list[str
         where = f"sizes[{i}].recipe" if size.recipe else "base"
         raise ConfigError(f"sweep file {source}: `{where}` ({rel!r}) does not exist (looked for {path}); paths are "
                           "relative to the sweep file")
-    raw = apply_overrides(_deep_merge(_deep_merge(load_raw(path), sweep.overrides), size.overrides), overrides)
+    raw = apply_overrides(deep_merge(deep_merge(load_raw(path), sweep.overrides or {}), size.overrides or {}), overrides)
     cfg = config_from_dict(raw, source=f"{source} size {size.name!r}")
     if cfg.loop.position != "none":
         raise ConfigError(f"sweep file {source}: size {size.name!r} has `loop.position` ({cfg.loop.position!r}): a "

@@ -679,17 +679,23 @@ def main(argv: list[str] | None = None) -> int:
     started (nothing saved), 1 a checkpoint could not be written (e.g. a full disk; the previous
     complete checkpoint stays usable)."""
     args = parse_args(argv)
+    return run_and_report(args, "smelt_ds.train")
+
+
+def run_and_report(args: argparse.Namespace, prog: str) -> int:
+    """Load ``args.recipe`` with ``args.set``, train, and turn the outcome into :func:`main`'s
+    exit status, printing one ``PROG: error: ...`` line for a bad configuration or a failed save."""
     try:
         cfg = load_config(args.recipe, args.set)
         result = train(cfg, resume=args.resume, run_dir=args.run_dir)
     except ConfigError as e:
-        print(f"smelt_ds.train: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except CheckpointWriteError as e:
-        print(f"smelt_ds.train: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("smelt_ds.train: interrupted before training started; nothing was saved", file=sys.stderr)
+        print(f"{prog}: interrupted before training started; nothing was saved", file=sys.stderr)
         return 130
     return exit_status(result)
 

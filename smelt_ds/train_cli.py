@@ -47,21 +47,9 @@ def run_train(args: argparse.Namespace) -> int:
         cmd = launcher_command(args)
         print("launching: " + " ".join(cmd), file=sys.stderr)
         return subprocess.call(cmd, env=os.environ.copy())
-    from smelt_ds.config import load_config
-    from smelt_ds.train import exit_status, train
+    from smelt_ds.train import run_and_report
 
-    from smelt_ds.checkpoint import CheckpointWriteError
-
-    cfg = load_config(args.recipe, args.set)
-    try:
-        result = train(cfg, resume=args.resume, run_dir=args.run_dir)
-    except CheckpointWriteError as e:
-        print(f"smelt-ds train: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("smelt-ds train: interrupted before training started; nothing was saved", file=sys.stderr)
-        return 130
-    return exit_status(result)
+    return run_and_report(args, "smelt-ds train")
 
 
 def run_export(args: argparse.Namespace) -> int:
