@@ -105,7 +105,7 @@ def kv_cache_bytes_per_token(cfg: RunConfig, dtype: str = "bf16") -> int:
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"KV-cache dtype {dtype!r} is unknown: use one of {sorted(DTYPE_BYTES)}")
     _, _, Nkv, D = _attn_dims(cfg)
-    visits = LoopSchedule.from_config(cfg.loop, cfg.model.num_layers).effective_depth
+    visits = cfg.schedule.effective_depth
     return visits * 2 * Nkv * D * DTYPE_BYTES[dtype]
 
 
@@ -119,7 +119,7 @@ def compute_budget(cfg: RunConfig, seq_len: int | None = None, kv_dtype: str = "
         raise ConfigError(f"attention convention {attention_convention!r} is unknown: use 'full' or 'causal'")
     S = seq_len or cfg.train.seq_len
     n_keys = S if attention_convention == "full" else (S + 1) / 2
-    schedule = LoopSchedule.from_config(cfg.loop, cfg.model.num_layers)
+    schedule = cfg.schedule
     H, V = cfg.model.hidden_size, cfg.model.vocab_size
     fwd = sum(_visit_forward_flops(cfg, v.layer, n_keys) for v in schedule.plan) + 2 * H * V
     per_layer = [layer_params(cfg, i) for i in range(cfg.model.num_layers)]

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from smelt_ds.data.config import DataConfig
 from smelt_ds.errors import ConfigError, fail
+from smelt_ds.schedule import LoopSchedule
 from smelt_ds.schema import StrictModel
 
 __all__ = [
@@ -262,6 +263,11 @@ class RunConfig(StrictModel):
         check_run_config(self)
         return self
 
+    @property
+    def schedule(self) -> LoopSchedule:
+        """The visit plan of this recipe: ``loop`` over ``model.num_layers`` unique layers."""
+        return LoopSchedule.from_config(self.loop, self.model.num_layers)
+
 
 # --------------------------------------------------------------------------------------------
 # cross-field checks (field paths are known here)
@@ -273,8 +279,6 @@ def check_run_config(cfg: RunConfig) -> None:
     _check_model(cfg.model)
     _check_moe(cfg.moe, cfg.model, cfg.deepspeed.zero_stage)
     _check_train(cfg)
-    from smelt_ds.model.looping import LoopSchedule
-
     LoopSchedule.from_config(cfg.loop, cfg.model.num_layers)
 
 

@@ -367,7 +367,7 @@ def activation_bytes(cfg: RunConfig, policy: str, micro_batch: int, seq_len: int
     ``train.activation_checkpointing.every_n``): a checkpointed visit keeps its input
     ``a * B * S * H``, every other visit :func:`visit_activation_terms`; plus
     :func:`outside_activation_terms`."""
-    schedule = LoopSchedule.from_config(cfg.loop, cfg.model.num_layers)
+    schedule = cfg.schedule
     ckpt = _policy_visits(cfg, schedule, policy)
     full = [sum(visit_activation_terms(cfg, v.layer, micro_batch, seq_len, act_bytes, device).values())
             for v in schedule.plan]
@@ -628,7 +628,7 @@ def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memo
                      f"policy {policy}) is not among the rows shown: fits() is False")
     ctx = context_len or cfg.model.max_seq_len
     terms: dict[str, int] = {}
-    for v in LoopSchedule.from_config(cfg.loop, cfg.model.num_layers).plan:
+    for v in cfg.schedule.plan:
         for k, val in visit_activation_terms(cfg, v.layer, B, S, a, device).items():
             terms[k] = terms.get(k, 0) + val
     for k, val in outside_activation_terms(cfg, B, S, a).items():

@@ -46,7 +46,7 @@ from typing import Any
 
 from smelt_ds.budget import layer_params
 from smelt_ds.config import RunConfig
-from smelt_ds.model.looping import LoopSchedule, Visit
+from smelt_ds.model.looping import Visit
 
 __all__ = ["KEYS", "Zero3Tuning", "visit_numel", "trace", "reuse_distance_needed", "tune_zero3",
            "write_zero3_tuning", "HEADROOM"]
@@ -102,7 +102,7 @@ def trace(cfg: RunConfig, checkpointed: set | None = None) -> list[tuple[str, Vi
     """The visit-level trace of one forward + backward pass: ``("fwd", v)`` for every visit of
     the plan, then for every visit in reverse ``("recompute", v)`` when it is checkpointed,
     followed by ``("bwd", v)``."""
-    schedule = LoopSchedule.from_config(cfg.loop, cfg.model.num_layers)
+    schedule = cfg.schedule
     if checkpointed is None:
         from smelt_ds.engine import checkpointed_visits
 
@@ -125,7 +125,7 @@ def reuse_distance_needed(cfg: RunConfig, checkpointed: set | None = None) -> in
     ``sum(visit_numel of the uses between) + visit_numel(l)`` elements; that bound is the
     distance needed. 0 for an unlooped model.
     """
-    schedule = LoopSchedule.from_config(cfg.loop, cfg.model.num_layers)
+    schedule = cfg.schedule
     t = trace(cfg, checkpointed)
     size = {layer: visit_numel(cfg, layer) for layer in range(cfg.model.num_layers)}
     need = 0
@@ -185,7 +185,7 @@ def plan_zero3(cfg: RunConfig, zero: dict[str, Any], world_size: int,
     stage = cfg.deepspeed.effective_zero_stage
     user = {k: v for k, v in (cfg.deepspeed.config.get("zero_optimization", {}) or {}).items() if k in KEYS}
     base = _base_values(zero)
-    schedule = LoopSchedule.from_config(cfg.loop, cfg.model.num_layers)
+    schedule = cfg.schedule
     sizes = [visit_numel(cfg, v.layer) for v in schedule.plan]
     block = sum(visit_numel(cfg, layer) for layer in range(cfg.model.num_layers) if schedule.is_looped(layer))
     out = Zero3Tuning(cfg.deepspeed.zero3_loop_tuning, stage, False, "", dict(base), base, {}, user, block, sizes)

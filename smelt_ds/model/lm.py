@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smelt_ds.model.attention import AttnProbsHook, CausalSelfAttention, KVCache, RMSNorm, RotaryEmbedding
-from smelt_ds.model.looping import LoopingBlockManager, LoopSchedule, Visit
+from smelt_ds.model.looping import LoopingBlockManager, Visit
 from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU
 
 __all__ = ["Block", "VisitRecorder", "LMOutput", "SmeltLM", "routing_divergence"]
@@ -144,7 +144,7 @@ class SmeltLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         m = cfg.model
-        self.schedule = LoopSchedule.from_config(cfg.loop, m.num_layers)
+        self.schedule = cfg.schedule
         self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(m.num_layers))
         self.blocks = LoopingBlockManager(self.layers, self.schedule, cfg.loop.input_injection)
