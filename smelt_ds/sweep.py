@@ -422,7 +422,7 @@ class RunOutcome:
 
 
 def _train_subprocess(r: PlannedRun, resume: str, nproc: int) -> tuple[int, bool]:
-    from smelt_ds.train_cli import launcher_command
+    from smelt_ds.train import launcher_command
     import argparse
 
     if nproc > 1:

@@ -56,6 +56,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def launcher_command(args: argparse.Namespace) -> list[str]:
+    """The deepspeed launcher command line for ``--nproc N``."""
+    # the launcher of *this* interpreter (a bare `deepspeed` on PATH may belong to another env)
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
+           "--master_port", str(find_free_port()),
+           "--module", "smelt_ds.train", args.recipe, "--resume", args.resume]
+    for s in args.set:
+        cmd += ["--set", s]
+    if args.run_dir:
+        cmd += ["--run-dir", args.run_dir]
+    return cmd
+
+
 def init_distributed() -> tuple[int, int, int]:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA) when launched
     with several ranks, or as a world of one. Returns ``(rank, local_rank, world_size)``."""

@@ -27,23 +27,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=run_export)
 
 
-def launcher_command(args: argparse.Namespace) -> list[str]:
-    """The deepspeed launcher command line for ``--nproc N``."""
-    from smelt_ds.testing.distributed import find_free_port
-
-    # the launcher of *this* interpreter (a bare `deepspeed` on PATH may belong to another env)
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
-           "--master_port", str(find_free_port()),
-           "--module", "smelt_ds.train", args.recipe, "--resume", args.resume]
-    for s in args.set:
-        cmd += ["--set", s]
-    if args.run_dir:
-        cmd += ["--run-dir", args.run_dir]
-    return cmd
-
-
 def run_train(args: argparse.Namespace) -> int:
     if args.nproc > 1:
+        from smelt_ds.train import launcher_command
+
         cmd = launcher_command(args)
         print("launching: " + " ".join(cmd), file=sys.stderr)
         return subprocess.call(cmd, env=os.environ.copy())

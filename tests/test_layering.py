@@ -37,7 +37,6 @@ KNOWN_UPWARD = {
     ("smelt_ds.memory", "smelt_ds.engine"),            # memory.py holds measured profiling (needs an engine)
     ("smelt_ds.memory", "smelt_ds.moe_backends"),
     ("smelt_ds.memory", "smelt_ds.train"),
-    ("smelt_ds.sweep", "smelt_ds.train_cli"),          # sweeps start trainings through the CLI's launcher line
 }
 # names imported from the package's own modules inside functions, per module, as measured
 # (147 in all; the redesign imports them at module level)
