@@ -356,7 +356,7 @@ class ActivationEstimate:
 
 
 def _policy_visits(cfg: RunConfig, schedule: LoopSchedule, policy: str) -> set:
-    from smelt_ds.engine import checkpointed_visits
+    from smelt_ds.ds_template import checkpointed_visits
 
     return checkpointed_visits(_with_policy_copy(cfg, policy), schedule)
 
@@ -427,7 +427,7 @@ def _zero_section(cfg: RunConfig, stage: int, offload_optimizer: bool = False, o
     ``world_size`` GPUs of ``device_memory_bytes``, then the recipe's own
     ``deepspeed.config.zero_optimization`` keys (they win, as in
     :func:`smelt_ds.engine.build_ds_config`)."""
-    from smelt_ds.engine import load_template
+    from smelt_ds.ds_template import load_template
 
     name = f"zero{stage}"
     if stage == 3 and offload_param:
@@ -586,7 +586,7 @@ def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memo
     cfg = _with_batch(cfg, seq_len, micro_batch)
     _check_cluster(cfg, nodes, gpus_per_node)
     dev_mem = parse_bytes(device_memory_bytes)
-    from smelt_ds.engine import resolve_precision
+    from smelt_ds.ds_template import resolve_precision
 
     prec = resolve_precision(cfg, precision, target="gpu")  # a GPU target: `auto` is bf16
     a = 2 if prec == "bf16" else 4

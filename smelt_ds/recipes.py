@@ -152,7 +152,7 @@ def zero_option(cfg: RunConfig) -> str:
 def zero3_decision(cfg: RunConfig, layout: ClusterLayout, world_size: int):
     """The loop-aware ZeRO-3 decision (:func:`smelt_ds.zero3_tuning.plan_zero3`) DeepSpeed's config
     will get on ``world_size`` GPUs of the layout's memory, or None below ZeRO-3."""
-    from smelt_ds.engine import load_template, template_name
+    from smelt_ds.ds_template import load_template, template_name
     from smelt_ds.memory import GiB
     from smelt_ds.zero3_tuning import plan_zero3
 

@@ -50,7 +50,7 @@ from pydantic import Field, model_validator
 
 from smelt_ds.config import LoopPosition, LoopRange, RunConfig, apply_overrides, config_from_dict, config_to_dict, \
     config_diff, read_yaml_mapping, resolve_batch, validate_model
-from smelt_ds.engine import deep_merge
+from smelt_ds.ds_template import deep_merge
 from smelt_ds.errors import ConfigError
 from smelt_ds.schema import StrictModel
 

@@ -104,7 +104,7 @@ def trace(cfg: RunConfig, checkpointed: set | None = None) -> list[tuple[str, Vi
     followed by ``("bwd", v)``."""
     schedule = cfg.schedule
     if checkpointed is None:
-        from smelt_ds.engine import checkpointed_visits
+        from smelt_ds.ds_template import checkpointed_visits
 
         checkpointed = checkpointed_visits(cfg, schedule)
     out = [("fwd", v) for v in schedule.plan]
@@ -173,7 +173,7 @@ def _free_bytes(cfg: RunConfig, world_size: int, device_memory: int, zero: dict[
 
 
 def _param_bytes(cfg: RunConfig) -> int:
-    from smelt_ds.engine import resolve_precision
+    from smelt_ds.ds_template import resolve_precision
 
     return 2 if resolve_precision(cfg) == "bf16" else 4
 
@@ -251,7 +251,7 @@ def write_zero3_tuning(run_dir: str | Path, cfg: RunConfig, world_size: int,
                        ds_config: dict[str, Any] | None = None) -> Path:
     """Write ``zero3_tuning.json`` (the decision and its reason; ``final`` = the values in
     ``ds_config``, the config DeepSpeed got) into ``run_dir``. Returns the path."""
-    from smelt_ds.engine import load_template, template_name
+    from smelt_ds.ds_template import load_template, template_name
 
     decision = plan_zero3(cfg, dict(load_template(template_name(cfg)).get("zero_optimization", {})), world_size)
     data = decision.as_dict()
