@@ -3,7 +3,7 @@
 For each policy (none, full, looped, every_n) the same model (same weights, same batch) runs a
 forward + backward pass; rounds time every policy once, in a rotated order, and the median over
 rounds is reported as a ratio to ``none``. The saved-activation bytes (exact, through
-``torch.autograd.graph.saved_tensors_hooks``, :class:`smelt_ds.memory.SavedTensorCounter`) are
+``torch.autograd.graph.saved_tensors_hooks``, :class:`smelt_ds.memory_profile.SavedTensorCounter`) are
 reported as a ratio to ``none`` as well, next to the prediction of :mod:`smelt_ds.memory`.
 
 Targets (issue 5): ``full`` costs at most 1.4x ``none`` in step time (theory: recomputing every
@@ -26,7 +26,8 @@ import torch
 
 from smelt_ds.config import config_from_dict, config_to_dict, load_config
 from smelt_ds.engine import configure_activation_checkpointing
-from smelt_ds.memory import POLICIES, SavedTensorCounter, activation_bytes
+from smelt_ds.memory import POLICIES, activation_bytes
+from smelt_ds.memory_profile import SavedTensorCounter
 from smelt_ds.model import SmeltLM
 
 

@@ -6,7 +6,8 @@ import argparse
 import json
 
 from smelt_ds.config import load_config
-from smelt_ds.memory import POLICIES, ZERO_OPTIONS, estimate, format_table, measure, parse_bytes
+from smelt_ds.memory import POLICIES, ZERO_OPTIONS, estimate, format_table, parse_bytes
+from smelt_ds.memory_profile import measure
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

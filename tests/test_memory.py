@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from smelt_ds import memory
+from smelt_ds import memory, memory_profile
 from smelt_ds.budget import kv_cache_bytes_per_token
 from smelt_ds.cli import main as cli_main
 from smelt_ds.config import config_from_dict, config_to_dict, load_config
@@ -52,7 +52,7 @@ def _variant(path=SMELT, **sections):
 
 def test_saved_tensor_counter_counts_live_storages_once():
     w = torch.randn(10, requires_grad=True)
-    counter = memory.SavedTensorCounter([w])
+    counter = memory_profile.SavedTensorCounter([w])
     with counter:
         b = (w * 2).exp()           # mul by a constant saves nothing for w; exp saves its result b
         c = (b * b).sum()           # saves b twice: one storage
@@ -137,7 +137,7 @@ def measured():
     out = {}
     for path in (SMELT, BASELINE):
         cfg = load_config(path, SHORT)
-        out[path] = (cfg, {m.policy: m for m in memory.measure(cfg, steps=1)})
+        out[path] = (cfg, {m.policy: m for m in memory_profile.measure(cfg, steps=1)})
     return out
 
 
@@ -181,7 +181,7 @@ def test_every_optional_feature_is_in_the_formula():
                    moe={"router_jitter": 0.1, "shared_expert_ffn_size": 48, "score_func": "sigmoid",
                         "expert_ffn_size": 90},
                    loop={"order": "layer", "input_injection": "none"})
-    for m in memory.measure(cfg, ["none", "looped"], steps=1):
+    for m in memory_profile.measure(cfg, ["none", "looped"], steps=1):
         assert m.saved_activations - m.predicted_activations == UNMODELLED_BYTES, m
 
 
@@ -197,7 +197,7 @@ def test_bf16_formula_matches_a_bf16_model():
         for p in model.parameters():  # parameters only, as DeepSpeed's bf16 engine casts (0.19.8
             p.data = p.data.to(torch.bfloat16)  # keeps fp32 buffers: the RoPE tables are cast per call)
         configure_activation_checkpointing(model, c)
-        counter = memory.SavedTensorCounter(model.parameters())
+        counter = memory_profile.SavedTensorCounter(model.parameters())
         if model.blocks.checkpoint_fn is not None:
             model.blocks.checkpoint_fn = counter.wrap_checkpoint(model.blocks.checkpoint_fn)
         ids = torch.randint(0, 4096, (2, 32))
