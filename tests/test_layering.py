@@ -3,11 +3,10 @@
 Layers, bottom to top: ``config`` (errors, the config tree, the visit plan) -> ``model`` ->
 ``cost`` -> ``parallel`` -> ``run`` (data, train, eval) -> ``study`` (recipes, sweeps, scaling
 fits, launch) -> ``cli``. An import may point down or sideways, never up; the model never imports
-DeepSpeed. The package is still partly flat (issue 14 moves the modules into one package per
-layer): the imports that break the rule today are listed below as known debt, and the tests fail
-on any *new* upward import, on any new import cycle, on a new function-level import of the
-package's own modules, and on DeepSpeed under ``model/``. Each entry removed from the lists is a
-step of the redesign; the lists must only shrink.
+DeepSpeed. The tests fail on any upward import, on an import cycle at module level, on DeepSpeed
+under ``model/``, and on a *new* function-level import of the package's own modules: the ones
+made today are listed below as known debt (issue 14 moves them to module level as the modules move
+into one package per layer); the list must only shrink.
 """
 
 from __future__ import annotations
