@@ -121,7 +121,6 @@ def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
     assert last is not None and last.name > saved.name
     step_last = json.loads((last / ckpt.MARKER).read_text())["step"]
     raw["train"]["max_steps"] = step_last + 1
-    raw["train"]["warmup_steps"] = 1
     proc = _cli_train(raw, tmp_path, "--resume", "auto")
     out, _ = proc.communicate(timeout=scaled_timeout(240))
     assert proc.returncode == 0, out
@@ -150,7 +149,7 @@ def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     assert "router/L1/divergence_v0v1" in train_rows[-1]
     # export and reload on one CPU process: same validation loss as the trained engine
     out = export_checkpoint(run_dir, tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == ["SOURCE", "config.yaml", "model.pt"]
+    assert sorted(p.name for p in out.iterdir()) == ["SOURCE", "config.yaml", "model.pt", "tokenizer.json"]
     assert export_checkpoint(run_dir, out) == out                   # an earlier export may be replaced
     from smelt_ds.errors import ConfigError
 
