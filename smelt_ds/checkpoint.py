@@ -77,6 +77,7 @@ class _HashingWriter(io.RawIOBase):
 
     def __init__(self, f):
         self.f, self.sha, self.n = f, hashlib.sha256(), 0
+        self.error: OSError | None = None  # the first write error (torch's zip writer may hide it)
 
     def writable(self) -> bool:
         return True
@@ -85,7 +86,11 @@ class _HashingWriter(io.RawIOBase):
         view = memoryview(b)
         self.sha.update(view)
         self.n += view.nbytes
-        return self.f.write(view)
+        try:
+            return self.f.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def tell(self) -> int:
         return self.n
@@ -116,19 +121,22 @@ def write_hashed(obj: Any, path: str | Path, zipfile: bool = True) -> dict[str, 
     Returns ``{"sha256", "bytes"}`` of the file. Raises :class:`CheckpointWriteError` naming the
     file, the bytes it needs and the bytes free when the device is full (ENOSPC, EDQUOT)."""
     path = Path(path)
+    w: _HashingWriter | None = None
     try:
         with open(path, "wb") as f:
             w = _HashingWriter(f)
             torch.save(obj, cast(IO[bytes], w), _use_new_zipfile_serialization=zipfile)
             f.flush()
             os.fsync(f.fileno())
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except (OSError, RuntimeError) as e:  # torch's zip writer turns a failed write into a RuntimeError
+        cause = e if isinstance(e, OSError) else (w.error if w is not None else None)
+        if cause is None or cause.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         free = shutil.disk_usage(path.parent).free
         raise CheckpointWriteError(f"No space left on device writing {path} (needs about {_nbytes(obj):,} bytes; "
                                    f"free {free:,}): free space or point train.run_dir elsewhere; the previous "
                                    "complete checkpoint is untouched and --resume auto continues from it") from None
+    assert w is not None  # set before torch.save ran
     return {"sha256": w.sha.hexdigest(), "bytes": w.n}
 
 
@@ -236,6 +244,8 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     gathered = _gather_objects((written, error))
     errors = [e for _, e in gathered if e]
     if errors:
+        if rank == 0:  # no marker was written: the partial directory is no checkpoint, only used space
+            shutil.rmtree(root / tag, ignore_errors=True)
         raise CheckpointWriteError(errors[0])
     if rank == 0:
         files = {name: {**d, "rank": r} for r, (w, _) in enumerate(gathered) for name, d in w.items()}
@@ -377,16 +387,22 @@ def _choose(run_dir: Path, resume: str) -> Path | None:
             raise ConfigError(f"--resume {resume}: the checkpoint is damaged ({'; '.join(problems[:3])}): pass an "
                               "earlier checkpoint, or --resume auto to take the newest one that verifies")
         return path
+    damaged = []
     for path in reversed(_complete_tags(checkpoint_dir(run_dir))):
         problems = _verify_everywhere(path)
         if not problems:
             return path
+        damaged.append(path.name)
         if rank == 0:
             moved = _quarantine(path)
             print(f"checkpoint {path} is damaged ({'; '.join(problems[:3])}): moved to {moved} (kept, not "
                   "deleted); trying the next newest complete checkpoint", file=sys.stderr)
         if dist.is_initialized():
             dist.barrier()
+    if damaged:  # never start again from step 0 over a run whose checkpoints are all damaged
+        raise ConfigError(f"--resume auto: no checkpoint of {run_dir} verifies (damaged: {', '.join(damaged[:4])}, "
+                          "moved to checkpoints/damaged-*): nothing to continue from; start a new run in a new "
+                          "--run-dir")
     return None
 
 

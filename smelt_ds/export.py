@@ -48,6 +48,9 @@ def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.T
     from smelt_ds.reference_weights import REFERENCE_DIR, has_reference_shards, merge_reference_shards
 
     meta = json.loads((ckpt_dir / ckpt.MARKER).read_text())
+    if ckpt_dir.name.startswith("damaged-") and (problems := ckpt.verify(ckpt_dir)):
+        raise ConfigError(f"checkpoint {ckpt_dir} was moved aside as damaged ({'; '.join(problems[:3])}): export "
+                          f"an intact checkpoint ({ckpt_dir.parent}/stepNNNNNNNN)")
     if has_reference_shards(ckpt_dir):
         shards = [n for n in meta.get("files", {}) if n.startswith(REFERENCE_DIR + "/")]
         problems = ckpt.verify(ckpt_dir, names=shards)

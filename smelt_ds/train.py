@@ -245,7 +245,7 @@ class _Terminator:
 
 # recipe fields a checkpoint depends on: a resume with other values cannot load it, or would
 # silently change what the run computes (token ids, routing)
-_RESUME_FIXED = {"model": None, "loop": None, "data": ("tokenizer",),
+_RESUME_FIXED = {"model": None, "loop": None,
                  "moe": ("num_experts", "top_k", "expert_ffn_size", "shared_expert_ffn_size", "score_func",
                          "aux_loss_free_bias", "backend", "ep_size")}
 
@@ -265,13 +265,19 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
     from smelt_ds import checkpoint as ckpt
     from smelt_ds.config import config_diff, config_to_dict
 
+    damaged = sorted(p.name for p in ckpt.checkpoint_dir(out_dir).glob("damaged-step*"))
     if resume == "none":
         latest = ckpt.latest_complete(out_dir)
-        if latest is not None:
-            raise ConfigError(f"run directory {out_dir} already holds checkpoints of an earlier run (newest "
-                              f"{latest.name}): continue it with --resume auto, or start this run in a new "
-                              "--run-dir (or delete the old one)")
+        if latest is not None or damaged:
+            held = f"newest {latest.name}" if latest is not None else f"only damaged ones: {', '.join(damaged[:3])}"
+            raise ConfigError(f"run directory {out_dir} already holds checkpoints of an earlier run ({held}): "
+                              "continue it with --resume auto, or start this run in a new --run-dir (or delete "
+                              "the old one)")
         return
+    if resume == "auto" and ckpt.latest_complete(out_dir) is None and damaged:
+        raise ConfigError(f"--resume auto: run directory {out_dir} holds no checkpoint that verifies, only damaged "
+                          f"ones ({', '.join(damaged[:3])}): nothing to continue from; start a new run in a new "
+                          "--run-dir (the damaged checkpoints are kept for inspection)")
     if resume != "auto":
         path = Path(resume)
         if not path.is_dir():
@@ -296,6 +302,7 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
     import yaml
 
     old, new = yaml.safe_load(saved.read_text()) or {}, config_to_dict(cfg)
+    _same_tokenizer_same_path(old, new)
     diffs = []
     for section, keys in _RESUME_FIXED.items():
         a, b = new.get(section) or {}, old.get(section) or {}
@@ -316,6 +323,19 @@ RESUME_MAY_CHANGE = ("name", "train.max_steps", "train.log_every", "train.eval_e
                      "train.keep_last", "train.exit_after_steps", "train.run_dir", "train.init_from", "eval",
                      "cluster", "data.num_proc", "data.cache_dir", "data.output_dir", "data.offline", "data.verify",
                      "data.shared_filesystem", "data.prepare_timeout_s", "deepspeed.comms_logger")
+
+
+def _same_tokenizer_same_path(old: dict, new: dict) -> None:
+    """The tokenizer is compared by content on resume (:func:`smelt_ds.provenance.record_run_tokenizer`
+    names both digests): a copy of the run's tokenizer under another path is the same tokenizer."""
+    a = (old.get("data") or {}).get("tokenizer") or {}
+    b = (new.get("data") or {}).get("tokenizer") or {}
+    if a.get("path") and b.get("path") and a["path"] != b["path"]:
+        from smelt_ds.provenance import tokenizer_file_hash
+
+        if Path(a["path"]).is_file() and Path(b["path"]).is_file() and \
+                tokenizer_file_hash(a["path"]) == tokenizer_file_hash(b["path"]):
+            b["path"] = a["path"]  # b is new's own dict: compared as the run's path from here on
 
 
 def _check_resume_overrides(old: dict, new: dict, out_dir: Path, resume: str) -> None:
@@ -441,19 +461,20 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
         init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(run_dir or cfg.train.run_dir.format(name=cfg.name))
+    if run_dir is not None:  # config.yaml says where the run lives, so the recipe resumes it as it is
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(run_dir)})})
     cfg = init_from_tokenizer(cfg)  # a run started from an export trains on with its tokenizer
     lock, created = _lock_run_dir(out_dir, rank)
     try:
-        try:
-            check_run_dir(out_dir, cfg, resume, world)
-        except ConfigError:
-            if rank == 0 and created:
-                lock.release()
-                lock = None
-                _remove_if_only_lock(out_dir)
-            raise
+        check_run_dir(out_dir, cfg, resume, world)
         dist.barrier()
         return _train_in(cfg, resume, out_dir, rank, world)
+    except ConfigError:
+        if rank == 0 and created and lock is not None:  # a refused new run leaves no directory behind
+            lock.release()
+            lock = None
+            _remove_if_only_lock(out_dir)
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -467,8 +488,8 @@ def _train_in(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int)
 
     torch.manual_seed(cfg.train.seed)
     data = build_data(cfg, rank, world)
+    built = build(cfg, world)  # before anything is written: a recipe the engine refuses leaves no trace
     on_rank0(rank, lambda: record_run_tokenizer(out_dir, data.prepared, resuming=resume != "none"))
-    built = build(cfg, world)
     model, engine, ds_config = built.model, built.engine, built.ds_config
     if rank == 0 and ds_config.get("zero_optimization", {}).get("stage") == 3:  # loop-aware ZeRO-3 decision
         from smelt_ds.zero3_tuning import write_zero3_tuning
@@ -486,6 +507,7 @@ def _train_in(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int)
             step, tokens_seen = state["step"], state["tokens_seen"]
             data.train.load_state_dict(state["loader"])
             ckpt.restore_rng(state["rng"])
+            resync_lr(built.scheduler)
     result = RunResult(out_dir, step, tokens_seen, [], [], {}, [])
     if step >= cfg.train.max_steps:  # a resume of a finished run: nothing to train, nothing rewritten
         if rank == 0:
@@ -559,6 +581,20 @@ def _train_in(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int)
     if rank == 0 and not result.stopped_early and step > result_start:
         _write_summary(out_dir, cfg, result, budget, data)
     return result
+
+
+def resync_lr(scheduler) -> None:
+    """Set every group's LR to the schedule's value at the restored step.
+
+    A checkpoint restores the optimizer's per-group LR as the *old* schedule computed it for the
+    next step; a resume that changed ``train.max_steps`` (allowed) changes the schedule, so the
+    first resumed step would otherwise run at the old schedule's LR. ``LambdaLR``: ``lr = base_lr
+    * lambda(last_epoch)``."""
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None:
+        return
+    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
 
 
 def step_lr(engine) -> float:

@@ -216,3 +216,111 @@ def test_resume_may_change_only_what_does_not_change_the_optimisation(trained):
             check_run_dir(run_dir, cfg(**change), "auto", 1)
     with pytest.raises(ConfigError, match=r"data.validation_share: "):
         check_run_dir(run_dir, config_from_dict({**raw, "data": {**raw["data"], "validation_share": 0.2}}), "auto", 1)
+
+
+@pytest.mark.distributed
+def test_all_checkpoints_damaged_never_restarts_from_step_zero(trained, tmp_path):
+    """Every checkpoint damaged: --resume auto refuses (it used to train from step 0 over the run,
+    truncating metrics.jsonl), and so do a later --resume auto and a new run there."""
+    from smelt_ds.testing import DistributedTestError
+
+    raw, src, _ = trained
+    run_dir = _copy_run(src, tmp_path / "run")
+    raw = {**raw, "train": {**raw["train"], "run_dir": str(run_dir), "max_steps": 6}}
+    for step in (2, 4):
+        _flip(run_dir / "checkpoints" / f"step{step:08d}" / "mp_rank_00_model_states.pt")
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(DistributedTestError, match=r"no checkpoint of .* verifies \(damaged: step00000004, "
+                                                   r"step00000002"):
+        run_distributed(_train, 1, args=(raw, "auto"), timeout=300)
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()) == [
+        "damaged-step00000002", "damaged-step00000004"]
+    with pytest.raises(DistributedTestError, match=r"holds no checkpoint that verifies, only damaged ones"):
+        run_distributed(_train, 1, args=(raw, "auto"), timeout=300)
+    with pytest.raises(DistributedTestError, match=r"already holds checkpoints of an earlier run \(only damaged"):
+        run_distributed(_train, 1, args=(raw, "none"), timeout=300)
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.export import export_checkpoint
+
+    with pytest.raises(ConfigError, match=r"was moved aside as damaged \(.*mp_rank_00_model_states.pt has another"):
+        export_checkpoint(run_dir / "checkpoints" / "damaged-step00000004", tmp_path / "export")
+
+
+def _train_in_dir(rank, world, raw, run_dir, resume):
+    from smelt_ds.train import train
+
+    r = train(config_from_dict(raw), resume=resume, run_dir=run_dir)
+    return {"lrs": r.lrs, "step": r.step}
+
+
+@pytest.mark.distributed
+def test_resume_with_a_new_max_steps_runs_the_new_schedule_from_the_first_step(trained, tmp_path):
+    """The checkpoint restores the old schedule's LR for the next step; the first resumed step must
+    use the new schedule (cosine over the new max_steps). Also: config.yaml records --run-dir."""
+    import yaml
+
+    from smelt_ds.engine import lr_multiplier
+
+    raw, src, _ = trained
+    run_dir = _copy_run(src, tmp_path / "elsewhere")
+    longer = {**raw, "train": {**raw["train"], "max_steps": 9}}
+    r = run_distributed(_train_in_dir, 1, args=(longer, str(run_dir), "auto"), timeout=300)[0]
+    f = lr_multiplier(config_from_dict(longer))
+    lr = config_from_dict(longer).train.lr
+    assert r["lrs"] == pytest.approx([lr * f(s) for s in range(4, 9)], rel=1e-12)
+    old = lr_multiplier(config_from_dict(raw))
+    assert abs(r["lrs"][0] - lr * old(4)) > 1e-6          # the old schedule's next LR differs
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["run_dir"] == str(run_dir)
+
+
+def test_full_disk_inside_torchs_zip_writer_is_named(tmp_path, monkeypatch):
+    """A write that fails mid-file surfaces from torch's zip writer as a RuntimeError ("unexpected
+    pos"); the message must still say no space, the file, and the bytes needed and free."""
+    import errno
+    import io
+
+    from smelt_ds import checkpoint as ckpt
+
+    class FillsUp(io.RawIOBase):
+        def __init__(self):
+            self.n = 0
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.n += len(memoryview(b))
+            if self.n > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return len(memoryview(b))
+
+        def fileno(self):
+            raise OSError("no fd")
+
+    monkeypatch.setattr(ckpt, "open", lambda *a, **k: FillsUp(), raising=False)
+    obj = {"w": torch.zeros(100_000)}
+    for zipfile in (True, False):
+        with pytest.raises(ckpt.CheckpointWriteError, match=r"No space left on device writing .*x.pt \(needs about "
+                                                            r"400,000 bytes; free [\d,]+\)"):
+            ckpt.write_hashed(obj, tmp_path / "x.pt", zipfile)
+
+
+def test_a_copy_of_the_runs_tokenizer_under_another_path_resumes(trained, tmp_path):
+    import shutil
+
+    import yaml
+
+    from smelt_ds.train import check_run_dir
+
+    raw, src, _ = trained
+    run_dir = _copy_run(src, tmp_path / "run")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    shutil.copyfile(run_dir / "tokenizer.json", a)
+    shutil.copyfile(run_dir / "tokenizer.json", b)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    saved["data"]["tokenizer"]["path"] = str(a)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    moved = {**raw, "data": {**raw["data"], "tokenizer": {**raw["data"]["tokenizer"], "path": str(b)}}}
+    check_run_dir(run_dir, config_from_dict(moved), "auto", 1)   # same content: accepted
