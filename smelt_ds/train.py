@@ -28,7 +28,7 @@ from smelt_ds.budget import compute_budget
 from smelt_ds.checkpoint import CheckpointWriteError
 from smelt_ds.config import RunConfig, dump_config, load_config
 from smelt_ds.errors import ConfigError
-from smelt_ds.provenance import init_from_tokenizer, record_run_tokenizer
+from smelt_ds.provenance import init_from_tokenizer, record_run_tokenizer, tokenizer_file_hash
 from smelt_ds.testing.distributed import find_free_port
 
 __all__ = ["main", "train", "build", "Built", "parse_args", "RunResult"]
@@ -331,8 +331,6 @@ def _same_tokenizer_same_path(old: dict, new: dict) -> None:
     a = (old.get("data") or {}).get("tokenizer") or {}
     b = (new.get("data") or {}).get("tokenizer") or {}
     if a.get("path") and b.get("path") and a["path"] != b["path"]:
-        from smelt_ds.provenance import tokenizer_file_hash
-
         if Path(a["path"]).is_file() and Path(b["path"]).is_file() and \
                 tokenizer_file_hash(a["path"]) == tokenizer_file_hash(b["path"]):
             b["path"] = a["path"]  # b is new's own dict: compared as the run's path from here on

@@ -324,3 +324,24 @@ def test_a_copy_of_the_runs_tokenizer_under_another_path_resumes(trained, tmp_pa
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
     moved = {**raw, "data": {**raw["data"], "tokenizer": {**raw["data"]["tokenizer"], "path": str(b)}}}
     check_run_dir(run_dir, config_from_dict(moved), "auto", 1)   # same content: accepted
+
+
+@pytest.mark.distributed
+def test_lr_resync_after_a_longer_resume_under_zero3_on_two_ranks(tmp_path, cache):
+    """The same as the one-rank test with ZeRO-3's optimizer wrapper and 2 ranks."""
+    from smelt_ds.engine import lr_multiplier
+
+    raw = _raw(tmp_path / "run", cache, max_steps=4, save_every=2, exit_after_steps=2)
+    raw["deepspeed"] = {"zero_stage": 3}
+    assert run_distributed(_train, 2, args=(raw,), timeout=300)[0]["step"] == 2
+    longer = {**raw, "train": {**raw["train"], "max_steps": 7, "exit_after_steps": None}}
+    r = run_distributed(_train_lrs, 2, args=(longer,), timeout=300)
+    f, lr = lr_multiplier(config_from_dict(longer)), config_from_dict(longer).train.lr
+    for rank in r:
+        assert rank == pytest.approx([lr * f(s) for s in range(2, 7)], rel=1e-12)
+
+
+def _train_lrs(rank, world, raw):
+    from smelt_ds.train import train
+
+    return train(config_from_dict(raw), resume="auto").lrs
