@@ -104,8 +104,7 @@ def _live_experts(model, backend: str) -> dict[tuple[int, int], str]:
                     gu = mlp.experts.gate_up_proj[e]
                     out[(i, e)] = _sha(gu[:F], gu[F:], mlp.experts.down_proj[e])
                 continue
-            name = f"ep_size_{mlp.ep_size}" if backend == "autoep" else f"ep_size_{mlp.ep_size}"
-            ep_rank = groups._get_expert_parallel_rank(name) if mlp.ep_size > 1 else 0
+            ep_rank = groups._get_expert_parallel_rank(f"ep_size_{mlp.ep_size}") if mlp.ep_size > 1 else 0
             if backend == "deepspeed":
                 local = mlp.local_experts
                 for j, ex in enumerate(local):
