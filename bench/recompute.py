@@ -3,8 +3,8 @@
 For each policy (none, full, looped, every_n) the same model (same weights, same batch) runs a
 forward + backward pass; rounds time every policy once, in a rotated order, and the median over
 rounds is reported as a ratio to ``none``. The saved-activation bytes (exact, through
-``torch.autograd.graph.saved_tensors_hooks``, :class:`smelt_ds.memory_profile.SavedTensorCounter`) are
-reported as a ratio to ``none`` as well, next to the prediction of :mod:`smelt_ds.memory`.
+``torch.autograd.graph.saved_tensors_hooks``, :class:`smelt_ds.study.memory_profile.SavedTensorCounter`) are
+reported as a ratio to ``none`` as well, next to the prediction of :mod:`smelt_ds.cost.memory`.
 
 Targets (issue 5): ``full`` costs at most 1.4x ``none`` in step time (theory: recomputing every
 forward adds one forward to forward + backward = 3 forwards, 4/3 = 1.33x); ``looped`` saves at
@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from smelt_ds.config import config_from_dict, config_to_dict, load_config
-from smelt_ds.engine import configure_activation_checkpointing
-from smelt_ds.memory import POLICIES, activation_bytes
-from smelt_ds.memory_profile import SavedTensorCounter
+from smelt_ds.config.run import config_from_dict, config_to_dict, load_config
+from smelt_ds.parallel.engine import configure_activation_checkpointing
+from smelt_ds.cost.memory import POLICIES, activation_bytes
+from smelt_ds.study.memory_profile import SavedTensorCounter
 from smelt_ds.model import SmeltLM
 
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.impl == "deepspeed":
-        from smelt_ds.train import init_distributed
+        from smelt_ds.parallel.distributed import init_distributed
 
         init_distributed()
     cfg = load_config(args.recipe, args.set)

@@ -5,7 +5,7 @@ The golden curves are the first 50 optimizer steps of ``recipes/tiny/baseline.ya
 ``recipes/tiny/smelt.yaml`` trained on the built-in corpus, on CPU, in fp32, with one intra-op
 thread and fixed seeds, each as one plain process (``python -m smelt_ds.train``) with a fresh data
 cache (the built-in corpus, the tokenizer and the token shards are rebuilt, so a change in the data
-pipeline shows as well). ``tests/test_golden_losses.py`` reruns them and compares with
+pipeline shows as well). ``tests/train/test_golden_losses.py`` reruns them and compares with
 :func:`compare`; this script is the one way to change the files:
 
     python scripts/update_golden_losses.py                 # rerun both, rewrite, print old vs new
@@ -73,7 +73,7 @@ RECORDED = ("loss", "lm_loss", "grad_norm", "lr")
 
 # Tolerance on loss and lm_loss, relative: RTOL_START at step 1, multiplied by RTOL_GROWTH per step
 # (rounding differences in fp32 are amplified by training, roughly geometrically, until routing
-# decisions flip), capped at RTOL_MAX. See tests/test_golden_losses.py for the measurements behind it.
+# decisions flip), capped at RTOL_MAX. See tests/train/test_golden_losses.py for the measurements behind it.
 RTOL_START = 1e-5
 RTOL_GROWTH = 1.15
 RTOL_MAX = 5e-3

@@ -1,29 +1,34 @@
-"""``smelt-ds <command>``: the command-line entry point.
+"""``smelt-ds <command>``: the command-line entry point, one table of the packages' commands.
 
-Each command lives in its own module, which exposes ``add_parser(subparsers)`` that registers the
-sub-command and sets ``func`` (called with the parsed namespace, returns an exit code).
-Bad configuration (:class:`ConfigError`) is printed as one clear line and exits with code 2.
+Each package owns its commands in its ``cli.py``, which exposes ``add_parser(subparsers)``: it
+registers the package's sub-commands and sets ``func`` on each (called with the parsed namespace,
+returns an exit code). Bad configuration (:class:`ConfigError`) is printed as one clear line and
+exits with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
+from smelt_ds import __version__
+from smelt_ds.cost import cli as cost_cli
+from smelt_ds.data import cli as data_cli
 from smelt_ds.errors import ConfigError
+from smelt_ds.eval import cli as eval_cli
+from smelt_ds.launch import cli as launch_cli
+from smelt_ds.study import cli as study_cli
+from smelt_ds.train import cli as train_cli
 
-# module path of each command group, in the order `smelt-ds --help` lists them
-COMMAND_MODULES = [
-    "smelt_ds.budget_cli",
-    "smelt_ds.data.cli",
-    "smelt_ds.train_cli",
-    "smelt_ds.eval_cli",
-    "smelt_ds.memory_cli",
-    "smelt_ds.recipes_cli",
-    "smelt_ds.launch_cli",
-    "smelt_ds.scaling_cli",
-]
+#: package -> its commands, in the order ``smelt-ds --help`` lists them
+COMMANDS = {
+    "cost": (cost_cli, "budget, match"),
+    "data": (data_cli, "data"),
+    "train": (train_cli, "train, export"),
+    "eval": (eval_cli, "eval, analyze, generate"),
+    "study": (study_cli, "memory, recipes, sweep, scaling"),
+    "launch": (launch_cli, "render-job"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,17 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="smelt-ds",
         description="Train and analyse SMELT (Sparse MoE Transformer, middle layers Loop Twice) "
                     "and its matched Baselines with DeepSpeed.")
-    from smelt_ds import __version__
-
     parser.add_argument("--version", action="version", version=f"smelt-ds {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # command not built yet
-                continue
-            raise
+    for module, _ in COMMANDS.values():
         module.add_parser(sub)
     return parser
 

@@ -8,7 +8,7 @@ The training engine calls::
     valid = validation_loaders(prepared, cfg.train.seq_len, cfg.train.micro_batch_size)
 
 Names are imported lazily so that reading a recipe (``smelt_ds.config`` imports
-``smelt_ds.data.config``) does not import ``datasets`` or ``torch``.
+``smelt_ds.config.data``) does not import ``datasets`` or ``torch``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DataConfig": "smelt_ds.data.config",
-    "SourceConfig": "smelt_ds.data.config",
-    "TokenizerConfig": "smelt_ds.data.config",
+    "DataConfig": "smelt_ds.config.data",
+    "SourceConfig": "smelt_ds.config.data",
+    "TokenizerConfig": "smelt_ds.config.data",
     "PreparedData": "smelt_ds.data.prepare",
     "prepare_from_config": "smelt_ds.data.prepare",
     "build_tokenizer": "smelt_ds.data.prepare",

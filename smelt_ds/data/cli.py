@@ -15,6 +15,10 @@ from typing import Any
 
 import yaml
 
+from smelt_ds.config.run import apply_overrides, config_from_dict, load_config
+from smelt_ds.data.builtin import build_builtin_corpus
+from smelt_ds.data.prepare import PreparedData, build_tokenizer, prepare_from_config
+from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash
 from smelt_ds.errors import ConfigError
 
 __all__ = ["add_parser", "parse_source_spec"]
@@ -59,7 +63,6 @@ def _input_sources(inputs: list[str]) -> list[dict[str, Any]]:
 
 
 def _cmd_builtin(args: argparse.Namespace) -> int:
-    from smelt_ds.data.builtin import build_builtin_corpus
 
     manifest = build_builtin_corpus(args.out_dir, args.max_bytes)
     print(f"built-in corpus from Python {manifest['python'].split()[0]} ({manifest['stdlib']}), "
@@ -71,7 +74,6 @@ def _cmd_builtin(args: argparse.Namespace) -> int:
 
 
 def _data_config(args: argparse.Namespace, sources: list[dict] | None = None):
-    from smelt_ds.config import apply_overrides, config_from_dict, load_config
 
     sets = list(getattr(args, "set", None) or [])
     if getattr(args, "recipe", None):
@@ -96,8 +98,6 @@ def _data_config(args: argparse.Namespace, sources: list[dict] | None = None):
 
 
 def _cmd_tokenizer(args: argparse.Namespace) -> int:
-    from smelt_ds.data.prepare import build_tokenizer
-    from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash
 
     cfg = _data_config(args, _input_sources(args.input))
     path, trained = build_tokenizer(cfg, args.cache_dir)
@@ -112,7 +112,6 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from smelt_ds.data.prepare import prepare_from_config
 
     sources = [parse_source_spec(s) for s in args.source] if args.source else None
     cfg = _data_config(args, sources)
@@ -123,7 +122,6 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from smelt_ds.data.prepare import PreparedData
 
     prepared = PreparedData.load(args.dir, verify="checksum")
     print(prepared.summary())

@@ -49,13 +49,29 @@ import tokenizers
 from tokenizers import Tokenizer
 
 import smelt_ds
-from smelt_ds.data.cache import (cache_root, host_tag, is_complete, remove_stale_temporaries, sha256_file,
-                                 sha256_json, write_json)
-from smelt_ds.data.config import DataConfig
+from smelt_ds.config.data import DataConfig
+from smelt_ds.data.cache import (
+    cache_root,
+    host_tag,
+    is_complete,
+    remove_stale_temporaries,
+    sha256_file,
+    sha256_json,
+    write_json,
+)
 from smelt_ds.data.distributed import rank_info, run_once
 from smelt_ds.data.sources import SourceData, read_sources, source_fingerprint
-from smelt_ds.data.tokenizer import (TOKENIZER_FILE, cached_tokenizer, cut_document, cut_problem, load_tokenizer,
-                                     special_ids, tokenizer_hash, tokenizer_key, utf8_len)
+from smelt_ds.data.tokenizer import (
+    TOKENIZER_FILE,
+    cached_tokenizer,
+    cut_document,
+    cut_problem,
+    load_tokenizer,
+    special_ids,
+    tokenizer_hash,
+    tokenizer_key,
+    utf8_len,
+)
 from smelt_ds.errors import ConfigError
 
 __all__ = ["FORMAT_VERSION", "META_FILE", "SPLITS", "token_dtype", "validation_count", "document_keys",

@@ -32,12 +32,11 @@ from typing import Any, Callable, Iterator, cast
 import datasets
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-
 from datasets.exceptions import DatasetGenerationError
 
+from smelt_ds.config.data import DataConfig, SourceConfig
 from smelt_ds.data.builtin import builtin_corpus_dir, builtin_key
 from smelt_ds.data.cache import sha256_json
-from smelt_ds.data.config import DataConfig, SourceConfig
 from smelt_ds.data.tokenizer import UncuttableDocument, cut_document, utf8_len
 from smelt_ds.errors import ConfigError
 

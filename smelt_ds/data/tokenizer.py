@@ -29,8 +29,8 @@ from typing import Callable, Iterable, Iterator
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from smelt_ds.config.data import TokenizerConfig
 from smelt_ds.data.cache import build_dir_atomically, sha256_bytes, sha256_json
-from smelt_ds.data.config import TokenizerConfig
 from smelt_ds.errors import ConfigError
 
 __all__ = ["TOKENIZER_FILE", "train_tokenizer", "tokenizer_hash", "load_tokenizer", "special_ids",

@@ -9,5 +9,5 @@
 - :mod:`smelt_ds.eval.suite`: several runs at once; :mod:`smelt_ds.eval.report` tables;
   :mod:`smelt_ds.eval.plots` PNGs.
 
-Commands: ``smelt-ds eval``, ``smelt-ds analyze``, ``smelt-ds generate`` (:mod:`smelt_ds.eval_cli`).
+Commands: ``smelt-ds eval``, ``smelt-ds analyze``, ``smelt-ds generate`` (:mod:`smelt_ds.eval.cli`).
 """

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from smelt_ds.config.data import DataConfig
+from smelt_ds.data import check_compatible, prepare_from_config
+from smelt_ds.data.loader import ValidationLoader
 from smelt_ds.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -94,7 +97,6 @@ class EvalData:
     def batches(self, domain: str, seq_len: int, micro_batch_size: int, max_batches: int | None) -> list[dict]:
         """Validation micro-batches of ``domain``: ``{"input_ids": (B, S), "labels": (B, S)}`` int64,
         windows of ``seq_len + 1`` tokens in shard order, at most ``max_batches``."""
-        from smelt_ds.data.loader import ValidationLoader
 
         vl = ValidationLoader(self.prepared, domain, seq_len, micro_batch_size, dp_rank=0, dp_world_size=1,
                               max_batches=max_batches, split=self.split)
@@ -126,7 +128,6 @@ def open_eval_data(cfg, split: str = "validation") -> EvalData:
     evaluation corpus, see :func:`corpus_config`). Raises ConfigError when the tokenizer
     vocabulary differs from ``model.vocab_size`` or the split is empty.
     """
-    from smelt_ds.data import check_compatible, prepare_from_config
 
     prepared = prepare_from_config(cfg.data)
     check_compatible(prepared, cfg.model.vocab_size)
@@ -146,7 +147,6 @@ def corpus_config(cfg, paths: list[str]):
     :func:`smelt_ds.eval.runs.load_run`). Raises ConfigError for a path that does not exist."""
     from pathlib import Path
 
-    from smelt_ds.data.config import DataConfig
 
     for p in paths:
         if not Path(p).exists():

@@ -1,6 +1,6 @@
 """Open the runs an evaluation compares: run directories, checkpoint directories or exports.
 
-A run directory is consolidated once with :func:`smelt_ds.export.export_checkpoint` (its newest
+A run directory is consolidated once with :func:`smelt_ds.train.export.export_checkpoint` (its newest
 complete checkpoint) into ``<run_dir>/exports/<checkpoint tag>/`` and reused while that export's
 ``SOURCE`` still names the same checkpoint; an export directory (``model.pt`` + ``config.yaml``)
 is loaded as it is. The model is the reference-backend :class:`smelt_ds.model.SmeltLM` on CPU in
@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from smelt_ds.config import RunConfig, load_config
+from smelt_ds.config.run import RunConfig, load_config
 from smelt_ds.errors import ConfigError
+from smelt_ds.train import checkpoint as ckpt
+from smelt_ds.train.export import export_checkpoint, load_exported
+from smelt_ds.train.provenance import RUN_TOKENIZER, with_tokenizer
 
 if TYPE_CHECKING:
     from smelt_ds.model import SmeltLM
@@ -54,8 +57,6 @@ def resolve_export(path: str | Path) -> Path:
     Run and checkpoint directories are exported to ``<run_dir>/exports/<tag>/`` unless an export
     of the same checkpoint is already there. Raises ConfigError for a path that is none of these.
     """
-    from smelt_ds import checkpoint as ckpt
-    from smelt_ds.export import export_checkpoint
 
     path = Path(path)
     if _is_export(path):
@@ -83,12 +84,10 @@ def load_run(path: str | Path, overrides: list[str] | None = None, name: str | N
              allow_other_tokenizer: bool = False) -> LoadedRun:
     """Export (if needed) and load one run. ``overrides`` are ``--set`` items applied to its recipe
     (e.g. ``data.cache_dir=...``). The data are tokenised with the tokenizer the run recorded
-    (``tokenizer.json`` of the export, :mod:`smelt_ds.provenance`), whatever the overrides say.
+    (``tokenizer.json`` of the export, :mod:`smelt_ds.train.provenance`), whatever the overrides say.
 
     Raises ConfigError; among others when ``data.tokenizer.path`` names another tokenizer than
     the run's (both digests named) and ``allow_other_tokenizer`` is false."""
-    from smelt_ds.export import load_exported
-    from smelt_ds.provenance import RUN_TOKENIZER, with_tokenizer
 
     export_dir = resolve_export(path)
     model = load_exported(export_dir)

@@ -73,7 +73,7 @@ class KVCache:
     """Per-visit key/value cache for incremental decoding.
 
     ``slots[(layer, visit)] = (k, v)`` each ``(B, Nkv, P, D)``. Memory: ``2 * Nkv * D * bytes`` per
-    token per visit (see :func:`smelt_ds.budget.kv_cache_bytes_per_token`).
+    token per visit (see :func:`smelt_ds.cost.budget.kv_cache_bytes_per_token`).
     """
 
     def __init__(self) -> None:

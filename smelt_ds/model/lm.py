@@ -1,6 +1,6 @@
 """SmeltLM: token embedding -> visit plan over unique layers -> final RMSNorm -> output head.
 
-Pure PyTorch: DeepSpeed is applied from outside (``smelt_ds.engine``). A Baseline is a SmeltLM
+Pure PyTorch: DeepSpeed is applied from outside (``smelt_ds.parallel.engine``). A Baseline is a SmeltLM
 whose loop position is ``none``.
 
 Shape legend: B batch, S sequence (tokens), H hidden, V vocabulary, E experts, K top-k.
@@ -132,7 +132,7 @@ class LMOutput:
 
 
 class SmeltLM(nn.Module):
-    """A SMELT or Baseline decoder built from a :class:`smelt_ds.config.RunConfig`.
+    """A SMELT or Baseline decoder built from a :class:`smelt_ds.config.run.RunConfig`.
 
     Attributes:
         schedule: the :class:`LoopSchedule` (visit plan).

@@ -1,4 +1,4 @@
-"""The looping block manager (DESIGN §3); the visit plan it runs is :mod:`smelt_ds.schedule`'s
+"""The looping block manager (DESIGN §3); the visit plan it runs is :mod:`smelt_ds.config.schedule`'s
 :class:`LoopSchedule` (re-exported here with :class:`Visit`, :class:`LoopSpan`, :func:`preset_ranges`).
 
 The :class:`LoopingBlockManager` owns the plan at run time: layers do not know they are looped;
@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from smelt_ds.schedule import LoopSchedule, LoopSpan, Visit, preset_ranges
+from smelt_ds.config.schedule import LoopSchedule, LoopSpan, Visit, preset_ranges
 
 __all__ = ["Visit", "LoopSpan", "LoopSchedule", "LoopingBlockManager", "preset_ranges", "checkpoint_phase"]
 

@@ -4,8 +4,14 @@
 :func:`run_distributed`; :func:`scaled_timeout` applies it to a test's own limits.
 """
 
-from smelt_ds.testing.distributed import (TIMEOUT_SCALE_ENV, DistributedTestError, find_free_port, run_distributed,
-                                          scaled_timeout, timeout_scale)
+from smelt_ds.testing.distributed import (
+                                          TIMEOUT_SCALE_ENV,
+                                          DistributedTestError,
+                                          find_free_port,
+                                          run_distributed,
+                                          scaled_timeout,
+                                          timeout_scale,
+)
 
 __all__ = ["TIMEOUT_SCALE_ENV", "DistributedTestError", "find_free_port", "run_distributed", "scaled_timeout",
            "timeout_scale"]

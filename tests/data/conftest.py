@@ -31,7 +31,7 @@ def builtin_prepared(session_cache):
 @pytest.fixture(scope="session")
 def two_domains(tmp_path_factory):
     """WikiText-2 + Tiny Shakespeare slices prepared as two domains (skips if the corpora are absent)."""
-    from data_test_utils import two_domain_config
+    from tests.data.data_test_utils import two_domain_config
 
     from smelt_ds.data import prepare_from_config
 

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from data_test_utils import encode_documents, prose, split_at_eot, write_jsonl
+from tests.data.data_test_utils import encode_documents, prose, split_at_eot, write_jsonl
 
 from smelt_ds.data import DataConfig, PreparedData, TrainLoader, prepare_from_config
 from smelt_ds.errors import ConfigError

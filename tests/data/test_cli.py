@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from data_test_utils import prose, write_jsonl
+from tests.data.data_test_utils import prose, write_jsonl
 
 from smelt_ds.cli import main
 from smelt_ds.data import PreparedData

@@ -10,7 +10,7 @@ import textwrap
 import time
 
 import pytest
-from data_test_utils import prose, write_jsonl
+from tests.data.data_test_utils import prose, write_jsonl
 
 from smelt_ds.data import DataConfig, PreparedData
 from smelt_ds.testing import run_distributed, scaled_timeout

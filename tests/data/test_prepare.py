@@ -15,7 +15,7 @@ from smelt_ds.data import DataConfig, PreparedData, prepare_from_config, token_d
 from smelt_ds.errors import ConfigError
 from smelt_ds.testing import scaled_timeout
 
-from data_test_utils import (assign_documents, builtin_documents, encode_documents, prose, shakespeare_documents,
+from tests.data.data_test_utils import (assign_documents, builtin_documents, encode_documents, prose, shakespeare_documents,
                              split_at_eot, two_domain_config, wiki_documents, write_jsonl)
 
 
@@ -185,7 +185,7 @@ def test_num_proc_2_with_tokenizers_parallelism_true_finishes(tmp_path):
         import numpy as np
         from smelt_ds.data import DataConfig, prepare_from_config
         from smelt_ds.data.tokenizer import train_tokenizer
-        from smelt_ds.data.config import TokenizerConfig
+        from smelt_ds.config.data import TokenizerConfig
         docs = [json.loads(l)["text"] for l in open({str(tmp_path / 'd.jsonl')!r})]
         tok = train_tokenizer([docs], TokenizerConfig(vocab_size=300))   # uses the thread pool here
         tok.encode_batch(docs)                                            # and again

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from data_test_utils import prose, write_jsonl
+from tests.data.data_test_utils import prose, write_jsonl
 
 from smelt_ds.cli import main
 from smelt_ds.data import DataConfig, build_tokenizer, load_tokenizer, tokenizer_hash, train_tokenizer
-from smelt_ds.data.config import TokenizerConfig
+from smelt_ds.config.data import TokenizerConfig
 from smelt_ds.errors import ConfigError
 
 

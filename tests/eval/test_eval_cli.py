@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from eval_test_utils import png_not_blank, png_size
+from tests.eval.eval_test_utils import png_not_blank, png_size
 
 
 def _cli(*argv) -> int:

@@ -307,8 +307,8 @@ def _tied_step(policy: str, score_func: str = "softmax"):
     """One forward + backward of a 4-layer model (plan 0 1 2 1 2 3) whose routers are all zero, so
     every token's scores tie exactly (softmax 1/E, sigmoid 1/2). Returns the loss, all gradients
     and the experts chosen by every router call (forward visits, then recomputes)."""
-    from smelt_ds.config import config_from_dict
-    from smelt_ds.engine import configure_activation_checkpointing
+    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.parallel.engine import configure_activation_checkpointing
     from smelt_ds.model import SmeltLM
     from smelt_ds.model.moe import TopKRouter
 

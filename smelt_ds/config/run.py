@@ -1,0 +1,575 @@
+"""The recipe schema: one validated config tree per run (DESIGN §7).
+
+A recipe is a YAML file whose top-level keys are the sections of :class:`RunConfig`
+(``model``, ``moe``, ``loop``, ``data``, ``train``, ``deepspeed``, ``eval``, ``cluster``). YAML keys equal field
+names; unknown keys are rejected with the list of bad keys and the allowed ones. Precedence:
+``--set a.b=v`` on the command line > YAML > defaults.
+
+Every violation raises :class:`smelt_ds.errors.ConfigError` whose message names the field path,
+the value and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from smelt_ds.config.data import DataConfig
+from smelt_ds.config.schedule import LoopSchedule
+from smelt_ds.config.schema import StrictModel
+from smelt_ds.errors import ConfigError, fail
+
+__all__ = [
+    "ConfigError",
+    "StrictModel",
+    "ModelConfig",
+    "MoEConfig",
+    "LoopRange",
+    "LoopConfig",
+    "TrainConfig",
+    "DeepSpeedSection",
+    "EvalConfig",
+    "ClusterLayout",
+    "ClusterConfig",
+    "RunConfig",
+    "load_config",
+    "config_from_dict",
+    "apply_overrides",
+    "dump_config",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# model / moe / loop
+# --------------------------------------------------------------------------------------------
+
+
+class ModelConfig(StrictModel):
+    """Shape of the decoder. Sizes are in elements (hidden units), lengths in tokens."""
+
+    vocab_size: int = Field(512, gt=0, description="vocabulary size (tokens)")
+    hidden_size: int = Field(64, gt=0, description="residual stream width H")
+    num_layers: int = Field(4, gt=0, description="number of unique layers L (not visits)")
+    num_heads: int = Field(4, gt=0, description="query heads")
+    num_kv_heads: int = Field(4, gt=0, description="key/value heads (GQA); divides num_heads")
+    head_dim: int | None = Field(None, gt=0, description="per-head size; default hidden_size / num_heads")
+    max_seq_len: int = Field(256, gt=0, description="longest context (tokens) for RoPE and generation")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
+    norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
+    tie_embeddings: bool = Field(False, description="share token embedding and output head weights")
+    first_k_dense: int = Field(0, ge=0, description="the first k unique layers use a dense SwiGLU FFN")
+    dense_ffn_size: int = Field(256, gt=0, description="intermediate size of the dense SwiGLU FFN")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on attention probs and residual branches")
+    init_std: float = Field(0.02, gt=0, description="std of the normal weight init")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+
+class MoEConfig(StrictModel):
+    """Mixture-of-Experts FFN: router, experts and their losses, and the backend that runs them."""
+
+    num_experts: int = Field(8, gt=0, description="routed experts per MoE layer E")
+    top_k: int = Field(2, gt=0, description="experts per token")
+    expert_ffn_size: int = Field(128, gt=0, description="intermediate size F of one expert")
+    shared_expert_ffn_size: int = Field(0, ge=0, description="intermediate size of the shared expert; 0 = none")
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = Field(True, description="renormalise the top-k weights to sum to 1")
+    aux_loss_coef: float = Field(0.01, ge=0, description="Switch-style load-balancing loss coefficient")
+    z_loss_coef: float = Field(0.001, ge=0, description="router z-loss coefficient (ST-MoE)")
+    router_jitter: float = Field(0.0, ge=0, description="multiplicative uniform noise on router input in training")
+    aux_loss_free_bias: bool = Field(False, description="DeepSeek-V3 expert bias for selection, updated outside autograd")
+    bias_update_rate: float = Field(1e-3, ge=0, description="step size of the aux-loss-free bias update")
+    expert_impl: Literal["auto", "grouped_mm", "loop"] = Field(
+        "auto", description="reference backend: torch._grouped_mm where available, else a per-expert loop")
+    backend: Literal["reference", "deepspeed", "autoep"] = "reference"
+    ep_size: int = Field(1, gt=0, description="expert-parallel size (deepspeed backend: ep_size, autoep: autoep_size)")
+    capacity_factor: float = Field(1.0, gt=0, description="deepspeed backend: training capacity factor")
+    eval_capacity_factor: float = Field(1.0, gt=0, description="deepspeed backend: eval capacity factor")
+    min_capacity: int = Field(4, ge=0, description="deepspeed backend: minimum tokens per expert")
+    drop_tokens: bool = Field(True, description="deepspeed backend: drop tokens over capacity")
+    use_tutel: bool = Field(False, description="deepspeed backend: tutel kernels (optional package)")
+
+
+LoopPosition = Literal["none", "uniform", "bottom", "middle", "top", "asymmetric", "custom"]
+
+
+class LoopRange(StrictModel):
+    """A contiguous range of unique layers ``[start, end)`` run ``repeats`` times."""
+
+    start: int
+    end: int
+    repeats: int
+
+
+class LoopConfig(StrictModel):
+    """Which unique layers are looped (DESIGN §1).
+
+    ``position`` picks a preset range for depth L and ``fraction`` f (floor(f*L) layers):
+    ``none`` (Baseline), ``uniform`` [0, L), ``bottom`` [0, w), ``middle`` [(L-w)//2, +w),
+    ``top`` [L-w, L), ``asymmetric`` (the middle range split at its centre, lower part run
+    ``repeats + 1`` times, upper part ``repeats`` times). ``custom`` takes ``ranges``; explicit
+    ``ranges`` are also accepted with ``asymmetric``.
+    """
+
+    position: LoopPosition = "middle"
+    fraction: float = Field(0.5, gt=0, le=1, description="share of unique layers in a preset range")
+    repeats: int = Field(2, description="visits per looped layer for presets")
+    ranges: list[LoopRange] | None = Field(None, description="explicit loop ranges (custom / asymmetric)")
+    order: Literal["block", "layer"] = "block"
+    input_injection: Literal["none", "add"] = Field(
+        "none", description="add: re-add the looped block's input before each repeat (block order)")
+    shared_lr_scale: float = Field(1.0, gt=0, description="LR multiplier for looped (shared) parameters")
+
+
+# --------------------------------------------------------------------------------------------
+# placeholders that later stages fill
+# --------------------------------------------------------------------------------------------
+
+
+class ActivationCheckpointing(StrictModel):
+    """Which visits recompute their activations in backward (DESIGN §5)."""
+
+    policy: Literal["none", "full", "looped", "every_n"] = Field(
+        "none", description="none | full (every visit) | looped (visits of looped layers) | every_n")
+    every_n: int = Field(2, gt=0, description="every_n policy: checkpoint every n-th visit of the plan")
+    impl: Literal["torch", "deepspeed"] = Field(
+        "torch", description="torch: non-reentrant torch.utils.checkpoint; deepspeed: deepspeed.checkpointing")
+    partition_activations: bool = Field(False, description="deepspeed impl: shard checkpoints across model-parallel ranks")
+    cpu_checkpointing: bool = Field(False, description="deepspeed impl: keep checkpoints in CPU memory")
+    contiguous_memory_optimization: bool = Field(False, description="deepspeed impl: contiguous checkpoint buffers")
+
+
+class TrainConfig(StrictModel):
+    """Training loop settings. Lengths in tokens, durations in optimizer steps, LR in units of
+    the optimizer's step size."""
+
+    seed: int = 1234
+    seq_len: int = Field(128, gt=0, description="tokens per training sample (window is seq_len + 1)")
+    micro_batch_size: int = Field(8, gt=0, description="samples per micro-batch per data-parallel rank")
+    gradient_accumulation_steps: int | None = Field(
+        None, gt=0, description="micro-batches per optimizer step; default: from global_batch_tokens, else 1")
+    global_batch_tokens: int | None = Field(
+        None, gt=0, description="tokens per optimizer step over all ranks; must equal "
+                                "micro_batch_size * seq_len * accumulation * data-parallel size")
+    max_steps: int = Field(100, gt=0, description="optimizer steps")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final LR as a fraction of the peak")
+    warmup_steps: int = Field(10, ge=0, description="linear warmup steps")
+    schedule: Literal["cosine", "wsd", "constant"] = Field(
+        "cosine", description="cosine decay, warmup-stable-decay, or constant after warmup")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of max_steps spent decaying (linear)")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (not on norms, biases, embeddings)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 disables")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 where the accelerator supports it (CUDA), else fp32")
+    log_every: int = Field(10, gt=0, description="steps between metrics rows")
+    eval_every: int = Field(50, gt=0, description="steps between validation runs (and at the end)")
+    save_every: int = Field(50, gt=0, description="steps between checkpoints (and at the end)")
+    keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
+    exit_after_steps: int | None = Field(
+        None, gt=0, description="stop after this many steps of this invocation, saving a checkpoint "
+                                "(time-boxed jobs; the LR schedule still follows max_steps)")
+    run_dir: str = Field("runs/{name}", description="output directory; {name} is replaced by the recipe name")
+    init_from: str | None = Field(
+        None, description="export directory (`smelt-ds export`) whose model.pt initialises the weights of a "
+                          "new run, on any MoE backend; a run resumed from its own checkpoint ignores it")
+    init_from_any_tokenizer: bool = Field(
+        False, description="with init_from: allow data.tokenizer.path to name another tokenizer than the export's "
+                           "(by default the export's tokenizer.json is used and another one is refused)")
+    activation_checkpointing: ActivationCheckpointing = Field(default_factory=ActivationCheckpointing)
+
+
+class DeepSpeedSection(StrictModel):
+    """DeepSpeed settings. ``config`` is merged last into the DeepSpeed JSON, unchanged."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    offload_optimizer: Literal["none", "cpu"] = Field("none", description="ZeRO offload of optimizer states")
+    offload_param: Literal["none", "cpu"] = Field("none", description="ZeRO-3 offload of parameters")
+    template: str | None = Field(None, description="ds_configs/ template name; default from zero_stage/offload")
+    zero3_loop_tuning: Literal["auto", "off"] = Field(
+        "auto", description="derive ZeRO-3 reuse distance / live parameters from the visit plan")
+    comms_logger: bool = Field(False, description="enable DeepSpeed's comms logger")
+    config: dict[str, Any] = Field(default_factory=dict, description="raw DeepSpeed keys, passed through")
+
+    @property
+    def effective_zero_stage(self) -> int:
+        """The ZeRO stage DeepSpeed will see: ``config.zero_optimization.stage`` (merged last into
+        the DeepSpeed JSON) wins over ``zero_stage``."""
+        raw = self.config.get("zero_optimization", {}) or {}
+        return int(raw.get("stage", self.zero_stage))
+
+
+class EvalConfig(StrictModel):
+    """Evaluation settings."""
+
+    eval_batches: int = Field(8, gt=0, description="validation micro-batches per domain")
+
+
+class ClusterLayout(StrictModel):
+    """One hardware layout a recipe is sized for: ``nodes x gpus_per_node`` GPUs of one type.
+
+    Read by ``smelt-ds render-job``, ``smelt-ds recipes table`` and the memory verdicts; training
+    itself never reads it. ``overrides`` are ``--set KEY=VALUE`` strings applied to the recipe on
+    this layout (e.g. a larger ``train.micro_batch_size`` on GPUs with more memory).
+    """
+
+    gpu: str = Field(..., description="GPU model, e.g. 'H100-SXM5-80GB'; 'cpu' for CPU processes")
+    device_memory_gib: float = Field(..., gt=0, description="usable memory per GPU in GiB (2**30 bytes), "
+                                                            "as torch.cuda.get_device_properties reports it")
+    nodes: int = Field(1, gt=0, description="number of nodes")
+    gpus_per_node: int = Field(8, gt=0, description="GPUs (ranks) per node")
+    overrides: list[str] = Field(default_factory=list,
+                                 description="`--set KEY=VALUE` overrides applied to the recipe on this layout")
+
+
+class ClusterConfig(StrictModel):
+    """Cluster layouts of a recipe, by name (e.g. ``h100``, ``h200``); ``default`` names the one used
+    when none is chosen. Empty for CPU recipes."""
+
+    default: str | None = Field(None, description="name of the default layout; default: the first one")
+    layouts: dict[str, ClusterLayout] = Field(default_factory=dict, description="layouts by name")
+
+    @model_validator(mode="after")
+    def _check_default(self) -> "ClusterConfig":
+        if self.default is not None and self.default not in self.layouts:
+            raise ConfigError(f"`cluster.default` ({self.default!r}) names no layout of `cluster.layouts` "
+                              f"({sorted(self.layouts)}): use one of them or remove it")
+        return self
+
+
+class RunConfig(StrictModel):
+    """The whole recipe."""
+
+    name: str = "smelt"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    loop: LoopConfig = Field(default_factory=LoopConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        check_run_config(self)
+        return self
+
+    @property
+    def schedule(self) -> LoopSchedule:
+        """The visit plan of this recipe: ``loop`` over ``model.num_layers`` unique layers."""
+        return LoopSchedule.from_config(self.loop, self.model.num_layers)
+
+
+# --------------------------------------------------------------------------------------------
+# cross-field checks (field paths are known here)
+# --------------------------------------------------------------------------------------------
+
+
+def check_run_config(cfg: RunConfig) -> None:
+    """Cross-field checks of a parsed config. Raises ConfigError naming the field path."""
+    _check_model(cfg.model)
+    _check_moe(cfg.moe, cfg.model, cfg.deepspeed.zero_stage)
+    _check_train(cfg)
+    LoopSchedule.from_config(cfg.loop, cfg.model.num_layers)
+
+
+def _check_model(m: ModelConfig) -> None:
+    if m.head_dim is None and m.hidden_size % m.num_heads:
+        fail("model.num_heads", m.num_heads, f"must divide `model.hidden_size` ({m.hidden_size})",
+              "choose num_heads that divides hidden_size, or set model.head_dim")
+    if m.num_heads % m.num_kv_heads:
+        fail("model.num_kv_heads", m.num_kv_heads, f"must divide `model.num_heads` ({m.num_heads})",
+              "choose num_kv_heads among the divisors of num_heads")
+    if m.resolved_head_dim % 2:
+        fail("model.head_dim", m.resolved_head_dim, "must be even for RoPE",
+              "pick hidden_size / num_heads even, or set model.head_dim")
+    if m.first_k_dense > m.num_layers:
+        fail("model.first_k_dense", m.first_k_dense, f"must be <= `model.num_layers` ({m.num_layers})",
+              "lower first_k_dense")
+
+
+def _check_moe(moe: MoEConfig, m: ModelConfig, zero_stage: int = 0) -> None:
+    if moe.top_k > moe.num_experts:
+        fail("moe.top_k", moe.top_k, f"must be <= `moe.num_experts` ({moe.num_experts})",
+              "lower moe.top_k or raise moe.num_experts")
+    if moe.backend in ("deepspeed", "autoep") and moe.num_experts % moe.ep_size:
+        fail("moe.num_experts", moe.num_experts, f"must be divisible by `moe.ep_size` ({moe.ep_size})",
+              "choose an expert count that is a multiple of ep_size")
+    if moe.backend == "deepspeed" and zero_stage == 3:
+        fail("moe.backend", moe.backend, "does not support `deepspeed.zero_stage` (3): DeepSpeed-MoE refuses "
+              "ZeRO-3", "use moe.backend 'autoep' (ZeRO 0-3) or zero_stage <= 2")
+    if moe.backend == "autoep" and moe.aux_loss_free_bias:
+        fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'autoep' (AutoEP rejects "
+              "load_balance_coeff)", "set moe.aux_loss_free_bias to false or use backend 'reference'")
+    if moe.use_tutel and moe.backend != "deepspeed":
+        fail("moe.use_tutel", True, f"only applies to moe.backend 'deepspeed' (this recipe: {moe.backend!r})",
+              "set moe.backend to 'deepspeed' (tutel kernels for DeepSpeed-MoE) or moe.use_tutel to false")
+    if moe.backend == "reference" and moe.ep_size != 1:
+        fail("moe.ep_size", moe.ep_size, "needs an expert-parallel backend",
+              "set moe.backend to 'deepspeed' or 'autoep', or moe.ep_size to 1")
+
+
+def _check_train(cfg: RunConfig) -> None:
+    t = cfg.train
+    if t.seq_len > cfg.model.max_seq_len:
+        fail("train.seq_len", t.seq_len, f"must be <= `model.max_seq_len` ({cfg.model.max_seq_len})",
+              "raise model.max_seq_len or shorten train.seq_len")
+    if t.warmup_steps > t.max_steps:
+        fail("train.warmup_steps", t.warmup_steps, f"must be <= `train.max_steps` ({t.max_steps})",
+              "shorten the warmup or train longer")
+    if cfg.deepspeed.offload_param != "none" and cfg.deepspeed.zero_stage != 3:
+        fail("deepspeed.offload_param", cfg.deepspeed.offload_param, "needs `deepspeed.zero_stage` 3",
+              "set zero_stage: 3 or offload_param: none")
+    if cfg.deepspeed.offload_optimizer != "none" and cfg.deepspeed.zero_stage == 0:
+        fail("deepspeed.offload_optimizer", cfg.deepspeed.offload_optimizer, "needs ZeRO stage 1-3",
+              "set deepspeed.zero_stage >= 1 or offload_optimizer: none")
+
+
+def resolve_batch(cfg: RunConfig, data_parallel_size: int) -> tuple[int, int]:
+    """``(gradient_accumulation_steps, global_batch_tokens)`` for ``data_parallel_size`` ranks.
+
+    global_batch_tokens = micro_batch_size * seq_len * accumulation * data_parallel_size. Raises
+    ConfigError when ``train.global_batch_tokens`` is not a multiple of the per-step tokens or
+    disagrees with an explicit ``train.gradient_accumulation_steps``.
+    """
+    t = cfg.train
+    per_micro = t.micro_batch_size * t.seq_len * data_parallel_size
+    if t.global_batch_tokens is None:
+        accum = t.gradient_accumulation_steps or 1
+        return accum, per_micro * accum
+    if t.global_batch_tokens % per_micro:
+        fail("train.global_batch_tokens", t.global_batch_tokens,
+              f"must be a multiple of micro_batch_size * seq_len * data-parallel size "
+              f"({t.micro_batch_size} * {t.seq_len} * {data_parallel_size} = {per_micro})",
+              "change global_batch_tokens, micro_batch_size or the number of ranks")
+    accum = t.global_batch_tokens // per_micro
+    if t.gradient_accumulation_steps is not None and t.gradient_accumulation_steps != accum:
+        fail("train.gradient_accumulation_steps", t.gradient_accumulation_steps,
+              f"disagrees with `train.global_batch_tokens` ({t.global_batch_tokens}), which needs {accum} "
+              f"on {data_parallel_size} rank(s)", "set only one of them")
+    return accum, t.global_batch_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# loading, overrides, dumping
+# --------------------------------------------------------------------------------------------
+
+
+def _format_validation_error(err: ValidationError, prefix: str = "", root: type[BaseModel] | None = None) -> str:
+    """Turn pydantic's error list into one message with field paths, values and fixes (the keys
+    allowed where an unknown one was found are read from ``root``, default :class:`RunConfig`)."""
+    extra: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for e in err.errors():
+        loc = [f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]]  # list items: ranges[0]
+        if prefix:
+            loc = [prefix] + loc
+        if e["type"] == "extra_forbidden":
+            parent = ".".join(loc[:-1]).replace(".[", "[") or "<top level>"
+            extra.setdefault(parent, []).append(loc[-1])
+            continue
+        path = ".".join(loc).replace(".[", "[")
+        lines.append(f"`{path}` ({e.get('input')!r}): {e['msg']}")
+    for parent, keys in extra.items():
+        allowed = _allowed_keys(parent if parent != "<top level>" else "", root or RunConfig)
+        lines.insert(0, f"unknown keys in `{parent}`: {sorted(keys)}; allowed keys: {allowed}: "
+                        "remove or rename them")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _allowed_keys(path: str, root: type[BaseModel]) -> list[str]:
+    cls: Any = root
+    for part in [p.split("[")[0] for p in path.split(".") if p]:
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        else:  # list[...] / Optional[...] of a model
+            args = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type)]
+            inner = [a for a in args if issubclass(a, BaseModel)]
+            if not inner:
+                for a in getattr(ann, "__args__", ()):
+                    inner += [x for x in getattr(a, "__args__", ()) if isinstance(x, type) and issubclass(x, BaseModel)]
+            if not inner:
+                return []
+            cls = inner[0]
+    return sorted(getattr(cls, "model_fields", {}).keys())
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    """Validate a raw recipe dict. Raises ConfigError naming ``source`` and the bad fields."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: a recipe must be a YAML mapping of sections, got {type(raw).__name__}")
+    return validate_model(RunConfig, raw, source)
+
+
+def validate_model(cls: type[BaseModel], raw: Any, source: str):
+    """``cls.model_validate(raw)``; a pydantic or cross-field error becomes one ConfigError
+    starting with ``source`` and naming each bad field, its value and the allowed keys."""
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {_format_validation_error(e, root=cls)}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """Apply ``a.b=value`` overrides (values parsed as YAML) to a copy of a raw recipe dict.
+
+    A path part that is an integer indexes a list (``--set loop.ranges.0.repeats=3``); index
+    ``len(list)`` appends. Raises ConfigError for an override without ``=``, an empty path, a
+    path through a plain value, or a list index out of range. Unknown keys are caught by
+    validation afterwards (with the allowed keys listed).
+    """
+    out = copy.deepcopy(raw)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. --set moe.top_k=2")
+        key, value = item.split("=", 1)
+        parts = [p for p in key.strip().split(".")]
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: empty key path; write it like model.hidden_size=128")
+        parsed = yaml.safe_load(value) if value.strip() else None
+        node: Any = out
+        for depth, p in enumerate(parts):
+            last = depth == len(parts) - 1
+            where = ".".join(parts[:depth]) or "the recipe"
+            if isinstance(node, list):
+                if not p.isdigit():
+                    example = ".".join(parts[:depth] + ["0"] + parts[depth + 1:])
+                    raise ConfigError(f"--set {item!r}: `{where}` is a list; index it with a number from 0 "
+                                      f"(e.g. {example}), got {p!r}")
+                idx = int(p)
+                if idx > len(node) or (idx == len(node) and not last):
+                    raise ConfigError(f"--set {item!r}: index {idx} is out of range for `{where}` "
+                                      f"({len(node)} items; use 0..{len(node) - 1}, or {len(node)} to append)")
+                if last:
+                    if idx == len(node):
+                        node.append(parsed)
+                    else:
+                        node[idx] = parsed
+                    break
+                node = node[idx]
+            elif isinstance(node, dict):
+                if last:
+                    node[p] = parsed
+                    break
+                nxt = node.get(p)
+                if nxt is None:
+                    nxt = node[p] = {}
+                node = nxt
+            else:
+                raise ConfigError(f"--set {item!r}: `{where}` is a value ({node!r}), not a section")
+    return out
+
+
+def config_diff(new: Any, old: Any, path: str = "", labels: tuple[str, str] = ("planned", "there")) -> list[str]:
+    """Differences between two raw config dicts, one ``"path: OLD <labels[1]>, NEW <labels[0]>"``
+    string per differing leaf (dicts are walked, other values compared whole)."""
+    if isinstance(new, dict) and isinstance(old, dict):
+        return [d for k in sorted(set(new) | set(old))
+                for d in config_diff(new.get(k), old.get(k), f"{path}.{k}".lstrip("."), labels)]
+    return [] if new == old else [f"{path}: {old!r} {labels[1]}, {new!r} {labels[0]}"]
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last silently).
+
+    ``source`` names the file in messages; key paths (``model.num_layers``, ``data.sources[0].path``)
+    are computed from the node tree before construction. Merge keys (``<<: *anchor``) may be
+    overridden by the mapping's own keys, as YAML specifies.
+    """
+
+    source = "<yaml>"
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._paths: dict[int, str] = {}
+        self._index_paths(node, "")
+        return super().construct_document(node)
+
+    def _index_paths(self, node: yaml.Node, path: str) -> None:
+        if id(node) in self._paths:  # an alias: keep the first path, do not walk twice
+            return
+        self._paths[id(node)] = path
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+                self._index_paths(value_node, f"{path}.{key}" if path else str(key))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._index_paths(item, f"{path}[{i}]")
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                except TypeError:  # unhashable key: SafeConstructor raises its own error below
+                    continue
+                seen.setdefault(key, line)
+                if first is not None:
+                    parent = self._paths.get(id(node), "")
+                    where = f"{parent}.{key}" if parent else str(key)
+                    raise ConfigError(f"{self.source}: key `{where}` is given twice (lines {first} and {line}); "
+                                      "YAML would silently keep only the last one: delete or merge one of them")
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml_mapping(path: str | Path, what: str = "recipe file", example: str = "recipes/tiny/smelt.yaml"
+                      ) -> dict[str, Any]:
+    """The YAML mapping in ``path`` (empty file = {}). Raises ConfigError naming ``what`` and the
+    file for a missing file, bad YAML, a key given twice in one mapping (at any level; both line
+    numbers), or a document that is not a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} does not exist: pass the path of a YAML file, e.g. {example}")
+    loader = _UniqueKeyLoader(path.read_text())
+    loader.source = f"{what} {str(path)!r}"
+    try:
+        raw = loader.get_single_data() or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} {str(path)!r} must be a YAML mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML recipe, apply ``--set`` overrides and validate.
+
+    Raises ConfigError for a missing file, bad YAML, unknown keys or invalid values.
+    """
+    raw = read_yaml_mapping(path)
+    return config_from_dict(apply_overrides(raw, overrides), source=str(path))
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain-data form of a config (JSON/YAML serialisable)."""
+    return cfg.model_dump(mode="json")
+
+
+def dump_config(cfg: RunConfig, path: str | Path | None = None) -> str:
+    """Serialise a resolved config to YAML (and write it to ``path`` when given)."""
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    if path is not None:
+        Path(path).write_text(text)
+    return text

@@ -1,0 +1,114 @@
+"""``smelt-ds render-job``: fill a launcher template (deepspeed, Slurm, Kubernetes) from a recipe.
+
+    smelt-ds render-job RECIPE --scheduler deepspeed|slurm|k8s [--layout NAME] [--nodes N]
+        [--gpus-per-node G] [--set KEY=VALUE ...] [-o FILE] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from smelt_ds.errors import ConfigError
+from smelt_ds.launch.jobs import MIN_HEADROOM, SCHEDULERS, JobOptions, plan_job, render, summary
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+
+    d = JobOptions(scheduler="slurm")
+    p = sub.add_parser(
+        "render-job", help="render a deepspeed / Slurm / Kubernetes job for a recipe (nothing is launched)",
+        description="Resolve a recipe for a cluster layout (its `cluster.layouts`, or --nodes/--gpus-per-node), check "
+                    "that it can use that many GPUs and fits in memory, and fill the template in launchers/. "
+                    "--dry-run prints the commands, world size, data/expert-parallel layout and memory verdict.")
+    p.add_argument("recipe", help="YAML recipe, e.g. recipes/xl/smelt.yaml")
+    p.add_argument("--scheduler", required=True, help=f"one of {', '.join(SCHEDULERS)}")
+    p.add_argument("--layout", default=None, help="the recipe's cluster layout (e.g. h100, h200; default cluster.default)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: the layout's)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (ranks) per node (default: the layout's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="recipe override, passed on to smelt_ds.train (wins over the layout's overrides)")
+    p.add_argument("-o", "--output", default=None, help="write the job file here (default: print it)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved plan only; write nothing")
+    p.add_argument("--force", action="store_true",
+                   help="write the job even when the memory verdict says it does not fit")
+    p.add_argument("--workdir", default=None,
+                   help="repository checkout the job runs in (default: this directory; k8s: /workspace/smelt-ds)")
+    p.add_argument("--job-name", default=None, help="job name (default smelt-<recipe name>)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="environment variable for every rank, e.g. --env NCCL_SOCKET_IFNAME=ib0 (repeatable)")
+    p.add_argument("--shutdown-timeout", type=int, default=d.shutdown_s, dest="shutdown_s",
+                   help=f"seconds the ranks get to save a checkpoint after SIGTERM (default {d.shutdown_s})")
+    g = p.add_argument_group("deepspeed launcher")
+    g.add_argument("--hostfile", default=None, help="hostfile (HOST slots=N lines); required for several nodes")
+    g.add_argument("--master-port", type=int, default=d.master_port, help=f"rendezvous port (default {d.master_port})")
+    g = p.add_argument_group("Slurm")
+    g.add_argument("--time", default=d.time, help=f"time limit per start, D-HH:MM:SS (default {d.time}); the job "
+                                                  "requeues itself and resumes")
+    g.add_argument("--partition", default=None, help="#SBATCH --partition")
+    g.add_argument("--account", default=None, help="#SBATCH --account")
+    g.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                   help="extra #SBATCH line, e.g. --sbatch=--qos=high (repeatable)")
+    g.add_argument("--log-dir", default=None, help="directory of the job logs (default WORKDIR/runs/slurm-logs)")
+    g.add_argument("--signal-lead", type=int, default=d.signal_lead_s, dest="signal_lead_s",
+                   help=f"seconds before the time limit at which the job checkpoints and requeues (default "
+                        f"{d.signal_lead_s})")
+    g = p.add_argument_group("Kubernetes")
+    g.add_argument("--image", default=d.image, help=f"container image with smelt-ds (default {d.image}; "
+                                                    "launchers/k8s/Dockerfile)")
+    g.add_argument("--namespace", default=d.namespace, help=f"namespace (default {d.namespace})")
+    g.add_argument("--runs-pvc", default=d.runs_pvc, help=f"ReadWriteMany PVC for runs/ (default {d.runs_pvc})")
+    g.add_argument("--data-pvc", default=d.data_pvc, help=f"PVC with the corpora (default {d.data_pvc})")
+    g.add_argument("--backoff-limit", type=int, default=d.backoff_limit, help="pod restarts before the job fails")
+    g.add_argument("--shm-size", default=d.shm_size, help=f"/dev/shm size (default {d.shm_size})")
+    g.add_argument("--cpus-per-gpu", type=int, default=d.cpu_per_gpu, dest="cpu_per_gpu",
+                   help=f"CPU cores requested per GPU (default {d.cpu_per_gpu})")
+    g.add_argument("--memory-per-gpu", type=int, default=d.memory_per_gpu_gib, dest="memory_per_gpu_gib",
+                   help=f"host memory requested per GPU, GiB (default {d.memory_per_gpu_gib})")
+    p.set_defaults(func=run_render_job)
+
+
+def options_from_args(args: argparse.Namespace):
+    """A :class:`smelt_ds.launch.jobs.JobOptions` from parsed arguments."""
+
+    return JobOptions(scheduler=args.scheduler, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                      layout=args.layout, overrides=list(args.set), hostfile=args.hostfile,
+                      master_port=args.master_port, workdir=args.workdir, job_name=args.job_name, env=list(args.env),
+                      time=args.time, partition=args.partition, account=args.account, sbatch=list(args.sbatch),
+                      log_dir=args.log_dir, signal_lead_s=args.signal_lead_s, shutdown_s=args.shutdown_s,
+                      image=args.image, namespace=args.namespace, runs_pvc=args.runs_pvc, data_pvc=args.data_pvc,
+                      backoff_limit=args.backoff_limit, shm_size=args.shm_size, cpu_per_gpu=args.cpu_per_gpu,
+                      memory_per_gpu_gib=args.memory_per_gpu_gib)
+
+
+def run_render_job(args: argparse.Namespace) -> int:
+
+    plan = plan_job(args.recipe, options_from_args(args))
+    text = render(plan)  # also on --dry-run: bad scheduler options fail here, not at submission
+    if args.dry_run:
+        print(summary(plan, args.output))
+        return 0
+    if not plan.memory.fits(MIN_HEADROOM) and not args.force:
+        row = plan.memory.configured
+        raise ConfigError(f"{args.recipe} does not fit on {plan.nodes} x {plan.gpus_per_node} GPUs of "
+                          f"{plan.layout.device_memory_gib:g} GiB: {row.total / 2**30:.1f} GiB per GPU, "
+                          f"{row.headroom:.0%} headroom (needs {MIN_HEADROOM:.0%}); nothing written. Use more "
+                          "nodes, see `smelt-ds memory` for a ZeRO stage / checkpointing policy that fits, or "
+                          "pass --force")
+    if args.output is None:
+        print(text, end="")
+        print(summary(plan), file=sys.stderr)
+        return 0
+    out = Path(args.output)
+    if out.is_dir():
+        raise ConfigError(f"-o {args.output!r} is a directory: name the job file, e.g. -o job.sbatch")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    if args.scheduler != "k8s":
+        out.chmod(0o755)
+    if args.scheduler == "slurm":  # Slurm does not create the log directory
+        Path(plan.options.log_dir or Path(plan.workdir) / "runs" / "slurm-logs").mkdir(parents=True, exist_ok=True)
+    print(summary(plan, args.output))
+    print(f"wrote {out}")
+    return 0

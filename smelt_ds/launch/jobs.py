@@ -1,0 +1,542 @@
+"""Cluster jobs from a recipe: the deepspeed launcher (hostfile), Slurm and Kubernetes.
+
+:func:`plan_job` resolves a recipe for a cluster layout (its ``cluster`` section, or ``--nodes`` /
+``--gpus-per-node``), checks that the run can use that many GPUs (expert-parallel size divides the
+world size, the global batch splits over the data-parallel ranks, a node has that many GPUs) and
+estimates memory per GPU; :func:`render` fills one of the templates in ``launchers/``:
+
+* ``deepspeed``: ``launchers/deepspeed/run.sh``, the deepspeed launcher over a hostfile;
+* ``slurm``: ``launchers/slurm/smelt.sbatch``, one ``srun`` task per node running torchrun,
+  rendezvous at the first host of ``SLURM_JOB_NODELIST``, ``--requeue`` + ``--resume auto``;
+* ``k8s``: ``launchers/k8s/pytorchjob.yaml``, a Kubeflow PyTorchJob with one pod per node.
+
+Templates hold ``{{NAME}}`` fields; values are quoted for the file's language here (shell words
+with :func:`shlex.quote`, YAML scalars as JSON strings). Nothing is launched: the rendered file is
+submitted by the user (``sbatch``, ``kubectl apply``, ``bash``). ``python -m smelt_ds.launch
+hostnames NODELIST`` expands a Slurm node list (``gpu[001-004,010]``), ``... hostfile NODELIST
+--slots 8`` writes a DeepSpeed hostfile from it.
+
+Units: counts of nodes, GPUs (ranks) and tokens; seconds; memory in bytes (GiB = 2**30).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smelt_ds.config.run import ClusterLayout, RunConfig, resolve_batch
+from smelt_ds.errors import ConfigError
+from smelt_ds.study.recipes import MIN_HEADROOM, REPO_ROOT, memory_report, resolve, zero3_decision
+
+__all__ = ["SCHEDULERS", "LAUNCHERS_DIR", "TEMPLATES", "Host", "parse_hostfile", "expand_nodelist", "JobOptions",
+           "JobPlan", "plan_job", "render", "per_node_command", "summary", "main"]
+
+SCHEDULERS = ("deepspeed", "slurm", "k8s")
+LAUNCHERS_DIR = REPO_ROOT / "launchers"
+TEMPLATES = {"deepspeed": LAUNCHERS_DIR / "deepspeed" / "run.sh",
+             "slurm": LAUNCHERS_DIR / "slurm" / "smelt.sbatch",
+             "k8s": LAUNCHERS_DIR / "k8s" / "pytorchjob.yaml"}
+#: where the repository lives in the image of launchers/k8s/Dockerfile
+K8S_WORKDIR = "/workspace/smelt-ds"
+_FIELD = re.compile(r"\{\{([A-Z0-9_]+)\}\}")
+
+
+# ---------------------------------------------------------------------------------------------
+# hosts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Host:
+    """One hostfile line: a host name (short or fully qualified) and its GPU slots."""
+
+    name: str
+    slots: int
+
+
+#: a deepspeed hostfile entry exactly as ``deepspeed.launcher.runner._parse_hostfile`` matches it:
+#: at the start of the stripped line, the host, whitespace, then ``slots=`` and digits with nothing
+#: in between; whatever follows the digits is ignored (by the launcher, hence here too)
+_HOSTFILE_ENTRY = re.compile(r"(\S+)\s+slots=(\d+)")
+
+
+def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
+    """Parse a DeepSpeed hostfile, accepting exactly the files the deepspeed launcher accepts
+    (``deepspeed.launcher.runner.fetch_hostfile`` / ``_parse_hostfile``) and reading the same hosts
+    and slots from them.
+
+    Per line, after stripping surrounding whitespace: blank lines and lines *starting* with ``#``
+    are skipped (a ``#`` later in a line is not a comment); every other line must start with
+    ``HOSTNAME``, whitespace, then ``slots=N`` (no spaces around ``=``; ``N`` digits: GPU slots,
+    ``0`` included, as the launcher takes it); anything after the digits is ignored, as by the
+    launcher (e.g. an MPI ``max_slots=8`` or ``# comment``). Lines end at LF, CRLF or CR (Python's
+    universal newlines, as the launcher reads the file). ``source`` names the file in
+    errors. Whether a host has the slots a job needs is :func:`plan_job`'s check, not this one.
+
+    Returns:
+        the hosts in file order.
+
+    Raises:
+        ConfigError: a line the launcher refuses (e.g. ``host slots = 8``, ``host 8``), a host on
+            two lines, or no host at all; the message names ``source``, the line number, the line
+            and the fix.
+    """
+    hosts: list[Host] = []
+    first_line: dict[str, int] = {}
+    for n, raw in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _HOSTFILE_ENTRY.match(line)
+        if m is None:
+            raise ConfigError(f"{source} line {n}: {line!r} is not a deepspeed hostfile entry `HOSTNAME slots=N` "
+                              f"(the deepspeed launcher refuses it): {_hostfile_fix(line)}")
+        name, slots = m.group(1), int(m.group(2))
+        if name in first_line:
+            raise ConfigError(f"{source} line {n}: {line!r}: host {name!r} is listed twice (first on line "
+                              f"{first_line[name]}), which the deepspeed launcher refuses: keep one line per host")
+        first_line[name] = n
+        hosts.append(Host(name, slots))
+    if not hosts:
+        raise ConfigError(f"{source} lists no hosts (only blank lines and `#` comments): add one `HOSTNAME slots=N` "
+                          "line per node, e.g. `gpu-node-001.example.org slots=8`")
+    return hosts
+
+
+def _hostfile_fix(line: str) -> str:
+    """How to write a hostfile line the launcher refuses (for the error message)."""
+    m = re.match(r"(\S+)\s+slots\s*[=:]?\s*(\d+)", line, re.IGNORECASE)
+    if m is not None:
+        return f"write `{m.group(1)} slots={m.group(2)}` (lower-case `slots=`, no spaces around `=`)"
+    m = re.fullmatch(r"(\S+)\s+(\d+)", line)
+    if m is not None:
+        return f"write `{m.group(1)} slots={m.group(2)}`"
+    return ("write one host per line as `HOSTNAME slots=N` (the host, a space, then `slots=` and its GPU count), "
+            "e.g. `gpu-node-001.example.org slots=8`; start a comment line with `#`")
+
+
+def _split_top(text: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [s.strip() for s in out if s.strip()]
+
+
+def _expand_item(item: str, nodelist: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", item)
+    if m is None:
+        if "[" in item or "]" in item:
+            raise ConfigError(f"node list {nodelist!r}: unbalanced brackets in {item!r}")
+        return [item]
+    names = []
+    for part in m.group(1).split(","):
+        r = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if r is None or (r.group(2) is not None and int(r.group(2)) < int(r.group(1))):
+            raise ConfigError(f"node list {nodelist!r}: range {part!r} is not N or N-M with N <= M")
+        lo, hi = r.group(1), r.group(2) or r.group(1)
+        width = len(lo) if lo.startswith("0") else 0
+        for i in range(int(lo), int(hi) + 1):
+            names.append(str(i).zfill(width))
+    head, tail = item[:m.start()], item[m.end():]
+    return [x for n in names for x in _expand_item(head + n + tail, nodelist)]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm node list (``SLURM_JOB_NODELIST``) like ``scontrol show hostnames``:
+    ``gpu[001-003,007],login-1`` -> ``gpu001 gpu002 gpu003 gpu007 login-1``; several bracket
+    groups multiply (``r[1-2]n[1-2]``). Raises ConfigError for an empty or malformed list."""
+    items = _split_top(nodelist or "")
+    if not items:
+        raise ConfigError(f"node list {nodelist!r} is empty: pass SLURM_JOB_NODELIST, e.g. gpu[001-004]")
+    return [h for item in items for h in _expand_item(item, nodelist)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class JobOptions:
+    """What ``smelt-ds render-job`` takes besides the recipe. ``None`` = from the recipe's layout /
+    a default. Times in seconds unless named otherwise; ``time`` is Slurm's ``D-HH:MM:SS``."""
+
+    scheduler: str
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    layout: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    hostfile: str | None = None
+    master_port: int = 29500
+    workdir: str | None = None
+    job_name: str | None = None
+    env: list[str] = field(default_factory=list)
+    time: str = "2-00:00:00"
+    partition: str | None = None
+    account: str | None = None
+    sbatch: list[str] = field(default_factory=list)
+    log_dir: str | None = None
+    signal_lead_s: int = 600
+    shutdown_s: int = 300
+    image: str = "smelt-ds:latest"
+    namespace: str = "default"
+    runs_pvc: str = "smelt-runs"
+    data_pvc: str = "smelt-corpora"
+    backoff_limit: int = 20
+    shm_size: str = "64Gi"
+    cpu_per_gpu: int = 8
+    memory_per_gpu_gib: int = 64
+
+
+@dataclass
+class JobPlan:
+    """A recipe resolved for a cluster: sizes, parallel layout, memory verdict, and what the job
+    passes to ``smelt_ds.train`` (``train_args``: the layout's and the user's ``--set``)."""
+
+    options: JobOptions
+    recipe_path: Path
+    recipe_arg: str
+    workdir: str
+    config: RunConfig
+    layout_name: str
+    layout: ClusterLayout
+    nodes: int
+    gpus_per_node: int
+    train_args: list[str]
+    accumulation: int
+    global_batch_tokens: int
+    hosts: list[Host]
+    master_addr: str
+    env: dict[str, str]
+    job_name: str
+    memory: Any
+    zero3: Any
+    notes: list[str]
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def ep_size(self) -> int:
+        return self.config.moe.ep_size if self.config.moe.backend != "reference" else 1
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"`{name}` ({value!r}) must be a positive integer, e.g. {name} 2")
+
+
+def _check_world(cfg: RunConfig, layout_name: str, layout: ClusterLayout, nodes: int, gpus: int,
+                 from_layout: bool) -> tuple[int, int]:
+    """Raise ConfigError when the run cannot use ``nodes x gpus`` GPUs; return
+    ``(accumulation, global_batch_tokens)``."""
+    world = nodes * gpus
+    if from_layout and gpus > layout.gpus_per_node:
+        raise ConfigError(f"`--gpus-per-node` ({gpus}) is more GPUs than a node of layout '{layout_name}' has "
+                          f"({layout.gpus_per_node} x {layout.gpu}): use at most {layout.gpus_per_node}, or "
+                          "choose another --layout")
+    ep = cfg.moe.ep_size if cfg.moe.backend != "reference" else 1
+    if world % ep:
+        raise ConfigError(f"`moe.ep_size` ({ep}) does not divide the world size ({nodes} nodes x {gpus} GPUs = "
+                          f"{world}): expert parallelism splits the experts over groups of {ep} GPUs; use a "
+                          f"multiple of {ep} GPUs")
+    t = cfg.train
+    if t.global_batch_tokens is not None:
+        micro_tokens = t.micro_batch_size * t.seq_len
+        micro_batches = t.global_batch_tokens // micro_tokens
+        if world > micro_batches:
+            raise ConfigError(f"{nodes} x {gpus} = {world} GPUs is more than the layout needs: the global batch of "
+                              f"`train.global_batch_tokens` ({t.global_batch_tokens:,}) tokens is {micro_batches} "
+                              f"micro-batches of {t.micro_batch_size} x {t.seq_len} tokens, one per data-parallel "
+                              f"rank at most; use at most {micro_batches} GPUs, or raise train.global_batch_tokens "
+                              "/ lower train.micro_batch_size")
+    return resolve_batch(cfg, world)
+
+
+def _recipe_arg(path: Path, workdir: str) -> str:
+    p = path.resolve()
+    for base in (Path(workdir), REPO_ROOT):
+        try:
+            return str(p.relative_to(Path(base).resolve()))
+        except ValueError:
+            continue
+    return str(p)
+
+
+def _parse_env(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ConfigError(f"--env {item!r}: expected NAME=VALUE with a shell variable name, "
+                              "e.g. --env NCCL_SOCKET_IFNAME=ib0")
+        out[key] = value
+    return out
+
+
+def _job_name(cfg: RunConfig, given: str | None) -> str:
+    name = given or f"smelt-{cfg.name}"
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?", name):
+        raise ConfigError(f"--job-name {name!r}: use lowercase letters, digits and '-' (at most 52 characters, "
+                          "a Kubernetes name), e.g. smelt-xl-smelt")
+    return name
+
+
+def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
+    """Resolve ``recipe`` for ``options`` and check it (see the module docstring).
+
+    Raises ConfigError for an unknown scheduler or layout, non-positive sizes, more GPUs per node
+    than the layout's nodes have, an ``ep_size`` that does not divide the world size, a world size
+    the global batch cannot be split over, a bad hostfile or one with too few hosts or slots.
+    """
+    o = options
+    if o.scheduler not in SCHEDULERS:
+        raise ConfigError(f"--scheduler {o.scheduler!r} is unknown: use one of {', '.join(SCHEDULERS)}")
+    res = resolve(recipe, o.layout, o.overrides)
+    cfg, layout = res.config, res.layout
+    from_layout = bool(cfg.cluster.layouts)
+    hosts: list[Host] = []
+    if o.hostfile is not None:
+        hp = Path(o.hostfile)
+        if not hp.is_file():
+            raise ConfigError(f"--hostfile {o.hostfile!r} does not exist: see launchers/deepspeed/hostfile.example")
+        hosts = parse_hostfile(hp.read_text(), str(hp))
+    nodes = o.nodes if o.nodes is not None else (len(hosts) if hosts and not from_layout else layout.nodes)
+    gpus = o.gpus_per_node if o.gpus_per_node is not None else layout.gpus_per_node
+    _positive("--nodes", nodes)
+    _positive("--gpus-per-node", gpus)
+    notes: list[str] = []
+    if o.scheduler == "deepspeed":
+        if hosts:
+            if len(hosts) < nodes:
+                raise ConfigError(f"--hostfile {o.hostfile} lists {len(hosts)} host(s) but the job needs --nodes "
+                                  f"{nodes}: add hosts or lower --nodes")
+            short = [h for h in hosts[:nodes] if h.slots < gpus]
+            if short:
+                raise ConfigError(f"--hostfile {o.hostfile}: {', '.join(f'{h.name} has {h.slots} slots' for h in short)}"
+                                  f", fewer than --gpus-per-node {gpus}: fix the slots or lower --gpus-per-node")
+        elif nodes > 1:
+            raise ConfigError(f"--nodes {nodes} with --scheduler deepspeed needs --hostfile (the hosts to start ranks "
+                              "on): see launchers/deepspeed/hostfile.example")
+    accum, gbt = _check_world(cfg, res.layout_name, layout, nodes, gpus, from_layout)
+    if hosts and o.scheduler != "deepspeed":
+        notes.append(f"--hostfile is only used by --scheduler deepspeed; {o.scheduler} finds its hosts itself")
+    ep = cfg.moe.ep_size if cfg.moe.backend != "reference" else 1
+    if ep > 1 and gpus % ep:
+        notes.append(f"expert-parallel groups of {ep} GPUs span nodes ({gpus} GPUs per node): the expert "
+                     "all-to-all crosses the network")
+    mem = memory_report(cfg, layout, nodes, gpus)
+    if not mem.fits(MIN_HEADROOM):
+        row = mem.configured
+        notes.append(f"memory: {row.total / 2**30:.1f} GiB of {layout.device_memory_gib:g} GiB per GPU leaves "
+                     f"{row.headroom:.0%} free, under the {MIN_HEADROOM:.0%} headroom: see `smelt-ds memory` for a "
+                     "ZeRO stage / checkpointing policy that fits")
+    workdir = o.workdir or (K8S_WORKDIR if o.scheduler == "k8s" else str(Path.cwd().resolve()))
+    train_args = [x for s in res.overrides for x in ("--set", s)]
+    return JobPlan(o, res.path, _recipe_arg(res.path, workdir), workdir, cfg, res.layout_name, layout, nodes, gpus,
+                   train_args, accum, gbt, hosts, hosts[0].name if hosts else ("127.0.0.1" if nodes == 1 else ""),
+                   _parse_env(o.env), _job_name(cfg, o.job_name), mem, zero3_decision(cfg, layout, nodes * gpus), notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+# ---------------------------------------------------------------------------------------------
+
+
+def _fill(template: str, values: dict[str, str], name: str) -> str:
+    missing = sorted({m for m in _FIELD.findall(template) if m not in values})
+    if missing:
+        raise ConfigError(f"template {name} has fields {missing} that render-job does not fill")
+    return _FIELD.sub(lambda m: values[m.group(1)], template)
+
+
+def _shell_common(plan: JobPlan) -> dict[str, str]:
+    q = shlex.quote
+    return {"WORKDIR": q(plan.workdir), "RECIPE": q(plan.recipe_arg), "NODES": str(plan.nodes),
+            "GPUS_PER_NODE": str(plan.gpus_per_node), "TRAIN_ARGS": q(shlex.join(plan.train_args)),
+            "ENV_EXPORTS": "\n".join(f"export {k}={q(v)}" for k, v in plan.env.items()),
+            "SHUTDOWN_S": str(plan.options.shutdown_s)}
+
+
+def per_node_command(plan: JobPlan) -> str:
+    """The command every node (pod) runs, with the node rank and master as shell variables."""
+    rank = {"slurm": '"$SLURM_NODEID"', "k8s": '"${PET_NODE_RANK:-$RANK}"'}.get(plan.options.scheduler, "0")
+    master = '"$MASTER_ADDR"' if plan.options.scheduler != "deepspeed" else shlex.quote(plan.master_addr)
+    port = '"$MASTER_PORT"' if plan.options.scheduler != "deepspeed" else str(plan.options.master_port)
+    return (f"python -m torch.distributed.run --nnodes={plan.nodes} --nproc-per-node={plan.gpus_per_node} "
+            f"--node-rank={rank} --master-addr={master} --master-port={port} "
+            f"-m smelt_ds.train {shlex.join([plan.recipe_arg, '--resume', 'auto', *plan.train_args])}")
+
+
+def _render_slurm(plan: JobPlan) -> dict[str, str]:
+    o = plan.options
+    extra = [f"#SBATCH --partition={o.partition}"] if o.partition else []
+    extra += [f"#SBATCH --account={o.account}"] if o.account else []
+    for opt in o.sbatch:
+        if not opt.startswith("--") or "\n" in opt:
+            raise ConfigError(f"--sbatch {opt!r}: pass one sbatch option such as --sbatch=--qos=high")
+        extra.append(f"#SBATCH {opt}")
+    if not re.fullmatch(r"(\d+-)?\d+(:\d\d){0,2}", o.time):
+        raise ConfigError(f"--time {o.time!r} is not a Slurm time limit: write D-HH:MM:SS or HH:MM:SS, e.g. 2-00:00:00")
+    _positive("--signal-lead", o.signal_lead_s)
+    if o.shutdown_s >= o.signal_lead_s:
+        raise ConfigError(f"--shutdown-timeout ({o.shutdown_s} s) must be shorter than --signal-lead "
+                          f"({o.signal_lead_s} s): the ranks must have saved before the time limit")
+    log_dir = o.log_dir or str(Path(plan.workdir) / "runs" / "slurm-logs")
+    if re.search(r"\s", log_dir):
+        raise ConfigError(f"--log-dir {log_dir!r}: #SBATCH --output cannot hold spaces; choose another directory")
+    return {**_shell_common(plan), "JOB_NAME": plan.job_name, "TIME": o.time, "SIGNAL_LEAD_S": str(o.signal_lead_s),
+            "LOG_DIR": log_dir, "EXTRA_SBATCH": "\n".join(extra)}
+
+
+def _render_deepspeed(plan: JobPlan) -> dict[str, str]:
+    o = plan.options
+    hostfile = str(Path(o.hostfile).resolve()) if o.hostfile else ""
+    return {**_shell_common(plan), "HOSTFILE": shlex.quote(hostfile), "MASTER_ADDR": shlex.quote(plan.master_addr),
+            "MASTER_PORT": str(o.master_port), "ENV_NAMES": " ".join(plan.env)}
+
+
+def _render_k8s(plan: JobPlan) -> dict[str, str]:
+    o = plan.options
+    j = json.dumps
+    for name, v in (("--image", o.image), ("--namespace", o.namespace), ("--runs-pvc", o.runs_pvc),
+                    ("--data-pvc", o.data_pvc)):
+        if not v or re.search(r"\s", v):
+            raise ConfigError(f"`{name}` ({v!r}) must be a non-empty name without spaces")
+    _positive("--cpus-per-gpu", o.cpu_per_gpu)
+    _positive("--memory-per-gpu", o.memory_per_gpu_gib)
+    _positive("--backoff-limit", o.backoff_limit)
+    cmd = "exec " + per_node_command(plan)
+    label = re.sub(r"[^A-Za-z0-9_.-]", "_", plan.recipe_arg)[-63:].strip("_.-") or "recipe"
+    items = [f"                - {{name: {k}, value: {j(v)}}}" for k, v in plan.env.items()]
+    return {"JOB_NAME": j(plan.job_name), "NAMESPACE": j(o.namespace), "RECIPE_LABEL": j(label),
+            "BACKOFF_LIMIT": str(o.backoff_limit), "GRACE_S": str(o.shutdown_s + 60), "IMAGE": j(o.image),
+            "WORKDIR": j(plan.workdir), "NODE_CMD": j(cmd), "NODES": str(plan.nodes),
+            "GPUS_PER_NODE": str(plan.gpus_per_node), "SHUTDOWN_S": str(o.shutdown_s),
+            "CACHE_DIR": j(f"{plan.workdir}/runs/.cache/smelt-ds"), "ENV_ITEMS": "\n".join(items),
+            "CPU_REQUEST": str(o.cpu_per_gpu * plan.gpus_per_node),
+            "MEMORY_REQUEST": j(f"{o.memory_per_gpu_gib * plan.gpus_per_node}Gi"),
+            "RUNS_MOUNT": j(f"{plan.workdir}/runs"), "CORPORA_MOUNT": j(f"{plan.workdir}/corpora"),
+            "SHM_SIZE": j(o.shm_size), "RUNS_PVC": j(o.runs_pvc), "DATA_PVC": j(o.data_pvc),
+            "WORKERS": str(plan.nodes - 1)}
+
+
+def render(plan: JobPlan) -> str:
+    """The filled template of ``plan.options.scheduler``. Raises ConfigError for bad scheduler
+    options (time limit, sbatch lines, image name, ...)."""
+    s = plan.options.scheduler
+    template = TEMPLATES[s].read_text()
+    values = {"slurm": _render_slurm, "deepspeed": _render_deepspeed, "k8s": _render_k8s}[s](plan)
+    if s == "k8s" and plan.nodes == 1:  # a single pod: the Master alone
+        template = re.sub(r"\n    Worker:.*?template: \*pod\n", "\n", template, flags=re.S)
+    return _fill(template, values, str(TEMPLATES[s].relative_to(REPO_ROOT)))
+
+
+def submit_command(plan: JobPlan, output: str | None) -> str:
+    """How to submit the rendered file."""
+    f = shlex.quote(output) if output else {"slurm": "job.sbatch", "k8s": "job.yaml", "deepspeed": "run.sh"}[
+        plan.options.scheduler]
+    return {"slurm": f"sbatch {f}", "k8s": f"kubectl apply -f {f}", "deepspeed": f"bash {f}"}[plan.options.scheduler]
+
+
+def _launch_lines(plan: JobPlan, output: str | None) -> list[str]:
+    o = plan.options
+    if o.scheduler == "deepspeed":
+        hostfile = f" --hostfile {shlex.quote(str(Path(o.hostfile).resolve()))}" if o.hostfile else ""
+        train = shlex.join([plan.recipe_arg, "--resume", "auto", *plan.train_args])
+        lines = [f"master        {plan.master_addr}:{o.master_port}"
+                 + (f" (first host of {o.hostfile})" if plan.hosts else " (this machine)"),
+                 f"launch        deepspeed --num_nodes {plan.nodes} --num_gpus {plan.gpus_per_node} --master_addr "
+                 f"{plan.master_addr} --master_port {o.master_port}{hostfile} --module smelt_ds.train {train}"]
+    else:
+        where = {"slurm": "first host of $SLURM_JOB_NODELIST, port 20000 + $SLURM_JOB_ID % 20000",
+                 "k8s": f"the Master pod's Service ({plan.job_name}-master-0), port set by the operator"}[o.scheduler]
+        lines = [f"master        {where}", f"per node      {per_node_command(plan)}"]
+    return lines + [f"submit        {submit_command(plan, output)}"]
+
+
+def _parallel_lines(plan: JobPlan) -> list[str]:
+    c, t, ep, world = plan.config, plan.config.train, plan.ep_size, plan.world_size
+    lines = [f"data parallel {world} ranks x micro-batch {t.micro_batch_size} x {t.seq_len} tokens x "
+             f"accumulation {plan.accumulation} = {plan.global_batch_tokens:,} tokens per step"]
+    if ep > 1:
+        intra = "inside a node" if plan.gpus_per_node % ep == 0 else "spanning nodes"
+        lines.append(f"expert par.   {c.moe.backend}, ep_size {ep}: {world // ep} group(s) of {ep} consecutive ranks "
+                     f"({intra}), {c.moe.num_experts // ep} of {c.moe.num_experts} experts per GPU; each expert "
+                     f"replicated on {world // ep} ranks (expert-data-parallel)")
+    else:
+        lines.append(f"expert par.   none ({c.moe.backend} backend): all {c.moe.num_experts} experts on every GPU")
+    ds = c.deepspeed
+    offload = "".join(f", offload {what} {dev}" for what, dev in (("optimizer", ds.offload_optimizer),
+                                                                  ("params", ds.offload_param)) if dev != "none")
+    lines.append(f"ZeRO          stage {ds.zero_stage}{offload}; activation checkpointing "
+                 f"'{t.activation_checkpointing.policy}'; precision {plan.memory.precision}")
+    if plan.zero3 is not None:
+        lines.append(f"ZeRO-3 loops  {plan.zero3.reason}")
+    return lines
+
+
+def _memory_line(plan: JobPlan) -> str:
+    row, lay = plan.memory.configured, plan.layout
+    verdict = "fits" if plan.memory.fits(MIN_HEADROOM) else "DOES NOT FIT"
+    return (f"memory/GPU    {row.total / 2**30:.1f} GiB of {lay.device_memory_gib:g} GiB (model states "
+            f"{row.model_states / 2**30:.1f}, activations {row.activations_peak / 2**30:.1f}, buffers "
+            f"{row.temporary / 2**30:.1f}): {verdict}, {row.headroom:.0%} headroom "
+            f"(needs {MIN_HEADROOM:.0%}; smelt-ds memory)")
+
+
+def summary(plan: JobPlan, output: str | None = None) -> str:
+    """What ``--dry-run`` prints: commands, world size, data / expert-parallel layout, memory verdict."""
+    c, lay = plan.config, plan.layout
+    lines = [f"recipe        {plan.recipe_arg} ({c.name}), layout '{plan.layout_name}': {lay.gpu}, "
+             f"{lay.device_memory_gib:g} GiB per GPU",
+             f"scheduler     {plan.options.scheduler}",
+             f"world size    {plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world_size} ranks"]
+    lines += _launch_lines(plan, output) + _parallel_lines(plan) + [_memory_line(plan)]
+    if plan.train_args:
+        lines.append(f"overrides     {' '.join(plan.train_args[1::2])}")
+    return "\n".join(lines + [f"note          {n}" for n in plan.notes])
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m smelt_ds.launch hostnames | hostfile
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m smelt_ds.launch hostnames NODELIST`` / ``hostfile NODELIST --slots N``."""
+    p = argparse.ArgumentParser(prog="python -m smelt_ds.launch", description="Slurm node-list helpers.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    h = sub.add_parser("hostnames", help="one host name per line, like `scontrol show hostnames`")
+    h.add_argument("nodelist")
+    f = sub.add_parser("hostfile", help="a DeepSpeed hostfile (HOST slots=N) for a node list")
+    f.add_argument("nodelist")
+    f.add_argument("--slots", type=int, required=True, help="GPUs per node")
+    args = p.parse_args(argv)
+    try:
+        hosts = expand_nodelist(args.nodelist)
+        if args.cmd == "hostfile":
+            _positive("--slots", args.slots)
+            print("\n".join(f"{h} slots={args.slots}" for h in hosts))
+        else:
+            print("\n".join(hosts))
+    except ConfigError as e:
+        print(f"smelt_ds.launch: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,68 @@
+"""Process-group setup and rank-0 helpers for every multi-rank path (training, profiling, tests).
+
+torch.distributed through DeepSpeed (``deepspeed.init_distributed``: gloo on CPU, NCCL on CUDA), or a
+world of one when nothing launched several ranks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from smelt_ds.errors import ConfigError
+from smelt_ds.testing.distributed import find_free_port
+
+__all__ = ["init_distributed", "on_rank0", "sync_flag"]
+
+
+def init_distributed() -> tuple[int, int, int]:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA) when launched
+    with several ranks, or as a world of one. Returns ``(rank, local_rank, world_size)``."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(find_free_port())
+    backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend)
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    return dist.get_rank(), local_rank, dist.get_world_size()
+
+
+def on_rank0(rank: int, fn):
+    """``fn()`` on global rank 0 (its result there, None elsewhere); a ConfigError it raises is
+    raised on every rank, so no rank waits in a collective for a rank that gave up."""
+    import torch.distributed as dist
+
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn()
+        except ConfigError as e:
+            error = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ConfigError(error)
+    return result
+
+
+def sync_flag(flag: bool) -> bool:
+    """True on every rank when any rank got a stop signal."""
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

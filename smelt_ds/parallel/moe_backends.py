@@ -1,0 +1,594 @@
+"""MoE backends: run the reference MoE layers of a built :class:`SmeltLM` through DeepSpeed.
+
+The model package never imports DeepSpeed; this module does and is applied from outside, like
+torchtitan's ``parallelize.py``. One recipe field, ``moe.backend``, picks how the same reference
+layout (``mlp.gate.weight [E, H]``, ``mlp.experts.gate_up_proj [E, 2F, H]``,
+``mlp.experts.down_proj [E, H, F]``, optional ``mlp.shared_expert`` + ``mlp.shared_expert_gate``)
+runs:
+
+==========  =======================================================  ======  ================
+backend     what runs                                                ZeRO    expert parallel
+==========  =======================================================  ======  ================
+reference   ``smelt_ds.model.moe.MoE`` (dropless, plain PyTorch)     0-3     no
+deepspeed   :class:`DeepSpeedMoE` around ``deepspeed.moe.layer.MoE``  0-2     ``moe.ep_size``
+autoep      DeepSpeed AutoEP replaces ``layers.{i}.mlp`` in           0-3     ``autoep_size =
+            ``deepspeed.initialize`` (``expert_parallel`` section)            moe.ep_size``
+==========  =======================================================  ======  ================
+
+How the engine uses it (:func:`smelt_ds.parallel.engine.initialize`, :func:`smelt_ds.train.build.build`; all
+ranks, same order): after ``deepspeed.init_distributed`` and ``SmeltLM(cfg)``,
+:func:`apply_backend` converts the model (before ``deepspeed.initialize``; raises ConfigError);
+``build_ds_config`` adds the ``expert_parallel`` section (:func:`autoep_config_section`) for
+``autoep``; :func:`optimizer_param_groups` splits expert parameters into ``moe`` groups for
+``deepspeed``; and ``deepspeed.initialize`` gets ``optimizer=moe_optimizer(torch.optim.AdamW,
+...)``, a factory DeepSpeed calls after AutoEP has replaced the layers.
+
+``out.loss`` already holds ``aux_loss_coef * aux + z_loss_coef * z`` for every backend (mean over
+MoE *visits*, the reference definitions), so the training loop does not change with the backend.
+Checkpoints of every backend also carry the weights in the reference layout
+(:mod:`smelt_ds.train.reference_weights`).
+
+What DeepSpeed 0.19.8 does with these layers (gating maths, aux-loss differences, ZeRO and
+optimizer-group constraints, AutoEP's limits, checkpoint files) and why the code is as it is:
+``docs/deepspeed_notes.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Iterable, TypeVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from smelt_ds.errors import fail
+from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU, load_balancing_loss, router_z_loss
+
+__all__ = ["BACKENDS", "AUTOEP_LAYER_PATTERN", "apply_backend", "check_backend_compat", 
+           "tutel_available", "CapacityRouterOutput", "smelt_topk_gate_class", "DeepSpeedMoE", "convert_to_deepspeed_moe",
+           "expert_parallel_rank", "optimizer_param_groups", "split_params_into_moe_groups", "moe_optimizer",
+           "autoep_config_section", "attach_autoep_hooks", "autoep_layers"]
+
+BACKENDS = ("reference", "deepspeed", "autoep")
+
+#: Module-name regex AutoEP matches against ``named_modules()`` of the model given to
+#: ``deepspeed.initialize`` (``re.fullmatch``): our MoE FFNs are ``layers.{i}.mlp``.
+AUTOEP_LAYER_PATTERN = r"layers\.\d+\.mlp"
+
+_ModuleT = TypeVar("_ModuleT", bound=nn.Module)
+
+TUTEL_INSTALL_HINT = ("pip install --upgrade git+https://github.com/microsoft/tutel@main "
+                      "(tutel is not on the package index; needs a CUDA build)")
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------
+
+
+def tutel_available() -> bool:
+    """Whether the optional ``tutel`` package can be imported (DeepSpeed checks the same import)."""
+    from deepspeed.moe import sharded_moe
+
+    return importlib.util.find_spec("tutel") is not None and sharded_moe.TUTEL_INSTALLED
+
+
+def check_backend_compat(cfg, zero_stage: int | None = None, world_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` for a recipe the chosen ``moe.backend`` cannot run.
+
+    Args:
+        cfg: a :class:`smelt_ds.config.run.RunConfig`.
+        zero_stage: the ZeRO stage of the DeepSpeed config (default: ``cfg.deepspeed.effective_zero_stage``).
+        world_size: number of ranks, when known (``moe.ep_size`` must divide it).
+
+    Raises:
+        ConfigError: naming the field path, the value and the fix. ``deepspeed`` backend: ZeRO-3
+            (DeepSpeed raises ``AssertionError: Native DeepSpeed MoE is not supported with ZeRO
+            Stage 3`` inside ``deepspeed.initialize``; use ``autoep``), ``score_func: sigmoid``
+            (TopKGate is softmax-only), ``aux_loss_free_bias`` (no expert bias in TopKGate),
+            ``norm_topk_prob`` other than DeepSpeed's fixed choice (top-1: raw softmax weight,
+            top-k >= 2: renormalised), ``use_tutel`` without the ``tutel`` package.
+            ``autoep`` backend: ``aux_loss_free_bias`` (AutoEP rejects ``load_balance_coeff``),
+            ``router_jitter`` > 0 (AutoEP's router has no jitter), ``use_tutel``.
+            Any EP backend: ``moe.ep_size`` not dividing ``world_size``.
+    """
+    moe = cfg.moe
+    stage = cfg.deepspeed.effective_zero_stage if zero_stage is None else zero_stage
+    if moe.backend not in BACKENDS:
+        fail("moe.backend", moe.backend, "is unknown", f"use one of {list(BACKENDS)}")
+    if moe.backend == "reference":
+        return
+    if world_size is not None and world_size % moe.ep_size:
+        fail("moe.ep_size", moe.ep_size, f"must divide the number of ranks ({world_size})",
+              "launch a multiple of ep_size ranks or lower moe.ep_size")
+    if moe.backend == "deepspeed":
+        _check_deepspeed_backend(moe, stage)
+    else:
+        _check_autoep_backend(moe)
+
+
+def _check_deepspeed_backend(moe, stage: int) -> None:
+    if stage == 3:
+        fail("moe.backend", "deepspeed", "does not support ZeRO stage 3 (DeepSpeed raises 'Native DeepSpeed "
+              "MoE is not supported with ZeRO Stage 3')", "use moe.backend 'autoep' for ZeRO-3, or "
+              "deepspeed.zero_stage <= 2")
+    if moe.score_func != "softmax":
+        fail("moe.score_func", moe.score_func, "is not supported by moe.backend 'deepspeed' (TopKGate is "
+              "softmax-only)", "set moe.score_func to 'softmax', or use moe.backend 'autoep' or 'reference'")
+    if moe.aux_loss_free_bias:
+        fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'deepspeed' (TopKGate has no "
+              "expert bias)", "set moe.aux_loss_free_bias to false, or use moe.backend 'reference'")
+    want = moe.top_k >= 2
+    if moe.norm_topk_prob != want:
+        how = ("renormalises the top-k weights to sum to 1" if want else
+               "weights the top-1 expert by its raw softmax probability")
+        fail("moe.norm_topk_prob", moe.norm_topk_prob, f"differs from DeepSpeed's gate, which for top_k "
+              f"{moe.top_k} {how}", f"set moe.norm_topk_prob to {str(want).lower()}, or use moe.backend "
+              "'autoep' or 'reference'")
+    if moe.use_tutel and not tutel_available():
+        fail("moe.use_tutel", True, "needs the optional package `tutel`, which is not installed",
+              f"install it ({TUTEL_INSTALL_HINT}) or set moe.use_tutel to false")
+
+
+def _check_autoep_backend(moe) -> None:
+    if moe.aux_loss_free_bias:
+        fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'autoep' (DeepSpeed AutoEP "
+              "rejects expert_parallel.load_balance_coeff)", "set moe.aux_loss_free_bias to false, or use "
+              "moe.backend 'reference'")
+    if moe.router_jitter > 0:
+        fail("moe.router_jitter", moe.router_jitter, "is not supported by moe.backend 'autoep' (AutoEP's "
+              "TokenChoiceTopKRouter has no input jitter)", "set moe.router_jitter to 0, or use moe.backend "
+              "'deepspeed' or 'reference'")
+    if moe.use_tutel:
+        fail("moe.use_tutel", True, "only applies to moe.backend 'deepspeed'", "set moe.use_tutel to false")
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def apply_backend(model: _ModuleT, cfg, zero_stage: int | None = None, world_size: int | None = None,
+                  use_data_before_expert_parallel: bool = False) -> _ModuleT:
+    """Prepare ``model`` (a :class:`SmeltLM` with reference MoE layers) for ``cfg.moe.backend``.
+
+    Call it after the process group is initialised and *before* ``deepspeed.initialize``.
+
+    * ``reference``: returns ``model`` unchanged.
+    * ``deepspeed``: replaces every ``layers.{i}.mlp`` :class:`MoE` in place by a
+      :class:`DeepSpeedMoE` holding this rank's experts (``ep_size > 1`` creates DeepSpeed's
+      ``ep_size_{n}`` expert groups now, so the local experts can be picked).
+    * ``autoep``: the layers are replaced later by ``deepspeed.initialize`` from the
+      ``expert_parallel`` section (:func:`autoep_config_section`); this registers a forward
+      pre-hook on ``model`` that attaches the router hooks (:func:`attach_autoep_hooks`) to the
+      replaced layers on the first forward, so the aux and z losses reach ``SmeltLM``'s loss.
+
+    ``world_size`` defaults to ``torch.distributed``'s when initialised. Returns ``model``.
+    Raises ConfigError (see :func:`check_backend_compat`).
+    """
+    if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        world_size = torch.distributed.get_world_size()
+    check_backend_compat(cfg, zero_stage, world_size)
+    if cfg.moe.backend == "deepspeed":
+        convert_to_deepspeed_moe(model, cfg, use_data_before_expert_parallel)
+    elif cfg.moe.backend == "autoep" and not getattr(model, "_smelt_autoep_prehook", False):
+        model.register_forward_pre_hook(_autoep_prehook)
+        cast(Any, model)._smelt_autoep_prehook = True
+    return model
+
+
+def _moe_blocks(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """``(name, block)`` for every decoder block whose FFN slot holds an MoE."""
+    for i, block in enumerate(getattr(model, "layers", [])):
+        if getattr(block, "is_moe", False):
+            yield f"layers.{i}", block
+
+
+# ---------------------------------------------------------------------------------------------
+# deepspeed backend
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CapacityRouterOutput(RouterOutput):
+    """A :class:`RouterOutput` of a capacity-limited gate (DeepSpeed's TopKGate).
+
+    ``topk_idx_TK`` are the experts the router chose (before capacity dropping, as the reference
+    router would choose them); ``kept_TK`` (bool) marks the routed copies that fit into their
+    expert's capacity; ``topk_weight_TK`` are the combine weights DeepSpeed applied (0 for dropped
+    copies). ``capacity`` is in tokens per expert; ``ds_l_aux`` is DeepSpeed's own l_aux
+    (detached, for comparison; it does not enter the loss).
+    """
+
+    kept_TK: torch.Tensor | None = None
+    capacity: int = 0
+    ds_l_aux: torch.Tensor | None = None
+
+    @property
+    def dropped_share(self) -> float:
+        """Share of the T*K routed copies dropped by the capacity limit (0..1)."""
+        return 0.0 if self.kept_TK is None else 1.0 - self.kept_TK.float().mean().item()
+
+    def tokens_per_expert(self) -> list[int]:
+        """Routed copies per expert before dropping (what the router asked for)."""
+        return torch.bincount(self.topk_idx_TK.reshape(-1), minlength=self.logits_TE.shape[-1]).tolist()
+
+
+@functools.cache
+def smelt_topk_gate_class() -> type[nn.Module]:
+    """The class ``SmeltTopKGate`` (below), a subclass of DeepSpeed's ``TopKGate``, built on first
+    use so that importing smelt_ds does not import DeepSpeed (``smelt-ds budget`` and the other
+    analytic commands never need it). ``moe_backends.SmeltTopKGate`` returns the same class."""
+    from deepspeed.moe import sharded_moe
+    from deepspeed.moe.sharded_moe import TopKGate
+
+    class SmeltTopKGate(TopKGate):
+        """DeepSpeed's :class:`TopKGate` that keeps the router logits of its last call.
+
+        Same dispatch maths as ``TopKGate.forward`` (``top1gating`` for k=1, ``top2gating`` for k=2,
+        ``topkgating`` for k>2, with ``sparse_routes``), with three differences: the fp32 logits
+        ``(T, E)`` and the gating result are kept in ``last_logits_TE`` / ``last_gate_out`` so the
+        wrapper can compute our aux loss, z-loss and statistics; router jitter is the reference
+        router's (``x * U(1 - jitter, 1 + jitter)`` in training) instead of DeepSpeed's fixed 1e-2;
+        ``min_capacity`` is clipped to the token count, because ``top1gating`` asserts
+        ``T >= min_capacity`` (which a 1-token decode step would fail). Top-2 never samples its
+        second expert (``top2_2nd_expert_sampling=False``), so routing is deterministic like ours.
+        """
+
+        def __init__(self, hidden_size: int, num_experts: int, k: int, capacity_factor: float,
+                     eval_capacity_factor: float, min_capacity: int, drop_tokens: bool, use_rts: bool = True,
+                     jitter: float = 0.0):
+            super().__init__(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                             noisy_gate_policy=None, drop_tokens=drop_tokens, use_rts=use_rts, ep_group=None,
+                             top2_2nd_expert_sampling=False)
+            self.jitter = jitter
+            self.last_logits_TE: torch.Tensor | None = None
+            self.last_gate_out: tuple | None = None
+
+        def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None, sparse_routes: bool = False,
+                    use_tutel: bool = False):
+            x_TH = input.float()
+            if self.training and self.jitter > 0:
+                x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+            logits_TE = F.linear(x_TH, self.wg.weight.float())
+            cf = self.capacity_factor if self.training else self.eval_capacity_factor
+            min_cap = min(self.min_capacity, logits_TE.shape[0])
+            if self.k == 1:
+                out = sharded_moe.top1gating(logits_TE, cf, min_cap, used_token, None, self.drop_tokens, self.use_rts,
+                                             self.ep_group, sparse_routes, use_tutel)
+            elif self.k == 2:
+                out = sharded_moe.top2gating(logits_TE, cf, min_cap, self.drop_tokens, self.ep_group, False,
+                                             sparse_routes)
+            else:
+                out = sharded_moe.topkgating(logits_TE, self.k, cf, min_cap, self.drop_tokens, self.ep_group,
+                                             sparse_routes=sparse_routes)
+            self.last_logits_TE, self.last_gate_out = logits_TE, out
+            return out
+
+    SmeltTopKGate.__module__ = __name__
+    return SmeltTopKGate
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SmeltTopKGate":
+        return smelt_topk_gate_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class DeepSpeedMoE(nn.Module):
+    """The ``deepspeed`` backend's FFN: ``deepspeed.moe.layer.MoE`` + our losses and statistics.
+
+    ``forward(x)``: ``(B, S, H)`` -> ``(B, S, H)``, like the reference :class:`MoE`, and leaves
+    ``last_route`` (a :class:`CapacityRouterOutput`) and ``last_losses`` (``{"aux", "z"}``, the
+    reference definitions: ``aux = E * sum_e f_e P_e`` over the T*K routed copies before capacity
+    dropping, ``z = mean_t logsumexp(logits_t)^2``) for the block's visit recorder.
+
+    Parameters: ``moe.deepspeed_moe.gate.wg.weight`` ``[E, H]`` (replicated, data-parallel) and
+    ``moe.deepspeed_moe.experts.deepspeed_experts.{j}.{gate_proj,up_proj,down_proj}.weight``
+    for the ``E / ep_size`` local experts ``j`` (global expert ``ep_rank * E / ep_size + j``;
+    ``param.allreduce = False``, ``param.group_name = "ep_size_{ep_size}"``), plus the unchanged
+    ``shared_expert`` / ``shared_expert_gate`` of the reference layout.
+    """
+
+    def __init__(self, hidden_size: int, moe_cfg, ep_size: int = 1):
+        super().__init__()
+        self.num_experts, self.num_experts_per_tok = moe_cfg.num_experts, moe_cfg.top_k
+        self.ep_size, self.hidden_size, self.ffn_size = ep_size, hidden_size, moe_cfg.expert_ffn_size
+        from deepspeed.moe.layer import MoE as DeepSpeedMoELayer
+
+        self.moe = DeepSpeedMoELayer(hidden_size, SwiGLU(hidden_size, moe_cfg.expert_ffn_size),
+                                     num_experts=moe_cfg.num_experts, ep_size=ep_size, k=moe_cfg.top_k,
+                                     capacity_factor=moe_cfg.capacity_factor,
+                                     eval_capacity_factor=moe_cfg.eval_capacity_factor,
+                                     min_capacity=moe_cfg.min_capacity, drop_tokens=moe_cfg.drop_tokens,
+                                     use_rts=True, use_tutel=moe_cfg.use_tutel, top2_2nd_expert_sampling=False)
+        self.moe.deepspeed_moe.gate = smelt_topk_gate_class()(hidden_size, moe_cfg.num_experts, moe_cfg.top_k,
+                                                    moe_cfg.capacity_factor, moe_cfg.eval_capacity_factor,
+                                                    moe_cfg.min_capacity, moe_cfg.drop_tokens,
+                                                    jitter=moe_cfg.router_jitter)
+        self.shared_expert: nn.Module | None = None
+        self.shared_expert_gate: nn.Module | None = None
+        self.last_route: CapacityRouterOutput | None = None
+        self.last_losses: dict[str, torch.Tensor] = {}
+
+    @property
+    def gate(self) -> Any:
+        return self.moe.deepspeed_moe.gate
+
+    @property
+    def local_experts(self) -> nn.ModuleList:
+        return self.moe.deepspeed_moe.experts.deepspeed_experts
+
+    @classmethod
+    @torch.no_grad()
+    def from_reference(cls, ref: MoE, moe_cfg, ep_size: int = 1, ep_rank: int = 0) -> "DeepSpeedMoE":
+        """Build from a reference :class:`MoE`, copying the router and this rank's experts
+        (``gate_up_proj[e]`` rows ``[:F]`` -> ``gate_proj``, ``[F:]`` -> ``up_proj``,
+        ``down_proj[e]`` -> ``down_proj``) and taking over the shared expert modules."""
+        hidden = ref.gate.weight.shape[1]
+        new = cls(hidden, moe_cfg, ep_size).to(device=ref.gate.weight.device, dtype=ref.gate.weight.dtype)
+        new.gate.wg.weight.copy_(ref.gate.weight)
+        F_ = moe_cfg.expert_ffn_size
+        first = ep_rank * (moe_cfg.num_experts // ep_size)
+        for j, expert in enumerate(cast(Iterable[SwiGLU], new.local_experts)):
+            e = first + j
+            expert.gate_proj.weight.copy_(ref.experts.gate_up_proj[e, :F_])
+            expert.up_proj.weight.copy_(ref.experts.gate_up_proj[e, F_:])
+            expert.down_proj.weight.copy_(ref.experts.down_proj[e])
+        new.shared_expert, new.shared_expert_gate = ref.shared_expert, ref.shared_expert_gate
+        new.train(ref.training)
+        return new
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        B, S, H = x_BSH.shape
+        out_BSH, _, _ = self.moe(x_BSH)
+        route = self._route()
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None  # the reference MoE has both or neither
+            x_TH = x_BSH.reshape(B * S, H)
+            shared_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+            out_BSH = out_BSH + shared_TH.reshape(B, S, H)
+        self.last_route = route
+        self.last_losses = {"aux": load_balancing_loss(route.probs_TE, route.topk_idx_TK),
+                            "z": router_z_loss(route.logits_TE)}
+        return out_BSH
+
+    def _route(self) -> CapacityRouterOutput:
+        """Our :class:`RouterOutput` view of the gate's last call (``sparse_routes`` layout:
+        ``indices [K, T]`` with -1 for dropped copies, ``gates [K, T]``)."""
+        logits_TE, gate_out = self.gate.last_logits_TE, self.gate.last_gate_out
+        assert logits_TE is not None and gate_out is not None  # set by the gate's forward
+        l_aux, capacity, _, idx_KT, _, gates_KT, _ = gate_out
+        probs_TE = logits_TE.softmax(dim=-1)
+        topk_idx_TK = _gate_choices(logits_TE, probs_TE, self.num_experts_per_tok)
+        return CapacityRouterOutput(logits_TE, probs_TE, topk_idx_TK, gates_KT.t(), kept_TK=idx_KT.t() >= 0,
+                                    capacity=int(capacity), ds_l_aux=l_aux.detach())
+
+
+def _gate_choices(logits_TE: torch.Tensor, probs_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """The experts DeepSpeed's gating functions choose, before capacity dropping, as ``(T, K)``
+    (``argmax`` for k=1, ``argmax`` twice for k=2, ``topk`` for k>2: the same as the reference
+    router's ``topk`` except for exact ties)."""
+    if k > 2:
+        return probs_TE.topk(k, dim=-1).indices
+    first_T = probs_TE.argmax(dim=-1)
+    if k == 1:
+        return first_T[:, None]
+    masked_TE = logits_TE.masked_fill(F.one_hot(first_T, logits_TE.shape[-1]).bool(), float("-inf"))
+    return torch.stack([first_T, masked_TE.argmax(dim=-1)], dim=-1)
+
+
+def expert_parallel_rank(ep_size: int, use_data_before_expert_parallel: bool = False) -> int:
+    """This rank's index in its DeepSpeed expert-parallel group ``ep_size_{ep_size}``.
+
+    Creates DeepSpeed's expert and expert-data groups if they do not exist yet (every rank must
+    call this, in the same order), exactly as the engine would in ``deepspeed.initialize``.
+    Raises RuntimeError when ``ep_size > 1`` and torch.distributed is not initialised.
+    """
+    if ep_size == 1:
+        return 0
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError(f"moe.ep_size ({ep_size}) > 1 needs torch.distributed initialised before "
+                           "apply_backend (e.g. deepspeed.init_distributed())")
+    import deepspeed
+    from deepspeed import comm as ds_dist
+    from deepspeed.utils import groups
+
+    if not ds_dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
+    name = f"ep_size_{ep_size}"
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep_size,
+                                                use_data_before_expert_parallel_=use_data_before_expert_parallel)
+    return groups._get_expert_parallel_rank(name)
+
+
+def convert_to_deepspeed_moe(model: nn.Module, cfg, use_data_before_expert_parallel: bool = False) -> int:
+    """Replace every reference :class:`MoE` in ``model.layers[i].mlp`` by a :class:`DeepSpeedMoE`
+    built from the same weights (this rank's experts only). Returns the number of layers converted.
+
+    Must run on every rank before ``deepspeed.initialize`` (the engine then binds the expert
+    groups via ``set_deepspeed_parallelism``). Raises RuntimeError as :func:`expert_parallel_rank`.
+    """
+    ep_rank = expert_parallel_rank(cfg.moe.ep_size, use_data_before_expert_parallel)
+    n = 0
+    for _, block in _moe_blocks(model):
+        if isinstance(block.mlp, MoE):
+            block.mlp = DeepSpeedMoE.from_reference(block.mlp, cfg.moe, cfg.moe.ep_size, ep_rank)
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer parameter groups
+# ---------------------------------------------------------------------------------------------
+
+
+def split_params_into_moe_groups(param_groups: Iterable[dict[str, Any]] | dict[str, Any] | Iterable[nn.Parameter]
+                                 ) -> list[dict[str, Any]]:
+    """DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` made safe for our groups.
+
+    Every group gets a ``name`` if it has none (DeepSpeed indexes by it); expert parameters
+    (``param.allreduce is False``) move into copies of their group with ``moe: True`` and
+    ``name: "ep_size_{n}"`` (all other keys, e.g. ``lr_scale`` and ``weight_decay``, are kept);
+    empty groups are dropped. ZeRO-1/2 refuse MoE models whose optimizer has no ``moe`` group
+    (``AssertionError: The model has moe layers, but None of the param groups are marked as MoE``).
+    """
+    groups: list[Any] = [param_groups] if isinstance(param_groups, dict) else list(param_groups)
+    if groups and not isinstance(groups[0], dict):  # a plain iterable of parameters
+        groups = [{"params": groups}]
+    groups = [{**g, "params": list(g["params"]), "name": g.get("name", f"group{i}")} for i, g in enumerate(groups)]
+    if any(g.get("moe") for g in groups):
+        return groups
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    out = split_params_into_different_moe_groups_for_optimizer(groups)
+    return [g for g in out if g["params"]]
+
+
+class moe_optimizer:  # noqa: N801 - used like a function: optimizer=moe_optimizer(AdamW, lr=...)
+    """A client optimizer *factory* for ``deepspeed.initialize(optimizer=..., model_parameters=groups)``.
+
+    DeepSpeed calls it with ``model_parameters`` after AutoEP has replaced the MoE layers (and
+    remapped the groups to the new parameters); it splits expert parameters into ``moe`` groups
+    (:func:`split_params_into_moe_groups`) and builds ``optimizer_cls(groups, **kwargs)``. Works
+    for every backend and ZeRO stage; for the reference backend the split is a no-op.
+    """
+
+    def __init__(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
+        self.optimizer_cls, self.kwargs = optimizer_cls, kwargs
+
+    def __call__(self, param_groups) -> torch.optim.Optimizer:
+        return self.optimizer_cls(split_params_into_moe_groups(param_groups), **self.kwargs)
+
+
+def optimizer_param_groups(model: nn.Module, param_groups: list[dict[str, Any]], cfg) -> list[dict[str, Any]]:
+    """Optimizer parameter groups for ``cfg.moe.backend``; call after :func:`apply_backend`.
+
+    * ``reference`` / ``autoep``: ``param_groups`` unchanged. (AutoEP's expert parameters do not
+      exist before ``deepspeed.initialize``; DeepSpeed remaps a client optimizer's groups to the
+      replaced parameters and, for a DeepSpeed-config optimizer, splits MoE groups itself.)
+    * ``deepspeed``: :func:`split_params_into_moe_groups`.
+    """
+    if cfg.moe.backend == "deepspeed":
+        return split_params_into_moe_groups(param_groups)
+    return param_groups
+
+
+# ---------------------------------------------------------------------------------------------
+# autoep backend
+# ---------------------------------------------------------------------------------------------
+
+
+def _fits_grouped_mm(cfg) -> bool:
+    """torch._grouped_mm (CPU and CUDA) needs 16-byte-aligned row strides of H and F in fp32/bf16."""
+    return all((n * 2) % 16 == 0 for n in (cfg.model.hidden_size, cfg.moe.expert_ffn_size))
+
+
+def autoep_config_section(cfg, module_prefix: str = "") -> dict[str, Any]:
+    """The ``expert_parallel`` section of the DeepSpeed config for ``moe.backend: autoep``.
+
+    A custom AutoEP layer pattern (no ``preset_model``): our MoE FFNs are the modules named
+    ``{module_prefix}layers.{i}.mlp`` (dense FFN layers have no ``experts`` child and are
+    skipped by AutoEP) with children ``gate`` (``[E, H]`` Linear) and ``experts`` holding the
+    fused ``gate_up_proj [E, 2F, H]`` (``expert_w3: null`` = gate and up fused, gate first) and
+    ``down_proj [E, H, F]``, optional ``shared_expert`` + ``shared_expert_gate`` (sigmoid).
+    ``top_k`` is set explicitly: AutoEP reads ``num_experts_per_tok`` only from ``model.config``,
+    which SmeltLM does not have (E is read from the router weight shape).
+
+    ``module_prefix`` is prepended when the model given to ``deepspeed.initialize`` wraps SmeltLM
+    (e.g. ``"model."``). Raises ConfigError (see :func:`check_backend_compat`).
+    """
+    moe = cfg.moe
+    if moe.aux_loss_free_bias or moe.router_jitter > 0 or moe.use_tutel:
+        _check_autoep_backend(moe)
+    prefix = module_prefix.replace(".", r"\.")
+    section: dict[str, Any] = {
+        "enabled": True,
+        "autoep_size": moe.ep_size,
+        "moe_layer_pattern": prefix + AUTOEP_LAYER_PATTERN,
+        "router_pattern": "gate",
+        "expert_pattern": "experts",
+        "expert_w1": "gate_up_proj",
+        "expert_w2": "down_proj",
+        "expert_w3": None,
+        "top_k": moe.top_k,
+        "score_func": moe.score_func,
+        "score_apply": "post",
+        "route_norm": moe.norm_topk_prob,
+        "route_scale": 1.0,
+        "expert_activation": "swiglu",
+        "use_grouped_mm": _fits_grouped_mm(cfg),
+        "has_shared_experts": bool(moe.shared_expert_ffn_size),
+    }
+    if moe.shared_expert_ffn_size:
+        section["shared_experts_pattern"] = "shared_expert"
+        section["shared_experts_gate_pattern"] = "shared_expert_gate"
+    return section
+
+
+def autoep_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, AutoEPMoELayer)`` pairs of ``model`` (empty before ``deepspeed.initialize``)."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    return [(f"{name}.mlp", block.mlp) for name, block in _moe_blocks(model)
+            if isinstance(block.mlp, AutoEPMoELayer)]
+
+
+def attach_autoep_hooks(model: nn.Module) -> int:
+    """Give every AutoEP layer of ``model`` the reference MoE's ``last_route`` / ``last_losses``.
+
+    AutoEP's layer returns only the output tensor (our modules have no HF ``_can_record_outputs``,
+    so ``return_router_logits`` is off). Forward hooks on ``layer.router.gate`` (logits ``(T, E)``)
+    and ``layer.router`` (``(top_scores, selected_experts, counts)``) capture the routing, and a
+    hook on the layer computes ``aux``/``z`` exactly as the reference MoE does, so
+    ``SmeltLM`` adds ``aux_loss_coef * mean_visits(aux) + z_loss_coef * mean_visits(z)`` the same
+    way for every backend. Idempotent; returns the number of layers newly hooked.
+    """
+    n = 0
+    layer: Any  # AutoEPMoELayer, given the attributes below
+    for _, layer in autoep_layers(model):
+        if getattr(layer, "_smelt_hooked", False):
+            continue
+        layer.last_route, layer.last_losses, layer._smelt_capture = None, {}, {}
+        layer.router.gate.register_forward_hook(_capture_logits_hook(layer))
+        layer.router.register_forward_hook(_capture_route_hook(layer))
+        layer.register_forward_hook(_finish_route_hook)
+        layer._smelt_hooked = True
+        n += 1
+    return n
+
+
+def _autoep_prehook(model: nn.Module, args) -> None:
+    attach_autoep_hooks(model)  # returns nothing: a forward pre-hook's return value replaces the inputs
+
+
+def _capture_logits_hook(layer: Any):
+    def hook(module, args, logits_TE):
+        layer._smelt_capture["logits_TE"] = logits_TE
+
+    return hook
+
+
+def _capture_route_hook(layer: Any):
+    def hook(module, args, out):
+        layer._smelt_capture["top_scores_TK"], layer._smelt_capture["selected_TK"] = out[0], out[1]
+
+    return hook
+
+
+def _finish_route_hook(layer: Any, args, output) -> None:
+    cap = layer._smelt_capture
+    logits_TE = cap.pop("logits_TE").float()
+    if layer.router.score_func == "softmax":
+        probs_TE = logits_TE.softmax(dim=-1)
+    else:
+        scores_TE = logits_TE.sigmoid()
+        probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+    idx_TK = cap.pop("selected_TK")
+    route = RouterOutput(logits_TE, probs_TE, idx_TK, cap.pop("top_scores_TK"))
+    layer.last_route = route
+    layer.last_losses = {"aux": load_balancing_loss(probs_TE, idx_TK), "z": router_z_loss(logits_TE)}

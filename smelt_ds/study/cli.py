@@ -1,0 +1,254 @@
+"""The study's commands: ``smelt-ds memory`` (what fits before launch, estimated and measured),
+``smelt-ds recipes`` (the table of shipped recipes, ablations derived from a Baseline),
+``smelt-ds sweep`` (run or render a scaling-law sweep) and ``smelt-ds scaling fit`` (per-architecture
+Chinchilla fits, compute-optimal frontiers and training-FLOPs savings from finished runs).
+
+    smelt-ds memory recipes/tiny/smelt.yaml [--measure]
+    smelt-ds recipes table [-o docs/recipes.md] [--check]
+    smelt-ds recipes derive recipes/xl/baseline.yaml [--check]
+    smelt-ds sweep recipes/sweeps/micro.yaml [--dry-run | --render slurm]
+    smelt-ds scaling fit RUNS_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from smelt_ds.config.run import load_config
+from smelt_ds.cost.memory import POLICIES, ZERO_OPTIONS, _with_batch, estimate, format_table, parse_bytes
+from smelt_ds.errors import ConfigError
+from smelt_ds.study.memory_profile import measure
+from smelt_ds.study.recipes import DOCS_TABLE, recipes_table, write_variants
+from smelt_ds.study.scaling import analyse, collect_runs, measured_savings, summarize_exclusions, write_report
+from smelt_ds.study.sweep import load_sweep, plan_sweep, plan_table, render_k8s, render_slurm, run_local
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``memory``, ``recipes``, ``sweep`` and ``scaling``."""
+    _add_memory_parser(sub)
+    _add_recipes_parser(sub)
+    _add_scaling_parser(sub)
+
+
+def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "memory", help="memory per GPU for each ZeRO option and activation-checkpointing policy",
+        description="Estimate parameters, gradients, optimizer states, activations, temporary buffers and the "
+                    "inference KV cache per GPU for every ZeRO stage / offload option and checkpointing policy, "
+                    "with a fits / does-not-fit verdict against the device memory. --measure runs a few real "
+                    "steps here and prints measured next to predicted.")
+    p.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny/smelt.yaml")
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")
+    p.add_argument("--device-memory", default="80GiB",
+                   help="memory per GPU, e.g. 80GiB (H100/A100 80GB), 141GB (H200); GB = 1e9, GiB = 2^30 bytes")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: train.seq_len)")
+    p.add_argument("--micro-batch", type=int, default=None, help="samples per GPU (default: train.micro_batch_size)")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp32"],
+                   help="training precision (default: the recipe's train.precision; its 'auto' counts as bf16, "
+                        "the GPU case)")
+    p.add_argument("--context-len", type=int, default=None,
+                   help="inference context (tokens) for the KV-cache line (default: model.max_seq_len)")
+    p.add_argument("--kv-dtype", default="bf16", help="KV-cache element type (bf16, fp16, fp32, fp8)")
+    p.add_argument("--options", default=None, metavar="LIST",
+                   help=f"comma-separated ZeRO options to show (default all: {','.join(o[0] for o in ZERO_OPTIONS)})")
+    p.add_argument("--policies", default=None, metavar="LIST",
+                   help=f"comma-separated checkpointing policies (default all: {','.join(POLICIES)})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field, e.g. --set train.activation_checkpointing.every_n=3")
+    p.add_argument("--measure", action="store_true",
+                   help="run a few real steps per policy here and report measured next to predicted "
+                        "(CUDA: allocator peak; CPU: saved-tensor bytes and model-state storage)")
+    p.add_argument("--steps", type=int, default=2, help="steps per policy with --measure (default 2)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run_memory)
+
+
+def _split(text: str | None) -> list[str] | None:
+    return [t.strip() for t in text.split(",") if t.strip()] if text else None
+
+
+def run_memory(args: argparse.Namespace) -> int:
+    cfg = load_config(args.recipe, args.set)
+    device_memory = parse_bytes(args.device_memory, "--device-memory")
+    report = estimate(cfg, args.nodes, args.gpus_per_node, device_memory, seq_len=args.seq_len,
+                      micro_batch=args.micro_batch, precision=args.precision, context_len=args.context_len,
+                      kv_dtype=args.kv_dtype, options=_split(args.options), policies=_split(args.policies))
+    if args.measure:
+        import torch
+
+
+        run_cfg = _with_batch(cfg, args.seq_len, args.micro_batch)
+        pols = _split(args.policies)
+        report.measured = [m.as_dict() for m in measure(run_cfg, pols, args.steps)]
+        if not torch.cuda.is_available():
+            report.notes.append("measured on CPU: fp32, ZeRO-0, one process; compare with `estimate(..., "
+                                "precision='fp32', device='cpu')` for exact activation numbers")
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_table(report))
+    return 0
+
+
+def _add_recipes_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("recipes", help="table of the shipped recipes; derive ablations from a Baseline",
+                       description="Budgets, cluster layouts and memory per GPU of every shipped recipe, and the "
+                                   "looped variants (smelt, uniform, bottom, top, asymmetric) of a Baseline.")
+    rsub = p.add_subparsers(dest="recipes_command", metavar="SUBCOMMAND", required=True)
+    t = rsub.add_parser("table", help="write docs/recipes.md (budgets, layout and memory per GPU of every recipe)")
+    t.add_argument("-o", "--output", default=None, help="output file (default docs/recipes.md; '-' prints it)")
+    t.add_argument("--check", action="store_true", help="exit 1 when the file differs from a fresh table")
+    t.set_defaults(func=run_table)
+    d = rsub.add_parser("derive", help="write the five looped variants next to a Baseline recipe (smelt-ds match)",
+                        description="Run `smelt-ds match` for positions middle (smelt.yaml), uniform, bottom, top and "
+                                    "asymmetric with --ep-size <moe.ep_size> --tolerance 0.01 and write each next to "
+                                    "the Baseline, keeping the Baseline's comments.")
+    d.add_argument("baseline", help="Baseline recipe, e.g. recipes/xl/baseline.yaml")
+    d.add_argument("--check", action="store_true", help="exit 1 when a variant file differs from its derivation")
+    d.set_defaults(func=run_derive)
+
+
+def run_table(args: argparse.Namespace) -> int:
+
+    text = recipes_table()
+    if args.output == "-":
+        print(text, end="")
+        return 0
+    out = Path(args.output) if args.output else DOCS_TABLE
+    if args.check:
+        if not out.is_file() or out.read_text() != text:
+            print(f"{out} is out of date: run `smelt-ds recipes table -o {out}`", file=sys.stderr)
+            return 1
+        print(f"{out} is up to date")
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
+    return 0
+
+
+def run_derive(args: argparse.Namespace) -> int:
+
+    path = Path(args.baseline)
+    if not path.is_file():
+        raise ConfigError(f"Baseline recipe {str(path)!r} does not exist: pass e.g. recipes/xl/baseline.yaml")
+    paths = write_variants(path, check=args.check)
+    if args.check:
+        for p in paths:
+            print(f"{p} differs from its derivation: run `smelt-ds recipes derive {path}`", file=sys.stderr)
+        return 1 if paths else 0
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+def _add_scaling_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("sweep", help="run (locally, one after another) or render (Slurm / Kubernetes) a scaling sweep",
+                       description="Expand a sweep file (sizes x token budgets x architectures; looped recipes "
+                                   "matched to each size's Baseline) and train its runs one after another, skipping "
+                                   "finished runs and resuming interrupted ones; or render cluster jobs.")
+    s.add_argument("sweep", help="sweep YAML, e.g. recipes/sweeps/micro.yaml")
+    s.add_argument("--dry-run", action="store_true", help="print the planned runs and write nothing")
+    s.add_argument("--render", choices=["slurm", "k8s", "all"], default=None,
+                   help="write cluster job files under <output_dir>/launch/ instead of training")
+    s.add_argument("--limit", type=int, default=None, help="train at most this many unfinished runs now")
+    s.add_argument("--steps-scale", type=float, default=1.0,
+                   help="multiply every run's steps and warmup (quick checks; writes to <output_dir>-x<F> "
+                        "unless --output-dir is given)")
+    s.add_argument("--output-dir", default=None, help="override the sweep's output_dir")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field of every size's Baseline, e.g. --set data.builtin_max_bytes=150000")
+    s.add_argument("--executor", choices=["subprocess", "inprocess"], default="subprocess",
+                   help="subprocess: one `python -m smelt_ds.train` per run (log in <run_dir>/train.log); "
+                        "inprocess: train in this process")
+    s.add_argument("--nproc", type=int, default=1, help="local ranks per run (deepspeed launcher when > 1)")
+    s.set_defaults(func=run_sweep)
+
+    sc = sub.add_parser("scaling", help="scaling-law analysis of finished runs (smelt-ds scaling fit)",
+                        description="Scaling-law analysis of finished runs.")
+    ssub = sc.add_subparsers(dest="scaling_command", metavar="SUBCOMMAND", required=True)
+    f = ssub.add_parser("fit", help="fit L(N, D) = E + A/N^alpha + B/D^beta per architecture; frontier and savings",
+                        description="Fit a Chinchilla law per architecture (Hoffmann et al. 2022 Approach 3), derive "
+                                    "compute-optimal frontiers and the training FLOPs each architecture saves vs the "
+                                    "Baseline at equal loss; write report.md, scaling.json and PNG plots.")
+    f.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run directories, or directories holding them (a sweep's output_dir)")
+    f.add_argument("-o", "--output", default=None,
+                   help="report directory (default: <first RUN_DIR>/scaling_report)")
+    f.add_argument("--baseline", default=None, help="architecture the savings are measured against "
+                                                    "(default: 'baseline', or the only unlooped one)")
+    f.add_argument("--loss-key", default="all", help="validation domain of summary.json (default: all)")
+    f.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the 95%% CIs (0: none)")
+    f.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    f.add_argument("--c-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="training FLOPs range of the frontier and savings tables (default: measured range to 100x)")
+    f.set_defaults(func=run_fit)
+
+
+def _plan(args: argparse.Namespace):
+
+    sweep = load_sweep(args.sweep)
+    out = args.output_dir
+    if out is None and args.steps_scale != 1.0:
+        out = sweep.output_dir.format(name=sweep.name).rstrip("/") + f"-x{args.steps_scale:g}"
+    return plan_sweep(sweep, args.sweep, output_dir=out, overrides=args.set, steps_scale=args.steps_scale)
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+
+    if args.limit is not None and args.limit < 0:
+        raise ConfigError(f"--limit ({args.limit}) must be >= 0")
+    plan = _plan(args)
+    print(plan_table(plan))
+    if args.dry_run:
+        return 0
+    if args.render:
+        written = []
+        if args.render in ("slurm", "all"):
+            written += render_slurm(plan)
+        if args.render in ("k8s", "all"):
+            written += render_k8s(plan)
+        for p in written:
+            print(f"wrote {p}")
+        if args.render in ("slurm", "all"):
+            print("submit: " + "; ".join(f"sbatch {p}" for p in written if p.suffix == ".sbatch"))
+        if args.render in ("k8s", "all"):
+            print(f"submit: kubectl apply -f {plan.output_dir / 'launch' / 'k8s'}  "
+                  "(output_dir must be on the runs volume)")
+        return 0
+    outcomes = run_local(plan, limit=args.limit, executor=args.executor, nproc=args.nproc)
+    print(f"fit: smelt-ds scaling fit {plan.output_dir}")
+    if any(o.status == "interrupted" for o in outcomes):
+        return 130
+    return 1 if any(o.status == "failed" for o in outcomes) else 0
+
+
+def run_fit(args: argparse.Namespace) -> int:
+
+    if args.bootstrap < 0:
+        raise ConfigError(f"--bootstrap ({args.bootstrap}) must be >= 0")
+    points, excluded = collect_runs(args.run_dirs, loss_key=args.loss_key)
+    for line in summarize_exclusions(excluded):
+        print(f"excluded: {line}", file=sys.stderr)
+    res = analyse(points, excluded, baseline=args.baseline, n_bootstrap=args.bootstrap, seed=args.seed,
+                  c_range=tuple(args.c_range) if args.c_range else None)
+    out = Path(args.output) if args.output else Path(args.run_dirs[0]) / "scaling_report"
+    written = write_report(res, out)
+    for arch, a in res["architectures"].items():
+        p = a["params"]
+        line = (f"{arch}: {a['n_runs']} runs, E={p['E']:.4g} A={p['A']:.4g} alpha={p['alpha']:.3f} "
+                f"B={p['B']:.4g} beta={p['beta']:.3f}")
+        m = measured_savings(res, arch)
+        if m:
+            line += (f"; training FLOPs saved vs {res['baseline']} over the measured compute: "
+                     f"{100 * m[0]:+.1f}% to {100 * m[1]:+.1f}%")
+        pr = a.get("paired")
+        if pr:
+            ci = f" [{pr['ci95'][0]:+.4f}, {pr['ci95'][1]:+.4f}], p={pr['p_value']:.3g}" if pr["ci95"] else ""
+            line += (f"; paired runs vs {res['baseline']}: mean loss delta {pr['mean_delta']:+.4f}{ci} "
+                     f"over {pr['n_pairs']} pairs")
+        print(line)
+    for kind, path in written.items():
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,426 @@
+"""The shipped recipes: where they are, their cluster layouts, memory verdicts, and the ablations
+derived from each Baseline.
+
+``recipes/<size>/<variant>.yaml`` for sizes ``tiny`` (CPU), ``s``, ``m``, ``l``, ``xl`` and
+variants ``baseline`` (unlooped), ``smelt`` (middle half x2) and the ablations ``uniform``,
+``bottom``, ``top``, ``asymmetric``. Every looped recipe is the output of
+:func:`smelt_ds.cost.budget.match_baseline` (``smelt-ds match``) on its size's Baseline and matches it
+within 1% on per-token FLOPs, non-embedding parameters and KV cache.
+
+A **layout** (:class:`smelt_ds.config.run.ClusterLayout`, the recipe's ``cluster`` section) says
+on how many nodes x GPUs of which memory the recipe runs; its ``overrides`` (``--set`` strings,
+e.g. a bigger micro-batch on 141 GB H200s) are applied before the user's own ``--set``.
+Recipes without a ``cluster`` section (the CPU recipes) get :data:`CPU_LAYOUT`.
+
+``smelt-ds recipes table`` writes ``docs/recipes.md`` (:func:`recipes_table`); ``smelt-ds recipes
+derive BASELINE`` writes the five looped recipes next to a Baseline (:func:`derive_variants`).
+Units: parameters are counts, FLOPs per token, bytes per token (KV cache) or per GPU (memory),
+1 GiB = 2**30 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from smelt_ds import resources
+from smelt_ds.config.run import (
+    ClusterLayout,
+    RunConfig,
+    apply_overrides,
+    config_from_dict,
+    read_yaml_mapping,
+    resolve_batch,
+)
+from smelt_ds.cost.budget import Budget, compute_budget, deviations, match_baseline
+from smelt_ds.cost.memory import ZERO_OPTIONS, GiB, estimate
+from smelt_ds.cost.zero_config import zero3_plan
+from smelt_ds.errors import ConfigError
+from smelt_ds.model.looping import LoopSchedule
+
+__all__ = ["REPO_ROOT", "RECIPES_DIR", "DOCS_TABLE", "SIZES", "VARIANTS", "POSITIONS", "MIN_HEADROOM", "CPU_LAYOUT",
+           "RecipeEntry", "shipped_recipes", "load_raw", "resolve", "Resolved", "zero_option", "zero3_decision", "memory_report",
+           "derive_variants", "write_variants", "recipe_rows", "recipes_table"]
+
+#: the folder holding recipes/, launchers/ and ds_configs/: the checkout, or the installed package's
+#: copy (smelt_ds.resources); paths are shown and passed to jobs relative to it
+REPO_ROOT = resources.DATA_ROOT
+RECIPES_DIR = resources.RECIPES_DIR
+DOCS_TABLE = resources.DOCS_TABLE
+SIZES = ("tiny", "s", "m", "l", "xl")
+VARIANTS = ("baseline", "smelt", "uniform", "bottom", "top", "asymmetric")
+#: loop position (``smelt-ds match --position``) of each looped variant
+POSITIONS = {"smelt": "middle", "uniform": "uniform", "bottom": "bottom", "top": "top", "asymmetric": "asymmetric"}
+#: share of device memory a shipped layout must leave free (``smelt-ds memory`` headroom)
+MIN_HEADROOM = 0.10
+#: the layout of recipes without a ``cluster`` section: one CPU process with a nominal 8 GiB
+CPU_LAYOUT = ClusterLayout(gpu="cpu", device_memory_gib=8.0, nodes=1, gpus_per_node=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# discovery and loading
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecipeEntry:
+    """One shipped recipe file: ``size`` (directory) and ``variant`` (file stem)."""
+
+    size: str
+    variant: str
+    path: Path
+
+    @property
+    def baseline_path(self) -> Path:
+        return self.path.with_name("baseline.yaml")
+
+
+def shipped_recipes(root: Path = RECIPES_DIR) -> list[RecipeEntry]:
+    """Every ``recipes/<size>/<variant>.yaml`` of the sizes in :data:`SIZES` (other directories,
+    e.g. sweep specifications, are not recipes), sizes in :data:`SIZES` order, then variants in
+    :data:`VARIANTS` order (other names last, alphabetically)."""
+    def key(p: Path):
+        var = p.stem
+        return (SIZES.index(p.parent.name), VARIANTS.index(var) if var in VARIANTS else len(VARIANTS), var)
+
+    paths = [p for size in SIZES for p in (root / size).glob("*.yaml")]
+    return [RecipeEntry(p.parent.name, p.stem, p) for p in sorted(paths, key=key)]
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping of a recipe file. Raises ConfigError for a missing file or bad YAML."""
+    return read_yaml_mapping(path, "recipe file", "recipes/xl/smelt.yaml")
+
+
+@dataclass
+class Resolved:
+    """A recipe resolved for one layout: ``config`` has the layout's overrides and then the user's
+    ``--set`` applied; ``overrides`` is that list (what a launched job must pass on)."""
+
+    path: Path
+    config: RunConfig
+    layout_name: str
+    layout: ClusterLayout
+    overrides: list[str]
+
+
+def resolve(path: str | Path, layout: str | None = None, overrides: list[str] | None = None) -> Resolved:
+    """Load ``path`` for the named layout (default: ``cluster.default``, else the first layout, else
+    :data:`CPU_LAYOUT` named ``cpu``). Precedence: ``overrides`` (``--set``) > the layout's
+    ``overrides`` > YAML > defaults.
+
+    Raises ConfigError for an unknown layout name (listing the recipe's layouts) or an invalid
+    recipe after the overrides.
+    """
+    path = Path(path)
+    raw = load_raw(path)
+    user = list(overrides or [])
+    first = config_from_dict(apply_overrides(raw, user), source=str(path))
+    layouts = first.cluster.layouts
+    if not layouts:
+        if layout not in (None, "cpu"):
+            raise ConfigError(f"--layout {layout!r}: {path} has no `cluster.layouts` (a CPU recipe); "
+                              "omit --layout or use 'cpu'")
+        name, lay = "cpu", CPU_LAYOUT
+    else:
+        name = layout or first.cluster.default or next(iter(layouts))
+        if name not in layouts:
+            raise ConfigError(f"--layout {name!r}: `cluster.layouts` of {path} has {sorted(layouts)}; "
+                              "choose one of them")
+        lay = layouts[name]
+    merged = list(lay.overrides) + user
+    cfg = config_from_dict(apply_overrides(raw, merged), source=f"{path} (layout {name})")
+    return Resolved(path, cfg, name, lay, merged)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------
+
+
+def zero_option(cfg: RunConfig) -> str:
+    """The :data:`smelt_ds.cost.memory.ZERO_OPTIONS` label of the recipe's ZeRO stage and offloads
+    (e.g. ``zero3+opt_off``). Raises ConfigError when the memory table has no such option."""
+
+    ds = cfg.deepspeed
+    want = (ds.zero_stage, ds.offload_optimizer != "none", ds.offload_param != "none")
+    for label, *rest in ZERO_OPTIONS:
+        if tuple(rest) == want:
+            return label
+    raise ConfigError(f"`deepspeed.zero_stage` ({ds.zero_stage}) with offload_optimizer "
+                      f"{ds.offload_optimizer!r} / offload_param {ds.offload_param!r} has no memory estimate: "
+                      f"use one of {[o[0] for o in ZERO_OPTIONS]}")
+
+
+def zero3_decision(cfg: RunConfig, layout: ClusterLayout, world_size: int):
+    """The loop-aware ZeRO-3 decision (:func:`smelt_ds.cost.zero_config.zero3_plan`) DeepSpeed's config
+    will get on ``world_size`` GPUs of the layout's memory, or None below ZeRO-3."""
+
+    if cfg.deepspeed.effective_zero_stage != 3:
+        return None
+    return zero3_plan(cfg, world_size, int(layout.device_memory_gib * GiB))
+
+
+def memory_report(cfg: RunConfig, layout: ClusterLayout, nodes: int | None = None,
+                  gpus_per_node: int | None = None):
+    """``smelt_ds.cost.memory.estimate`` of the recipe's own ZeRO option and checkpointing policy on
+    ``nodes x gpus_per_node`` GPUs (default: the layout's) of the layout's device memory. A CPU
+    layout is estimated in fp32 for CPU processes. Under ZeRO-3 the loop-aware reuse distance the
+    job will run with at that world size (:func:`smelt_ds.cost.zero_config.zero_section`) is what
+    the estimate's gathered window sees. ``report.fits(MIN_HEADROOM)`` is the verdict."""
+
+    nodes, gpus = nodes or layout.nodes, gpus_per_node or layout.gpus_per_node
+    cpu = layout.gpu == "cpu"
+    return estimate(cfg, nodes, gpus, int(layout.device_memory_gib * GiB), precision="fp32" if cpu else None,
+                    device="cpu" if cpu else "cuda", options=[zero_option(cfg)],
+                    policies=[cfg.train.activation_checkpointing.policy])
+
+
+# ---------------------------------------------------------------------------------------------
+# deriving the looped variants from a Baseline
+# ---------------------------------------------------------------------------------------------
+
+
+def _header_and_body(text: str) -> tuple[list[str], str]:
+    lines = text.splitlines(keepends=True)
+    i = 0
+    while i < len(lines) and (lines[i].startswith("#") or not lines[i].strip()):
+        i += 1
+    return [l.rstrip("\n") for l in lines[:i]], "".join(lines[i:])
+
+
+def _sources_paragraph(header: list[str]) -> list[str]:
+    """The header's lines from ``# Sources:`` to the end of the header."""
+    for i, line in enumerate(header):
+        if line.startswith("# Sources:"):
+            return [l for l in header[i:] if l.strip()]
+    return []
+
+
+def _replace_value_line(body: str, key: str, value: Any, comment: str) -> str:
+    """Replace the first two-space-indented ``key: ...`` line, keeping the comment column."""
+    pat = re.compile(rf"^  {key}: [^\n#]*?(\s*)(#[^\n]*)?$", re.M)
+    m = pat.search(body)
+    if m is None:
+        raise ConfigError(f"Baseline recipe has no `  {key}:` line to rewrite: keep model.{key} / moe.{key} "
+                          "on their own lines")
+    col = m.start(2) - m.start(0) if m.group(2) else 27
+    head = f"  {key}: {value}"
+    return body[:m.start()] + head.ljust(max(col, len(head) + 1)) + f"# {comment}" + body[m.end():]
+
+
+def _loop_block(loop: dict[str, Any]) -> str:
+    return "loop:\n" + "".join("  " + l + "\n" for l in yaml.safe_dump(loop, sort_keys=False).splitlines())
+
+
+def derive_variants(baseline_path: str | Path, tolerance: float = 0.01) -> dict[str, str]:
+    """The YAML text of each looped variant (:data:`POSITIONS`) of a Baseline recipe file.
+
+    Each is :func:`smelt_ds.cost.budget.match_baseline` of the Baseline (``smelt-ds match --position P
+    --ep-size <moe.ep_size> --tolerance 0.01``), written as the Baseline's own text with only
+    ``name``, ``model.num_layers``, ``moe.num_experts`` and the ``loop`` block replaced, so that the
+    comments citing sources carry over. Raises ConfigError when a variant deviates beyond
+    ``tolerance`` or when the rewritten text does not parse back to the matcher's recipe.
+    """
+    path = Path(baseline_path)
+    text = path.read_text()
+    raw = load_raw(path)
+    base = config_from_dict(raw, source=str(path))
+    size = path.parent.name
+    header, body = _header_and_body(text)
+    if not re.search(r"^loop:\n  position: none\n", body, re.M):
+        raise ConfigError(f"{path}: the Baseline's loop section must read exactly `loop:` / `  position: none`")
+    ep = base.moe.ep_size
+    out = {}
+    for variant, position in POSITIONS.items():
+        name = f"{size}-{variant}"
+        res = match_baseline(raw, position, ep_size=ep, tolerance=tolerance, name=name)
+        cfg, d = res.config, res.deviations
+        cmd = (f"smelt-ds match {_rel(path)} --position {position} --ep-size {ep} --tolerance {tolerance:g} "
+               f"--name {name}")
+        head = [f"# {size.upper()} {variant} ({_describe(cfg)}): written by `smelt-ds recipes derive {_rel(path)}`,",
+                f"# i.e. `{cmd}`.",
+                f"# {cfg.model.num_layers} unique layers, {res.matched.visits} visits per forward pass, "
+                f"{cfg.moe.num_experts} experts per layer. Deviations from the Baseline:",
+                f"# FLOPs/token {d['flops']:+.3%}, non-embedding params {d['params']:+.3%}, "
+                f"KV cache {d['kv_cache']:+.3%}. Everything else is the Baseline's.", "#"]
+        new = re.sub(r"^name: .*$", f"name: {name}", body, count=1, flags=re.M)
+        new = _replace_value_line(new, "num_layers", cfg.model.num_layers,
+                                  f"unique layers; {res.matched.visits} visits = the Baseline's depth")
+        new = _replace_value_line(new, "num_experts", cfg.moe.num_experts,
+                                  "matched: total non-embedding parameters equal the Baseline's")
+        new = re.sub(r"^loop:\n  position: none\n", lambda _: _loop_block(res.raw["loop"]), new, count=1, flags=re.M)
+        full = "\n".join(head + _sources_paragraph(header)) + "\n" + new
+        if _plain(yaml.safe_load(full)) != _plain(res.raw):
+            raise ConfigError(f"{path}: rewriting the Baseline text for '{variant}' did not reproduce the matched "
+                              "recipe (keep `name:`, `  num_layers:`, `  num_experts:` and the loop block simple)")
+        out[variant] = full
+    return out
+
+
+def _plain(d: Any) -> Any:
+    return json.loads(json.dumps(d))
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _describe(cfg: RunConfig) -> str:
+    loop = cfg.loop
+    if loop.position == "none":
+        return "Baseline, no loop"
+    if loop.ranges:
+        return "loops " + ", ".join(f"[{r.start},{r.end}) x{r.repeats}" for r in loop.ranges)
+
+    spans = LoopSchedule.from_config(loop, cfg.model.num_layers).spans
+    return f"{loop.position}: " + ", ".join(f"layers [{s.start},{s.end}) x{s.repeats}" for s in spans)
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.1f}"
+
+
+def _si(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def recipe_rows(entries: list[RecipeEntry] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(budget_rows, layout_rows)`` of every shipped recipe.
+
+    A budget row: size, variant, loop, unique layers, visits, experts, top-k, non-embedding and
+    active parameters, train FLOPs/token, KV bytes/token, and the deviations from the size's
+    Baseline. A layout row (one per recipe and layout): layout, GPU, nodes, GPUs per node, ZeRO
+    option, ``ep_size``, policy, micro-batch, accumulation, memory per GPU (bytes), headroom and
+    whether it fits with :data:`MIN_HEADROOM`.
+    """
+    entries = entries if entries is not None else shipped_recipes()
+    base_budgets: dict[Path, Budget] = {}
+    budget_rows, layout_rows = [], []
+    for e in entries:
+        cfg = config_from_dict(load_raw(e.path), source=str(e.path))
+        b = compute_budget(cfg)
+        if e.baseline_path not in base_budgets:
+            base = config_from_dict(load_raw(e.baseline_path), source=str(e.baseline_path))
+            base_budgets[e.baseline_path] = compute_budget(base)
+        d = deviations(b, base_budgets[e.baseline_path])
+        budget_rows.append({"size": e.size, "variant": e.variant, "path": _rel(e.path), "loop": _describe(cfg),
+                            "unique_layers": b.unique_layers, "visits": b.visits, "experts": b.num_experts,
+                            "top_k": cfg.moe.top_k, "non_embedding_params": b.non_embedding_params,
+                            "active_non_embedding_params": b.active_non_embedding_params,
+                            "train_flops_per_token": b.train_flops_per_token,
+                            "kv_cache_bytes_per_token": b.kv_cache_bytes_per_token, "deviation": d})
+        names = list(cfg.cluster.layouts) or ["cpu"]
+        for name in names:
+            r = resolve(e.path, name)
+            c, lay = r.config, r.layout
+            rep = memory_report(c, lay)
+            row = rep.configured
+            accum, _ = resolve_batch(c, lay.nodes * lay.gpus_per_node)
+            layout_rows.append({"size": e.size, "variant": e.variant, "layout": name, "gpu": lay.gpu,
+                                "device_memory_gib": lay.device_memory_gib, "nodes": lay.nodes,
+                                "gpus_per_node": lay.gpus_per_node, "zero": zero_option(c),
+                                "backend": c.moe.backend, "ep_size": c.moe.ep_size,
+                                "policy": c.train.activation_checkpointing.policy,
+                                "precision": rep.precision, "micro_batch": c.train.micro_batch_size,
+                                "accumulation": accum, "memory_bytes": row.total, "headroom": row.headroom,
+                                "fits": rep.fits(MIN_HEADROOM)})
+    return budget_rows, layout_rows
+
+
+def _md(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"] + \
+        ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _training_rows(entries: list[RecipeEntry]) -> list[list[str]]:
+    rows = []
+    for e in entries:
+        if e.variant != "baseline":
+            continue
+        c = config_from_dict(load_raw(e.path), source=str(e.path))
+        t = c.train
+        tokens = t.max_steps * (t.global_batch_tokens or t.micro_batch_size * t.seq_len)
+        rows.append([e.size, str(t.seq_len), f"{t.global_batch_tokens:,}" if t.global_batch_tokens else
+                     f"{t.micro_batch_size * t.seq_len:,} per rank", f"{t.lr:g}", str(t.warmup_steps),
+                     f"{t.schedule} to {t.min_lr_ratio:g}", f"{t.max_steps:,}", _si(tokens),
+                     f"{c.moe.backend}, ep {c.moe.ep_size}", f"ZeRO-{c.deepspeed.zero_stage}"])
+    return rows
+
+
+def recipes_table(entries: list[RecipeEntry] | None = None) -> str:
+    """The markdown of ``docs/recipes.md``: training setup per size, the three budgets of every
+    recipe with deviations from its Baseline, and every recipe x layout with its memory per GPU
+    and verdict (``smelt_ds.cost.memory.estimate``). Deterministic: it depends only on the recipes and
+    the estimators."""
+    entries = entries if entries is not None else shipped_recipes()
+    budgets, layouts = recipe_rows(entries)
+    out = ["# Shipped recipes", "",
+           "<!-- Written by `smelt-ds recipes table` from recipes/*/*.yaml; do not edit by hand. "
+           "tests/study/test_recipes.py fails when it is out of date. -->", "",
+           "Every size has a Baseline (`baseline.yaml`, no loop), SMELT (`smelt.yaml`, the middle half of the "
+           "unique layers run twice) and the loop-position ablations `uniform`, `bottom`, `top` and `asymmetric`, "
+           "each derived from the Baseline by `smelt-ds match` (`smelt-ds recipes derive`) and matched on "
+           "per-token FLOPs, non-embedding parameters and KV cache within 1%. Sources of every shape and "
+           "training choice are cited in the Baseline files. `tiny` runs on a CPU.", "",
+           "## Training setup (same for all variants of a size)", ""]
+    out += _md(["size", "seq_len (tokens)", "global batch (tokens)", "peak LR", "warmup (steps)", "schedule",
+                "steps", "tokens", "MoE backend", "ZeRO"], _training_rows(entries))
+    out += ["", "## Budgets", "",
+            "Non-embedding parameters count all experts and exclude the token embedding and the output head; "
+            "active = top-k experts only. FLOPs per token of training (3 x forward) at the recipe's `seq_len`; "
+            "KV cache in bf16 bytes per token (every visit keeps its own K and V). Deviations are relative to the "
+            "size's Baseline.", ""]
+    out += _md(["recipe", "loop", "unique layers", "visits", "experts/layer", "top-k", "non-emb params",
+                "active non-emb", "train FLOPs/token", "KV bytes/token", "dFLOPs", "dparams", "dKV"],
+               [[f"`{r['path']}`", r["loop"], str(r["unique_layers"]), str(r["visits"]), str(r["experts"]),
+                 str(r["top_k"]), _si(r["non_embedding_params"]), _si(r["active_non_embedding_params"]),
+                 _si(r["train_flops_per_token"]), f"{r['kv_cache_bytes_per_token']:,}",
+                 f"{r['deviation']['flops']:+.2%}", f"{r['deviation']['params']:+.2%}",
+                 f"{r['deviation']['kv_cache']:+.2%}"] for r in budgets])
+    out += ["", "## Layouts and memory per GPU", "",
+            f"Estimated by `smelt-ds memory` (`smelt_ds.cost.memory.estimate`) for the recipe's own ZeRO option and "
+            f"activation-checkpointing policy with the layout's overrides applied; a layout fits when at least "
+            f"{MIN_HEADROOM:.0%} of the device memory stays free. GiB = 2^30 bytes. `smelt-ds render-job RECIPE "
+            f"--layout NAME` renders the job; accumulation = global batch / (micro-batch x seq_len x GPUs). Under ZeRO-3 "
+            f"the memory includes the looped block kept gathered between visits by the loop-aware reuse distance "
+            f"(`deepspeed.zero3_loop_tuning: auto`) at the layout's world size and device memory.", ""]
+    out += _md(["recipe", "layout", "GPU", "nodes x GPUs", "ZeRO", "MoE (ep)", "checkpointing", "precision",
+                "micro-batch x accumulation", "memory/GPU (GiB)", "device (GiB)", "headroom", "verdict"],
+               [[f"{r['size']}/{r['variant']}", r["layout"], r["gpu"], f"{r['nodes']} x {r['gpus_per_node']}",
+                 r["zero"], f"{r['backend']} ({r['ep_size']})", r["policy"], r["precision"],
+                 f"{r['micro_batch']} x {r['accumulation']}", _gib(r["memory_bytes"]), f"{r['device_memory_gib']:g}",
+                 f"{r['headroom']:.0%}", "fits" if r["fits"] else "DOES NOT FIT"] for r in layouts])
+    return "\n".join(out) + "\n"
+
+
+def write_variants(baseline_path: str | Path, check: bool = False) -> list[Path]:
+    """Write (or with ``check`` compare) the derived variants next to the Baseline. Returns the
+    paths written, or with ``check`` the paths whose file differs from the derivation."""
+    path = Path(baseline_path)
+    stale = []
+    for variant, text in derive_variants(path).items():
+        target = path.with_name(f"{variant}.yaml")
+        if check:
+            if not target.is_file() or target.read_text() != text:
+                stale.append(target)
+        else:
+            target.write_text(text)
+            stale.append(target)
+    return stale

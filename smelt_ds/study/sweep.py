@@ -1,0 +1,636 @@
+"""Scaling-law sweeps: a grid of sizes x token (or FLOPs) budgets x architectures, run locally one
+after another or rendered as Slurm job arrays / Kubernetes jobs.
+
+A sweep file (``recipes/sweeps/*.yaml``; keys equal the fields of :class:`SweepConfig`)::
+
+    name: micro
+    output_dir: runs/sweeps/{name}        # run directories: <output_dir>/<architecture>/<size>-<budget>
+    base: ../tiny/baseline.yaml           # Baseline recipe (loop.position: none), relative to this file
+    overrides: {train: {eval_every: 100000}}   # deep-merged into every size's Baseline
+    sizes:                                # each: a Baseline, from `base` + overrides or its own `recipe`
+      - {name: h64, overrides: {model: {hidden_size: 64}, moe: {expert_ffn_size: 48}}}
+    budgets:                              # each: training tokens, training FLOPs (IsoFLOP grids) or
+      - {name: d1, tokens: 131072}        # tokens per non-embedding parameter of the Baseline
+      - {name: c1, flops: 1.0e+13}
+      - {name: t20, tokens_per_param: 20}
+    architectures:                        # position none = the Baseline itself; the others are
+      - {name: baseline, position: none}  # generated from each size's Baseline by the matcher
+      - {name: smelt, position: middle, repeats: 2}
+
+Every looped recipe is :func:`smelt_ds.cost.budget.match_baseline` of its size's Baseline (same
+per-token FLOPs, non-embedding parameters and KV cache; ``match_tolerance`` bounds the
+deviation). Steps per run: ``round(tokens / global batch tokens)`` where a FLOPs budget becomes
+tokens through the *Baseline's* training FLOPs per token (a tokens-per-parameter budget through
+its non-embedding parameters), so that all architectures of one size and budget train on the same
+tokens; each run's own compute (its budget's FLOPs/token x tokens)
+is what the fit uses.
+
+Local runs skip finished runs (``summary.json`` with the planned steps) and resume interrupted
+ones from their newest ``COMPLETE`` checkpoint (``--resume auto``). Cluster rendering reuses
+:mod:`smelt_ds.launch`: one job script per run, and per node layout one Slurm array whose task
+id picks the run; for Kubernetes one PyTorchJob manifest per unfinished run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+from pydantic import Field, model_validator
+
+from smelt_ds.config.ds_template import deep_merge
+from smelt_ds.config.run import (
+    LoopPosition,
+    LoopRange,
+    RunConfig,
+    apply_overrides,
+    config_diff,
+    config_from_dict,
+    config_to_dict,
+    read_yaml_mapping,
+    resolve_batch,
+    validate_model,
+)
+from smelt_ds.config.schema import StrictModel
+from smelt_ds.cost.budget import compute_budget, match_baseline
+from smelt_ds.errors import ConfigError
+from smelt_ds.launch.jobs import JobOptions, JobPlan, per_node_command, plan_job, render
+from smelt_ds.study.recipes import REPO_ROOT, load_raw
+from smelt_ds.train import checkpoint as ckpt
+from smelt_ds.train.loop import launcher_command, train
+
+__all__ = ["SweepConfig", "SweepSize", "SweepBudget", "SweepArchitecture", "SweepLaunch", "load_sweep",
+           "PlannedRun", "SweepPlan", "plan_sweep", "materialize", "run_status", "run_local", "render_slurm",
+           "render_k8s", "plan_table"]
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"
+LABEL_FILE = "sweep_run.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# schema
+# ---------------------------------------------------------------------------------------------
+
+
+class SweepSize(StrictModel):
+    """One model size: its Baseline is ``recipe`` (or the sweep's ``base``) with ``overrides``."""
+
+    name: str = Field(..., pattern=NAME_PATTERN, description="label of the size in run names and reports")
+    recipe: str | None = Field(None, description="Baseline recipe of this size, relative to the sweep file; "
+                                                 "default: the sweep's `base`")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="recipe sections deep-merged into it")
+
+
+class SweepBudget(StrictModel):
+    """One training budget per run: exactly one of ``tokens`` (training tokens), ``flops``
+    (training FLOPs) or ``tokens_per_param`` (training tokens per non-embedding parameter of the
+    size's Baseline)."""
+
+    name: str = Field(..., pattern=NAME_PATTERN)
+    tokens: int | None = Field(None, gt=0, description="training tokens per run")
+    flops: float | None = Field(None, gt=0, description="training FLOPs per run (tokens = flops / the Baseline's "
+                                                        "training FLOPs per token): IsoFLOP grids")
+    tokens_per_param: float | None = Field(None, gt=0, description="training tokens per non-embedding parameter "
+                                                                   "of the Baseline (Chinchilla: about 20)")
+
+    @model_validator(mode="after")
+    def _one(self) -> "SweepBudget":
+        given = {k: v for k, v in (("tokens", self.tokens), ("flops", self.flops),
+                                   ("tokens_per_param", self.tokens_per_param)) if v is not None}
+        if len(given) != 1:
+            raise ConfigError(f"budget {self.name!r}: set exactly one of `tokens` (training tokens), `flops` "
+                              f"(training FLOPs) or `tokens_per_param`, got {given or 'none'}")
+        return self
+
+    def tokens_for(self, baseline_budget) -> float:
+        """Training tokens of this budget for a size whose Baseline has ``baseline_budget``."""
+        if self.tokens is not None:
+            return float(self.tokens)
+        if self.flops is not None:
+            return self.flops / baseline_budget.train_flops_per_token
+        return self.tokens_per_param * baseline_budget.non_embedding_params
+
+
+class SweepArchitecture(StrictModel):
+    """One architecture: ``position: none`` is the Baseline; any other loop position (with
+    ``repeats``, ``fraction``, explicit ``ranges``) is matched to each size's Baseline."""
+
+    name: str = Field(..., pattern=NAME_PATTERN)
+    position: LoopPosition = Field("none", description="loop position (smelt-ds match --position)")
+    repeats: int = Field(2, gt=1, description="visits per looped layer")
+    fraction: float = Field(0.5, gt=0, le=1, description="share of unique layers looped")
+    ranges: list[LoopRange] | None = Field(None, description="explicit loop ranges (custom / asymmetric)")
+    ep_size: int | None = Field(None, gt=0, description="expert counts must divide by this (default moe.ep_size)")
+
+
+class SweepLaunch(StrictModel):
+    """Cluster rendering (``smelt-ds sweep --render``): options of :class:`smelt_ds.launch.jobs.JobOptions`."""
+
+    layout: str | None = Field(None, description="cluster layout of the recipes (default: each recipe's default)")
+    time: str = Field("2-00:00:00", description="Slurm time limit per job (D-HH:MM:SS); runs requeue and resume")
+    partition: str | None = None
+    account: str | None = None
+    sbatch: list[str] = Field(default_factory=list, description="more #SBATCH options, e.g. --qos=high")
+    max_parallel: int | None = Field(None, gt=0, description="Slurm array: at most this many runs at once")
+    env: list[str] = Field(default_factory=list, description="NAME=VALUE exported in every job")
+    image: str = Field("smelt-ds:latest", description="Kubernetes: container image")
+    namespace: str = "default"
+    runs_pvc: str = Field("smelt-runs", description="Kubernetes: PVC mounted at <workdir>/runs (holds output_dir)")
+    data_pvc: str = Field("smelt-corpora", description="Kubernetes: PVC mounted at <workdir>/corpora")
+
+
+class SweepConfig(StrictModel):
+    """A scaling-law sweep (see the module docstring)."""
+
+    name: str = Field(..., pattern=NAME_PATTERN)
+    output_dir: str = Field("runs/sweeps/{name}", description="run directories and generated recipes")
+    base: str | None = Field(None, description="Baseline recipe shared by sizes without their own `recipe`")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="deep-merged into every size's Baseline")
+    sizes: list[SweepSize] = Field(..., min_length=1)
+    budgets: list[SweepBudget] = Field(..., min_length=1)
+    architectures: list[SweepArchitecture] = Field(..., min_length=1)
+    match_tolerance: float | None = Field(0.01, gt=0, description="largest relative deviation of any budget of a "
+                                                                  "matched recipe from its Baseline")
+    warmup_fraction: float | None = Field(None, ge=0, lt=1, description="warmup steps as a share of each run's "
+                                                                        "steps; default: the recipe's")
+    launch: SweepLaunch = Field(default_factory=SweepLaunch)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "SweepConfig":
+        for key in ("sizes", "budgets", "architectures"):
+            names = [x.name for x in getattr(self, key)]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ConfigError(f"`{key}` has duplicate names {dup}: give every entry its own name")
+        return self
+
+
+def load_sweep(path: str | Path) -> SweepConfig:
+    """Load and validate a sweep file. Raises ConfigError naming the file and the bad field."""
+    path = Path(path)
+    raw = read_yaml_mapping(path, "sweep file", "recipes/sweeps/micro.yaml")
+    return validate_model(SweepConfig, raw, f"sweep file {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PlannedRun:
+    """One run of the grid. ``steps`` optimizer steps of ``tokens_per_step`` tokens; budgets from
+    :func:`smelt_ds.cost.budget.compute_budget` (FLOPs per token, non-embedding parameters)."""
+
+    index: int
+    name: str
+    architecture: str
+    position: str
+    size: str
+    budget: str
+    run_dir: Path
+    recipe_path: Path
+    raw: dict[str, Any]
+    config: RunConfig
+    steps: int
+    tokens_per_step: int
+    train_flops_per_token: float
+    non_embedding_params: int
+    deviations: dict[str, float] | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.tokens_per_step
+
+    @property
+    def train_flops(self) -> float:
+        return self.train_flops_per_token * self.tokens
+
+    def label(self, sweep: str) -> dict[str, Any]:
+        return {"sweep": sweep, "run": self.name, "architecture": self.architecture, "position": self.position,
+                "size": self.size, "budget": self.budget, "steps": self.steps, "tokens": self.tokens,
+                "non_embedding_params": self.non_embedding_params,
+                "train_flops_per_token": self.train_flops_per_token, "train_flops": self.train_flops,
+                "deviations_vs_baseline": self.deviations}
+
+
+@dataclass
+class SweepPlan:
+    sweep: SweepConfig
+    source: Path
+    output_dir: Path
+    runs: list[PlannedRun]
+    notes: list[str] = field(default_factory=list)
+
+
+def _size_baseline(sweep: SweepConfig, source: Path, i: int, overrides: list[str]) -> dict[str, Any]:
+
+    size = sweep.sizes[i]
+    rel = size.recipe or sweep.base
+    if rel is None:
+        raise ConfigError(f"sweep file {source}: `sizes[{i}].recipe` ({size.name}) is unset and there is no `base`: "
+                          "set the sweep's `base` or this size's `recipe` (a Baseline recipe)")
+    path = (source.parent / rel) if not Path(rel).is_absolute() else Path(rel)
+    if not path.is_file():
+        where = f"sizes[{i}].recipe" if size.recipe else "base"
+        raise ConfigError(f"sweep file {source}: `{where}` ({rel!r}) does not exist (looked for {path}); paths are "
+                          "relative to the sweep file")
+    raw = apply_overrides(deep_merge(deep_merge(load_raw(path), sweep.overrides or {}), size.overrides or {}), overrides)
+    cfg = config_from_dict(raw, source=f"{source} size {size.name!r}")
+    if cfg.loop.position != "none":
+        raise ConfigError(f"sweep file {source}: size {size.name!r} has `loop.position` ({cfg.loop.position!r}): a "
+                          "size must be a Baseline (loop.position: none); looped architectures are derived from it")
+    return raw
+
+
+def _architecture_raw(sweep: SweepConfig, source: Path, size: str, raw: dict[str, Any],
+                      arch: SweepArchitecture) -> tuple[dict[str, Any], dict[str, float] | None, list[str]]:
+
+    if arch.position == "none":
+        return raw, None, []
+    ranges = [r.model_dump() for r in arch.ranges] if arch.ranges else None
+    try:
+        m = match_baseline(raw, arch.position, repeats=arch.repeats, ep_size=arch.ep_size, fraction=arch.fraction,
+                           ranges=ranges, tolerance=sweep.match_tolerance)
+    except ConfigError as e:
+        raise ConfigError(f"sweep file {source}: matching architecture {arch.name!r} to size {size!r}: {e} "
+                          "(or raise `match_tolerance`)") from None
+    return m.raw, m.deviations, m.notes
+
+
+def _steps(cfg: RunConfig, tokens: float, scale: float) -> tuple[int, int]:
+    _, per_step = resolve_batch(cfg, 1)
+    return max(1, round(tokens * scale / per_step)), per_step
+
+
+def plan_sweep(sweep: SweepConfig, source: str | Path, output_dir: str | None = None,
+               overrides: list[str] | None = None, steps_scale: float = 1.0) -> SweepPlan:
+    """Expand a sweep into runs (sizes x budgets x architectures, in that nesting: budget, size,
+    architecture, so that a partial sweep covers every architecture). ``overrides`` are ``--set``
+    strings applied to every size's Baseline before matching; ``steps_scale`` multiplies every run's
+    steps and warmup (quick checks; use another ``output_dir``).
+
+    Raises ConfigError for a missing or looped size recipe, an unmatched architecture, a warmup
+    longer than a run, or an invalid generated recipe (naming the run).
+    """
+
+    source = Path(source)
+    if not steps_scale > 0:
+        raise ConfigError(f"--steps-scale ({steps_scale!r}) must be > 0, e.g. 0.1")
+    out = Path((output_dir or sweep.output_dir).format(name=sweep.name))
+    sizes = {}
+    for i, size in enumerate(sweep.sizes):
+        base_raw = _size_baseline(sweep, source, i, overrides or [])
+        base_budget = compute_budget(config_from_dict(base_raw))
+        sizes[size.name] = (base_raw, base_budget, {a.name: _architecture_raw(sweep, source, size.name, base_raw, a)
+                                                    for a in sweep.architectures})
+    runs: list[PlannedRun] = []
+    notes: list[str] = []
+    for budget in sweep.budgets:
+        for size in sweep.sizes:
+            base_raw, base_budget, archs = sizes[size.name]
+            tokens = budget.tokens_for(base_budget)
+            for arch in sweep.architectures:
+                arch_raw, devs, match_notes = archs[arch.name]
+                notes += [f"{arch.name} @ {size.name}: {n}" for n in match_notes if n not in notes]
+                runs.append(_plan_run(sweep, source, out, len(runs), arch, size.name, budget.name, arch_raw, devs,
+                                      tokens, steps_scale))
+    return SweepPlan(sweep, source, out, runs, sorted(set(notes)))
+
+
+def _plan_run(sweep: SweepConfig, source: Path, out: Path, index: int, arch: SweepArchitecture, size: str,
+              budget: str, arch_raw: dict[str, Any], devs, tokens: float, scale: float) -> PlannedRun:
+
+    name = f"{arch.name}-{size}-{budget}"
+    raw = copy.deepcopy(arch_raw)
+    raw["name"] = f"{sweep.name}-{name}"
+    run_dir = out / arch.name / f"{size}-{budget}"
+    trial = config_from_dict(raw, source=f"{source} run {name}")
+    steps, per_step = _steps(trial, tokens, scale)
+    t = raw.setdefault("train", {})
+    t["max_steps"] = steps
+    t["run_dir"] = str(run_dir)
+    if sweep.warmup_fraction is not None:
+        t["warmup_steps"] = int(round(sweep.warmup_fraction * steps))
+    elif scale != 1.0:
+        t["warmup_steps"] = min(steps, int(round(trial.train.warmup_steps * scale)))
+    if t.get("warmup_steps", trial.train.warmup_steps) > steps:
+        raise ConfigError(f"sweep file {source}: run {name} has {steps} steps but `train.warmup_steps` "
+                          f"({t.get('warmup_steps', trial.train.warmup_steps)}) is longer: set the sweep's "
+                          "`warmup_fraction` (e.g. 0.05) or a larger budget")
+    cfg = config_from_dict(raw, source=f"{source} run {name}")
+    b = compute_budget(cfg)
+    return PlannedRun(index, name, arch.name, cfg.loop.position, size, budget, run_dir,
+                      out / "recipes" / f"{name}.yaml", raw, cfg, steps, per_step, b.train_flops_per_token,
+                      b.non_embedding_params, devs)
+
+
+def plan_table(plan: SweepPlan) -> str:
+    """A markdown table of the planned runs and their status (FLOPs are training FLOPs)."""
+    lines = [f"sweep {plan.sweep.name}: {len(plan.runs)} runs in {plan.output_dir}",
+             "| # | run | N (non-embedding) | train FLOPs/token | steps | tokens | train FLOPs | status |",
+             "|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in plan.runs:
+        lines.append(f"| {r.index} | {r.name} | {r.non_embedding_params:,} | {r.train_flops_per_token:.4g} "
+                     f"| {r.steps:,} "
+                     f"| {r.tokens:,} | {r.train_flops:.3g} | {run_status(r)} |")
+    by_size: dict[str, int] = {}
+    for r in plan.runs:
+        by_size[r.size] = by_size.get(r.size, 0) + r.steps
+    lines.append("steps per size (all architectures and budgets): "
+                 + ", ".join(f"{k} {v:,}" for k, v in by_size.items()))
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# files and status
+# ---------------------------------------------------------------------------------------------
+
+
+def materialize(plan: SweepPlan) -> None:
+    """Write every run's recipe (``<output_dir>/recipes/<run>.yaml``), its label
+    (``<run_dir>/sweep_run.json``: architecture, size, budget, planned steps and tokens) and
+    ``<output_dir>/sweep_plan.json``. Raises ConfigError when a run directory holds another run."""
+    plan.output_dir.mkdir(parents=True, exist_ok=True)
+    (plan.output_dir / "recipes").mkdir(exist_ok=True)
+    for r in plan.runs:
+        _check_conflict(r)
+        header = (f"# Generated by `smelt-ds sweep {plan.source}`: architecture {r.architecture}, size {r.size}, "
+                  f"budget {r.budget}\n")
+        if r.deviations:
+            header += "# deviations vs Baseline: " + ", ".join(f"{k} {v:+.3%}" for k, v in r.deviations.items()) + "\n"
+        r.recipe_path.write_text(header + yaml.safe_dump(r.raw, sort_keys=False))
+        r.run_dir.mkdir(parents=True, exist_ok=True)
+        (r.run_dir / LABEL_FILE).write_text(json.dumps(r.label(plan.sweep.name), indent=2))
+    (plan.output_dir / "sweep_plan.json").write_text(json.dumps(
+        {"sweep": plan.sweep.model_dump(mode="json"), "source": str(plan.source),
+         "runs": [{**r.label(plan.sweep.name), "run_dir": str(r.run_dir), "recipe": str(r.recipe_path)}
+                  for r in plan.runs], "notes": plan.notes}, indent=1))
+
+
+# fields that do not change what a run computes: the cluster layouts and this invocation's stop step
+_NOT_COMPARED = (("cluster",), ("train", "exit_after_steps"))
+
+
+def _comparable(d: dict[str, Any]) -> dict[str, Any]:
+    d = copy.deepcopy(d)
+    for path in _NOT_COMPARED:
+        node = d
+        for key in path[:-1]:
+            node = node.get(key) or {}
+        node.pop(path[-1], None)
+    return d
+
+
+def _check_conflict(r: PlannedRun) -> None:
+    existing = r.run_dir / "config.yaml"
+    if not existing.is_file():
+        return
+    there = _comparable(yaml.safe_load(existing.read_text()) or {})
+    planned = _comparable(config_to_dict(r.config))
+    diffs = config_diff(planned, there)
+    if diffs:
+        raise ConfigError(f"run directory {r.run_dir} holds a run of another recipe ({'; '.join(diffs[:4])}): "
+                          "delete it, or give this sweep another output_dir (--output-dir)")
+
+
+def run_status(r: PlannedRun) -> str:
+    """``done`` (summary.json of the planned steps), ``partial`` (a complete checkpoint) or ``new``."""
+
+    s = r.run_dir / "summary.json"
+    if s.is_file():
+        try:
+            if json.loads(s.read_text()).get("steps") == r.steps:
+                return "done"
+        except json.JSONDecodeError:
+            pass
+    return "partial" if ckpt.latest_complete(r.run_dir) is not None else "new"
+
+
+# ---------------------------------------------------------------------------------------------
+# local execution
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunOutcome:
+    run: PlannedRun
+    status: str  # done | skipped | failed | interrupted
+    seconds: float = 0.0
+    message: str = ""
+
+
+def _train_subprocess(r: PlannedRun, resume: str, nproc: int) -> tuple[int, bool]:
+    import argparse
+
+    if nproc > 1:
+        cmd = launcher_command(argparse.Namespace(nproc=nproc, recipe=str(r.recipe_path), resume=resume, set=[],
+                                                  run_dir=None))
+    else:
+        cmd = [sys.executable, "-m", "smelt_ds.train", str(r.recipe_path), "--resume", resume]
+    with (r.run_dir / "train.log").open("a") as log:
+        log.write(f"\n$ {shlex.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            return proc.wait(), False
+        except KeyboardInterrupt:  # the child got SIGINT too: it saves a checkpoint and exits
+            return proc.wait(), True
+
+
+def _train_inprocess(r: PlannedRun, resume: str) -> tuple[int, bool]:
+
+    res = train(r.config, resume=resume, run_dir=str(r.run_dir))
+    return 0, res.stopped_early
+
+
+def run_local(plan: SweepPlan, limit: int | None = None, executor: str = "subprocess", nproc: int = 1,
+              log: Callable[[str], None] = print) -> list[RunOutcome]:
+    """Train the plan's runs one after another: finished runs are skipped, interrupted ones resume
+    from their newest complete checkpoint. ``limit``: train at most this many runs now.
+    ``executor``: ``subprocess`` (``python -m smelt_ds.train`` per run, output to
+    ``<run_dir>/train.log``; ``deepspeed`` launcher with ``nproc`` > 1) or ``inprocess``
+    (:func:`smelt_ds.train.loop.train` in this process). Stops at the first interrupted run (Ctrl-C /
+    SIGTERM: the run saved a checkpoint; rerun to continue). Returns one outcome per run."""
+
+    if executor not in ("subprocess", "inprocess"):
+        raise ConfigError(f"--executor {executor!r} is unknown: use 'subprocess' or 'inprocess'")
+    materialize(plan)
+    outcomes: list[RunOutcome] = []
+    todo = []
+    for r in plan.runs:
+        (outcomes.append(RunOutcome(r, "skipped", message="finished earlier")) if run_status(r) == "done"
+         else todo.append(r))
+    if outcomes:
+        log(f"sweep {plan.sweep.name}: {len(outcomes)} of {len(plan.runs)} runs finished earlier")
+    if limit is not None:
+        todo = todo[:max(0, limit)]
+    t_all = time.perf_counter()
+    for k, r in enumerate(todo, 1):
+        resume = "auto" if ckpt.latest_complete(r.run_dir) is not None else "none"
+        log(f"[{k}/{len(todo)}] {r.name}: {r.steps} steps x {r.tokens_per_step} tokens"
+            + (" (resuming)" if resume == "auto" else "") + f" -> {r.run_dir}")
+        t0 = time.perf_counter()
+        try:
+            rc, interrupted = (_train_inprocess(r, resume) if executor == "inprocess"
+                               else _train_subprocess(r, resume, nproc))
+        except ConfigError as e:
+            rc, interrupted = 2, False
+            outcomes.append(RunOutcome(r, "failed", time.perf_counter() - t0, str(e)))
+            log(f"    failed: {e}")
+            continue
+        dt = time.perf_counter() - t0
+        if run_status(r) == "done":
+            loss = json.loads((r.run_dir / "summary.json").read_text())["validation_loss"].get("all")
+            outcomes.append(RunOutcome(r, "done", dt))
+            log(f"    done in {dt:.0f} s, validation loss {loss:.4f} nats/token")
+        elif interrupted or rc in (0, 143):  # 143: the run got SIGTERM and saved a checkpoint
+            outcomes.append(RunOutcome(r, "interrupted", dt, "stopped before the end; rerun to resume"))
+            log(f"    interrupted after {dt:.0f} s: rerun the same command to resume")
+            break
+        else:
+            outcomes.append(RunOutcome(r, "failed", dt, f"exit code {rc}; see {r.run_dir / 'train.log'}"))
+            log(f"    failed (exit code {rc}) after {dt:.0f} s: see {r.run_dir / 'train.log'}")
+    log(f"sweep {plan.sweep.name}: {sum(o.status == 'done' for o in outcomes)} trained, "
+        f"{sum(o.status == 'skipped' for o in outcomes)} skipped, {sum(o.status == 'failed' for o in outcomes)} "
+        f"failed in {time.perf_counter() - t_all:.0f} s")
+    return outcomes
+
+
+# ---------------------------------------------------------------------------------------------
+# cluster rendering (reuses smelt_ds.launch)
+# ---------------------------------------------------------------------------------------------
+
+
+def _job_name(sweep: str, r: PlannedRun) -> str:
+    name = re.sub(r"[^a-z0-9-]", "-", f"{sweep}-{r.index:03d}-{r.name}".lower())
+    return re.sub(r"-+", "-", name)[:52].strip("-")
+
+
+def _path_in_job(path: Path, workdir: str) -> str:
+    """``path`` as the job sees it: relative to its working directory or the repository root
+    (which the Kubernetes image holds at its workdir), else absolute (as smelt_ds.launch does)."""
+
+    p = path.resolve()
+    for base in (Path(workdir), REPO_ROOT):
+        try:
+            return str(p.relative_to(base.resolve()))
+        except ValueError:
+            continue
+    return str(p)
+
+
+def _job_options(plan: SweepPlan, r: PlannedRun, scheduler: str, log_dir: str | None = None):
+
+    L = plan.sweep.launch
+    return JobOptions(scheduler=scheduler, layout=L.layout, time=L.time, partition=L.partition, account=L.account,
+                      sbatch=list(L.sbatch), env=list(L.env), image=L.image, namespace=L.namespace,
+                      runs_pvc=L.runs_pvc, data_pvc=L.data_pvc, job_name=_job_name(plan.sweep.name, r),
+                      log_dir=log_dir)
+
+
+ARRAY_TEMPLATE = """#!/bin/bash
+# Slurm job array of sweep {sweep}: runs on {nodes} node(s) x {gpus} GPU(s). Generated by
+#   smelt-ds sweep {source} --render slurm
+# Task i runs entry i of RUNS below: its job script (rendered by smelt_ds.launch from the run's
+# recipe: torchrun on every node, --resume auto, checkpoint + requeue near the time limit) unless
+# the run has finished (summary.json). Submit: sbatch {this}. Resubmitting is safe: finished runs
+# exit at once, interrupted ones resume from their newest complete checkpoint.
+#SBATCH --job-name={job}
+#SBATCH --array=0-{last}{parallel}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={gpus}
+#SBATCH --exclusive
+#SBATCH --time={time}
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@{lead}
+#SBATCH --open-mode=append
+#SBATCH --output={log_dir}/%x-%A_%a.out
+{extra}
+set -euo pipefail
+cd {workdir}
+RUNS=(
+{runs}
+)
+entry=${{RUNS[$SLURM_ARRAY_TASK_ID]}}
+script=${{entry%%|*}}
+run_dir=${{entry#*|}}
+if [[ -f "$run_dir/summary.json" ]]; then
+  echo "smelt-ds sweep: $run_dir already finished" >&2
+  exit 0
+fi
+exec bash "$script"
+"""
+
+
+def render_slurm(plan: SweepPlan) -> list[Path]:
+    """Write ``<output_dir>/launch/slurm/runs/<NNN>-<run>.sbatch`` (one job script per run, from
+    :func:`smelt_ds.launch.jobs.render`) and one array script per node layout,
+    ``<output_dir>/launch/slurm/array-<nodes>x<gpus>.sbatch``. Returns the array scripts."""
+
+    materialize(plan)
+    root = plan.output_dir / "launch" / "slurm"
+    (root / "runs").mkdir(parents=True, exist_ok=True)
+    (root / "logs").mkdir(exist_ok=True)
+    log_dir = str((root / "logs").resolve())
+    groups: dict[tuple[int, int], list[tuple[PlannedRun, Path, JobPlan]]] = {}
+    for r in plan.runs:
+        job = plan_job(r.recipe_path, _job_options(plan, r, "slurm", log_dir))
+        script = root / "runs" / f"{r.index:03d}-{r.name}.sbatch"
+        script.write_text(render(job))
+        groups.setdefault((job.nodes, job.gpus_per_node), []).append((r, script, job))
+    L = plan.sweep.launch
+    out = []
+    for (nodes, gpus), items in groups.items():
+        workdir, lead = items[0][2].workdir, items[0][2].options.signal_lead_s
+        entries = [os.path.relpath(s.resolve(), workdir) + "|" + os.path.relpath(r.run_dir.resolve(), workdir)
+                   for r, s, _ in items]
+        rel = [f"  {shlex.quote(e)}" for e in entries]
+        extra = [f"#SBATCH --partition={L.partition}"] if L.partition else []
+        extra += [f"#SBATCH --account={L.account}"] if L.account else []
+        extra += [f"#SBATCH {o}" for o in L.sbatch]
+        path = root / f"array-{nodes}x{gpus}.sbatch"
+        path.write_text(ARRAY_TEMPLATE.format(
+            sweep=plan.sweep.name, source=plan.source, nodes=nodes, gpus=gpus, this=path,
+            job=f"sweep-{plan.sweep.name}",
+            last=len(items) - 1, parallel=f"%{L.max_parallel}" if L.max_parallel else "", time=L.time,
+            lead=lead, log_dir=log_dir, extra="\n".join(extra), workdir=shlex.quote(workdir), runs="\n".join(rel)))
+        out.append(path)
+    return out
+
+
+def render_k8s(plan: SweepPlan) -> list[Path]:
+    """Write one Kubeflow PyTorchJob manifest per unfinished run (:func:`smelt_ds.launch.jobs.render`)
+    to ``<output_dir>/launch/k8s/<NNN>-<run>.yaml``; each exits at once if its run has finished.
+    The output_dir must lie on the runs volume (under ``runs/``). Returns the manifests."""
+
+    materialize(plan)
+    root = plan.output_dir / "launch" / "k8s"
+    root.mkdir(parents=True, exist_ok=True)
+    out = []
+    for r in plan.runs:
+        if run_status(r) == "done":
+            continue
+        job = plan_job(r.recipe_path, _job_options(plan, r, "k8s"))
+        text = render(job)
+        run_dir = _path_in_job(r.run_dir, job.workdir)
+        cmd = "exec " + per_node_command(job)
+        guarded = f"test -f {shlex.quote(run_dir + '/summary.json')} && exit 0; {cmd}"
+        if json.dumps(cmd) in text:
+            text = text.replace(json.dumps(cmd), json.dumps(guarded))
+        path = root / f"{r.index:03d}-{r.name}.yaml"
+        path.write_text(text)
+        out.append(path)
+    return out

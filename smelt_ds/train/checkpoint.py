@@ -1,0 +1,442 @@
+"""Checkpoints: DeepSpeed's own save/load plus client state, made crash-safe.
+
+Layout under ``<run_dir>/checkpoints/``::
+
+    step00000050/            DeepSpeed's files (model, optimizer, scheduler state per rank)
+    step00000050/client_rank{r}.pt   step, tokens seen, data-loader state and RNG states of rank r
+    step00000050/reference/rank{r}.pt   rank r's shard of the fp32 weights in the reference
+                             layout (:mod:`smelt_ds.train.reference_weights`), what ``smelt-ds export``
+                             reads for every MoE backend and ZeRO stage
+    step00000050/COMPLETE    written by rank 0 after every rank finished: the only mark of a
+                             usable checkpoint; JSON with the step, tokens seen and the layout
+                             that wrote it (world size, ZeRO stage, MoE backend, expert-parallel
+                             size), which a resume must match
+
+A run killed during a save (SIGKILL, node loss) leaves a directory without ``COMPLETE``, which
+``--resume auto`` ignores: it continues from the newest complete checkpoint. Only the newest
+``keep_last`` complete checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+from typing import IO, Any, cast
+
+import numpy as np
+import torch
+
+from smelt_ds.errors import ConfigError
+from smelt_ds.train.reference_weights import gather_reference_shard, shard_path
+
+__all__ = ["checkpoint_dir", "save", "load", "latest_complete", "rng_state", "restore_rng", "MARKER", "run_layout",
+           "check_layout"]
+
+MARKER = "COMPLETE"
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _tag(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def rng_state() -> dict[str, Any]:
+    """RNG states of python, numpy, torch CPU and (when present) CUDA."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (e.g. no space left on device); names the file."""
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only, sequential file object that feeds every byte to SHA-256 as it writes.
+
+    ``torch.save`` writes its archive sequentially to a non-seekable file object (both the zip
+    and the legacy format), so the digest is computed while writing, without reading back."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+        self.error: OSError | None = None  # the first write error (torch's zip writer may hide it)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b)
+        self.sha.update(view)
+        self.n += view.nbytes
+        try:
+            return self.f.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def tell(self) -> int:
+        return self.n
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict: about what ``torch.save`` writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_hashed(obj: Any, path: str | Path, zipfile: bool = True) -> dict[str, Any]:
+    """``torch.save(obj, path)`` through a SHA-256 computed while writing, then fsync.
+
+    Returns ``{"sha256", "bytes"}`` of the file. Raises :class:`CheckpointWriteError` naming the
+    file, the bytes it needs and the bytes free when the device is full (ENOSPC, EDQUOT)."""
+    path = Path(path)
+    w: _HashingWriter | None = None
+    try:
+        with open(path, "wb") as f:
+            w = _HashingWriter(f)
+            torch.save(obj, cast(IO[bytes], w), _use_new_zipfile_serialization=zipfile)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch's zip writer turns a failed write into a RuntimeError
+        cause = e if isinstance(e, OSError) else (w.error if w is not None else None)
+        if cause is None or cause.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise CheckpointWriteError(f"No space left on device writing {path} (needs about {_nbytes(obj):,} bytes; "
+                                   f"free {free:,}): free space or point train.run_dir elsewhere; the previous "
+                                   "complete checkpoint is untouched and --resume auto continues from it") from None
+    assert w is not None  # set before torch.save ran
+    return {"sha256": w.sha.hexdigest(), "bytes": w.n}
+
+
+def file_digest(path: str | Path) -> dict[str, Any]:
+    """``{"sha256", "bytes"}`` of a file, read in 16 MiB blocks."""
+    sha, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            sha.update(block)
+            n += len(block)
+    return {"sha256": sha.hexdigest(), "bytes": n}
+
+
+class _HashingCheckpointEngine:
+    """Wraps DeepSpeed's ``TorchCheckpointEngine`` so that every file DeepSpeed writes goes through
+    :func:`write_hashed` (digest while writing, fsync, a clear error on a full disk); the digests
+    of this rank's files are collected in ``written`` (path -> digest)."""
+
+    def __init__(self, inner):
+        self.inner, self.written = inner, {}
+
+    def save(self, state_dict, path: str):
+        self.written[str(Path(path).resolve())] = write_hashed(state_dict, path, self.inner.zipfile_serialization)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _hashing_engine(engine) -> _HashingCheckpointEngine | None:
+    """Install (once) the hashing wrapper on a DeepSpeed engine using the plain torch engine."""
+    current = getattr(engine, "checkpoint_engine", None)
+    if isinstance(current, _HashingCheckpointEngine):
+        return current
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    if type(current) is not TorchCheckpointEngine:
+        return None  # another checkpoint engine (configured by the user): files are hashed after the save
+    engine.checkpoint_engine = _HashingCheckpointEngine(current)
+    return engine.checkpoint_engine
+
+
+def _atomic_save(obj: Any, path: Path) -> dict[str, Any]:
+    tmp = path.with_name(path.name + ".tmp")
+    digest = write_hashed(obj, tmp)
+    os.replace(tmp, path)
+    return digest
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _write_rank_files(engine, root: Path, tag: str, rank: int, client: dict[str, Any], backend: str) -> dict:
+    """DeepSpeed's files, the client state and the reference shard of this rank; their digests."""
+
+    hashing = _hashing_engine(engine)
+    if hashing is not None:
+        hashing.written = {}
+    engine.save_checkpoint(str(root), tag=tag, client_state={"step": client["step"],
+                                                            "tokens_seen": client["tokens_seen"]})
+    ckpt = (root / tag).resolve()
+    written = {str(Path(p).relative_to(ckpt)): d for p, d in (hashing.written if hashing else {}).items()
+               if Path(p).is_relative_to(ckpt)}
+    written[f"client_rank{rank}.pt"] = _atomic_save(client, root / tag / f"client_rank{rank}.pt")
+    shard = gather_reference_shard(engine, backend)
+    path = shard_path(root / tag, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written[str(path.relative_to(root / tag))] = _atomic_save(shard, path)
+    return written
+
+
+def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state: dict[str, Any],
+         keep_last: int, layout: dict[str, Any] | None = None) -> Path:
+    """Save a checkpoint on every rank (collective). Returns the checkpoint directory.
+
+    Writes DeepSpeed's files, this rank's client state and its shard of the reference-layout
+    weights (:func:`smelt_ds.train.reference_weights.gather_reference_shard`), each with a SHA-256
+    computed while writing and fsynced; then, once every rank is done, rank 0 fsyncs the
+    directory and writes the ``COMPLETE`` marker: JSON with the step, tokens seen, ``layout``
+    (see :func:`run_layout`; its ``moe_backend``, default ``reference``, names the backend whose
+    parameters are mapped) and ``files`` (relative path -> sha256, bytes, writing rank).
+
+    Raises :class:`CheckpointWriteError` on every rank when any rank could not write (e.g. a
+    full disk); no marker is written, so the previous complete checkpoint stays the newest.
+    """
+    import torch.distributed as dist
+
+    root = checkpoint_dir(run_dir)
+    tag = _tag(step)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    layout = {"world_size": world, **(layout or {})}
+    client = {"step": step, "tokens_seen": tokens_seen, "loader": loader_state, "rng": rng_state()}
+    try:
+        written, error = _write_rank_files(engine, root, tag, rank, client, layout.get("moe_backend", "reference")), None
+    except CheckpointWriteError as e:
+        written, error = {}, str(e)
+    gathered = _gather_objects((written, error))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        if rank == 0:  # no marker was written: the partial directory is no checkpoint, only used space
+            shutil.rmtree(root / tag, ignore_errors=True)
+        raise CheckpointWriteError(errors[0])
+    if rank == 0:
+        files = {name: {**d, "rank": r} for r, (w, _) in enumerate(gathered) for name, d in w.items()}
+        for p in sorted((root / tag).rglob("*")):  # files no rank hashed while writing (small ones)
+            name = str(p.relative_to(root / tag))
+            if p.is_file() and name not in files and name != MARKER and not name.endswith(".tmp"):
+                files[name] = {**file_digest(p), "rank": 0}
+        _fsync_dir(root / tag)
+        marker = root / tag / MARKER
+        tmp = marker.with_name(MARKER + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"step": step, "tokens_seen": tokens_seen, **layout, "files": files}))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, marker)
+        _fsync_dir(root / tag)
+        _prune(root, keep_last)
+    if dist.is_initialized():
+        dist.barrier()
+    return root / tag
+
+
+def verify(path: str | Path, rank: int | None = None, names: list[str] | None = None) -> list[str]:
+    """Problems of checkpoint ``path`` against the digests in its ``COMPLETE`` marker.
+
+    Checks the files written by ``rank`` (all files when None), or only ``names``. Returns one
+    line per problem (missing file, wrong size, wrong SHA-256), naming the file; an empty list
+    when everything matches or the marker predates checksums."""
+    path = Path(path)
+    files = json.loads((path / MARKER).read_text()).get("files")
+    if files is None:
+        return []
+    problems = []
+    for name, want in sorted(files.items()):
+        if (names is not None and name not in names) or (names is None and rank is not None
+                                                         and want.get("rank", 0) != rank):
+            continue
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{f} is missing")
+            continue
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            problems.append(f"{f} has {size:,} bytes, {want['bytes']:,} when written")
+        elif file_digest(f)["sha256"] != want["sha256"]:
+            problems.append(f"{f} has another SHA-256 than when written (damaged)")
+    return problems
+
+
+def run_layout(cfg, world_size: int) -> dict[str, Any]:
+    """What a checkpoint's files depend on besides the model: ``world_size`` (ranks),
+    ``zero_stage`` (as DeepSpeed sees it), ``moe_backend`` and ``ep_size`` (expert-parallel
+    size; 1 for the reference backend). Stored in the ``COMPLETE`` marker."""
+    return {"world_size": world_size, "zero_stage": cfg.deepspeed.effective_zero_stage, "moe_backend": cfg.moe.backend,
+            "ep_size": cfg.moe.ep_size if cfg.moe.backend != "reference" else 1}
+
+
+_LAYOUT_WORDS = {"world_size": "ranks (data-parallel x expert-parallel)", "zero_stage": "ZeRO stage",
+                 "moe_backend": "moe.backend", "ep_size": "moe.ep_size (expert-parallel size)"}
+
+
+def check_layout(path: str | Path, layout: dict[str, Any]) -> None:
+    """Refuse to resume checkpoint ``path`` with another layout than the one that wrote it.
+
+    DeepSpeed's checkpoints hold per-rank optimizer partitions and per-expert-parallel-rank
+    experts; loading them into another number of ranks, ZeRO stage, backend or expert-parallel
+    size either fails deep inside DeepSpeed or, worse, loads the wrong partition. Raises
+    ConfigError naming each difference and the supported path (``smelt-ds export`` then
+    ``train.init_from``, which starts a new run from the weights at any scale). Fields an older
+    marker lacks are not compared."""
+    meta = json.loads((Path(path) / MARKER).read_text())
+    diffs = [f"{_LAYOUT_WORDS[k]} {meta[k]!r} in the checkpoint vs {v!r} now" for k, v in layout.items()
+             if k in meta and k in _LAYOUT_WORDS and meta[k] != v]
+    if diffs:
+        raise ConfigError(f"checkpoint {path} was written with another layout ({'; '.join(diffs)}): resume it with "
+                          "the same layout, or continue at the new scale from its weights (the optimizer state "
+                          f"starts fresh): `smelt-ds export {Path(path).parent.parent} -o EXPORT_DIR`, then "
+                          "train with --set train.init_from=EXPORT_DIR in a new --run-dir")
+
+
+def _complete_tags(root: Path) -> list[Path]:
+    return sorted((p for p in root.glob("step*") if (p / MARKER).is_file()), key=lambda p: p.name)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    complete = _complete_tags(root)
+    keep = set(complete[-keep_last:])
+    newest = complete[-1].name if complete else ""
+    for p in root.glob("step*"):
+        if p in keep:
+            continue
+        if (p / MARKER).is_file() or p.name < newest:  # old complete, or an abandoned partial save
+            shutil.rmtree(p, ignore_errors=True)
+    latest = root / "latest"  # DeepSpeed's pointer; keep it on a complete tag
+    if complete:
+        latest.write_text(complete[-1].name)
+
+
+def latest_complete(run_dir: str | Path) -> Path | None:
+    """Newest checkpoint directory carrying the COMPLETE marker, or None."""
+    tags = _complete_tags(checkpoint_dir(run_dir))
+    return tags[-1] if tags else None
+
+
+def _verify_everywhere(path: Path) -> list[str]:
+    """Every rank checks the files it wrote (in parallel); the union of the problems, on all ranks."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mine = verify(path, rank) if world > 1 else verify(path)
+    return [p for problems in _gather_objects(mine) for p in problems]
+
+
+def _quarantine(path: Path) -> Path:
+    """Move a damaged checkpoint out of the ``step*`` namespace (never deleted; not pruned)."""
+    dest = path.with_name(f"damaged-{path.name}")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"damaged-{path.name}-{n}")
+    os.replace(path, dest)
+    return dest
+
+
+def _choose(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to load: ``--resume PATH`` if it verifies, or the newest complete one that
+    verifies (collective). Damaged newer ones are moved aside with a message."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if resume != "auto":
+        path = Path(resume)
+        if not (path / MARKER).is_file():
+            raise ConfigError(f"--resume {resume!r} is not a complete checkpoint (no {MARKER} marker): pass "
+                              "a checkpoints/stepNNNNNNNN directory written to the end, or --resume auto")
+        problems = _verify_everywhere(path)
+        if problems:
+            raise ConfigError(f"--resume {resume}: the checkpoint is damaged ({'; '.join(problems[:3])}): pass an "
+                              "earlier checkpoint, or --resume auto to take the newest one that verifies")
+        return path
+    damaged = []
+    for path in reversed(_complete_tags(checkpoint_dir(run_dir))):
+        problems = _verify_everywhere(path)
+        if not problems:
+            return path
+        damaged.append(path.name)
+        if rank == 0:
+            moved = _quarantine(path)
+            print(f"checkpoint {path} is damaged ({'; '.join(problems[:3])}): moved to {moved} (kept, not "
+                  "deleted); trying the next newest complete checkpoint", file=sys.stderr)
+        if dist.is_initialized():
+            dist.barrier()
+    if damaged:  # never start again from step 0 over a run whose checkpoints are all damaged
+        raise ConfigError(f"--resume auto: no checkpoint of {run_dir} verifies (damaged: {', '.join(damaged[:4])}, "
+                          "moved to checkpoints/damaged-*): nothing to continue from; start a new run in a new "
+                          "--run-dir")
+    return None
+
+
+def load(engine, run_dir: str | Path, resume: str, layout: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Load a checkpoint into ``engine`` and return this rank's client state (collective).
+
+    ``resume``: ``auto`` (the newest complete checkpoint of ``run_dir`` whose files match the
+    SHA-256 digests in its marker: a damaged newer one is moved to ``damaged-<tag>`` with a
+    message, and the next newest is tried; None when none is left) or a checkpoint directory.
+
+    Raises:
+        ConfigError: a directory that is not a complete checkpoint or is damaged (naming the
+            file); one written with another layout (:func:`check_layout` with ``layout``, or at
+            least by a different number of ranks); a checkpoint without digests (older smelt-ds)
+            that DeepSpeed cannot read (naming the checkpoint and DeepSpeed's error).
+    """
+    import torch.distributed as dist
+
+    path = _choose(Path(run_dir), resume)
+    if path is None:
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    check_layout(path, layout or {"world_size": dist.get_world_size() if dist.is_initialized() else 1})
+    client_file = path / f"client_rank{rank}.pt"
+    if not client_file.is_file():
+        meta = json.loads((path / MARKER).read_text())
+        raise ConfigError(f"checkpoint {path} has no state for rank {rank}: it was written by "
+                          f"{meta.get('world_size')} rank(s); resume with that many ranks")
+    try:
+        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+    except (RuntimeError, OSError, EOFError, AssertionError, KeyError, ValueError) as e:
+        raise ConfigError(f"DeepSpeed could not load checkpoint {path} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160] if str(e) else 'no message'}): it is damaged or from another "
+                          "recipe; resume an earlier checkpoint with --resume checkpoints/stepNNNNNNNN") from None
+    if load_path is None:
+        raise ConfigError(f"DeepSpeed could not load checkpoint {path}: is it complete and from this recipe?")
+    return torch.load(client_file, weights_only=False)

@@ -1,0 +1,171 @@
+"""Export a DeepSpeed checkpoint as consolidated fp32 weights plus the resolved recipe.
+
+``<out>/model.pt`` holds a state dict in the reference layout (``SmeltLM`` with the reference MoE
+backend) and ``<out>/config.yaml`` the resolved recipe; :func:`load_exported` rebuilds the model
+on one CPU process, whatever the MoE backend, ZeRO stage and expert-parallel size of the run
+(the checkpoint's reference-layout shards, :mod:`smelt_ds.train.reference_weights`). The output is written to a temporary directory and renamed, so
+a partial export is never taken for a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from smelt_ds.config.run import RunConfig, dump_config, load_config
+from smelt_ds.errors import ConfigError
+from smelt_ds.model import SmeltLM
+from smelt_ds.train import checkpoint as ckpt
+from smelt_ds.train.provenance import RUN_TOKENIZER
+from smelt_ds.train.reference_weights import REFERENCE_DIR, has_reference_shards, merge_reference_shards
+
+__all__ = ["consolidated_state_dict", "export_checkpoint", "load_exported", "load_initial_weights"]
+
+
+def _resolve(path: str | Path) -> tuple[Path, Path]:
+    """``(run_dir, checkpoint_dir)`` from a run directory or a checkpoint directory."""
+    path = Path(path)
+    if (path / ckpt.MARKER).is_file():
+        return path.parent.parent, path
+    latest = ckpt.latest_complete(path)
+    if latest is None:
+        raise ConfigError(f"{str(path)!r} holds no complete checkpoint (no checkpoints/step*/{ckpt.MARKER}): "
+                          "pass a run directory of a run that saved at least once")
+    return path, latest
+
+
+def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """fp32 state dict of the model in the reference layout, from any ZeRO stage and backend.
+
+    Checkpoints carry the weights in the reference layout, gathered on the live engine at save
+    time (:mod:`smelt_ds.train.reference_weights`); they are merged and checked for completeness here.
+    Reference-backend checkpoints written before those shards existed fall back to DeepSpeed's
+    ``zero_to_fp32`` (ZeRO 1-3) or the rank-0 model file (ZeRO-0). Raises ConfigError naming the
+    file for a missing or damaged shard, and for an expert-parallel checkpoint without shards.
+    """
+
+    meta = json.loads((ckpt_dir / ckpt.MARKER).read_text())
+    if ckpt_dir.name.startswith("damaged-") and (problems := ckpt.verify(ckpt_dir)):
+        raise ConfigError(f"checkpoint {ckpt_dir} was moved aside as damaged ({'; '.join(problems[:3])}): export "
+                          f"an intact checkpoint ({ckpt_dir.parent}/stepNNNNNNNN)")
+    if has_reference_shards(ckpt_dir):
+        shards = [n for n in meta.get("files", {}) if n.startswith(REFERENCE_DIR + "/")]
+        problems = ckpt.verify(ckpt_dir, names=shards)
+        if problems:
+            raise ConfigError(f"checkpoint {ckpt_dir} is damaged ({'; '.join(problems[:3])}): export an earlier "
+                              f"checkpoint ({ckpt_dir.parent}/stepNNNNNNNN)")
+        return merge_reference_shards(ckpt_dir, cfg, int(meta.get("world_size", 1)))
+    if cfg.moe.backend != "reference":
+        raise ConfigError(f"{ckpt_dir} has no reference weights ({ckpt_dir}/reference/): it was written by an "
+                          f"older smelt-ds, and a moe.backend {cfg.moe.backend!r} checkpoint cannot be converted "
+                          "offline; resume it for one step with this version (--resume auto, raising "
+                          "train.max_steps by 1) and export the new checkpoint")
+    if cfg.deepspeed.zero_stage == 0:
+        files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise ConfigError(f"{ckpt_dir}: no mp_rank_*_model_states.pt; is this a DeepSpeed checkpoint?")
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        return {k: v.float() for k, v in state.items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)
+
+
+EXPORT_FILES = frozenset({"model.pt", "config.yaml", "SOURCE", "tokenizer.json"})
+
+
+def _check_output(out: Path) -> None:
+    """An export may replace an earlier export or fill an empty directory, nothing else."""
+    if out.is_file() or out.is_symlink():
+        raise ConfigError(f"export output {str(out)!r} is a file: pass a directory path (-o DIR)")
+    if out.is_dir():
+        present = {p.name for p in out.iterdir()}
+        if present and not present <= EXPORT_FILES:
+            raise ConfigError(f"export output {str(out)!r} exists and holds other files "
+                              f"({', '.join(sorted(present - EXPORT_FILES)[:4])}): refusing to replace it; "
+                              "pass a new or empty directory, or an earlier export to overwrite")
+
+
+def _load_weights(path: Path, field: str) -> dict[str, torch.Tensor]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ConfigError(f"{field}{path} is not a readable weights file ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]}): it may be truncated; export again") from None
+
+
+def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
+    """Write ``model.pt``, ``config.yaml``, ``tokenizer.json`` (the run's, when it recorded one:
+    :mod:`smelt_ds.train.provenance`) and ``SOURCE`` (the checkpoint path) to ``out_dir``
+    (atomically, through ``<out_dir>.partial``). Returns ``out_dir``.
+
+    Raises ConfigError when ``path`` holds no complete checkpoint, or when ``out_dir`` is a file
+    or a non-empty directory other than an earlier export (never deletes anything else)."""
+    run_dir, ckpt_dir = _resolve(path)
+    cfg = load_config(run_dir / "config.yaml")
+    out = Path(out_dir)
+    _check_output(out)
+    state = consolidated_state_dict(ckpt_dir, cfg)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save(state, tmp / "model.pt")
+    dump_config(cfg, tmp / "config.yaml")
+    if (run_dir / RUN_TOKENIZER).is_file():  # the tokenizer the model was trained with (provenance)
+        shutil.copyfile(run_dir / RUN_TOKENIZER, tmp / RUN_TOKENIZER)
+    (tmp / "SOURCE").write_text(str(ckpt_dir.resolve()) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def load_exported(path: str | Path):
+    """Build a :class:`smelt_ds.model.SmeltLM` (reference backend, eval mode) from an export
+    directory. Raises ConfigError for a missing or partial export, or mismatched weights."""
+
+    path = Path(path)
+    if not (path / "model.pt").is_file() or not (path / "config.yaml").is_file():
+        raise ConfigError(f"{str(path)!r} is not an export directory (needs model.pt and config.yaml): "
+                          "create one with `smelt-ds export RUN_DIR -o OUT`")
+    cfg = load_config(path / "config.yaml", ["moe.backend=reference", "moe.ep_size=1", "deepspeed.zero_stage=0"])
+    model = SmeltLM(cfg)
+    state = _load_weights(path / "model.pt", "")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("expert_bias")]
+    if missing or unexpected:
+        raise ConfigError(f"{path / 'model.pt'} does not fit the recipe: missing {missing[:5]}, "
+                          f"unexpected {unexpected[:5]}")
+    return model.eval()
+
+
+def load_initial_weights(model, path: str | Path) -> None:
+    """Copy the weights of an export directory into ``model`` (a :class:`SmeltLM` with reference
+    MoE layers, before :func:`smelt_ds.parallel.moe_backends.apply_backend`), for ``train.init_from``.
+
+    The export is always in the reference layout, so this is how weights move between MoE
+    backends (export from a ``deepspeed`` or ``autoep`` run, start a run on another backend or
+    expert-parallel size). Buffers absent from the export (the aux-loss-free ``expert_bias``)
+    keep their initial values. Raises ConfigError naming ``train.init_from`` for a missing or
+    partial export or weights of another shape.
+    """
+    path = Path(path)
+    weights = path / "model.pt"
+    if not weights.is_file() or not (path / "config.yaml").is_file():
+        raise ConfigError(f"`train.init_from` ({str(path)!r}) is not an export directory (needs model.pt and "
+                          "config.yaml): create one with `smelt-ds export RUN_DIR -o OUT`")
+    state = _load_weights(weights, "`train.init_from`: ")
+    own = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
+             if k in own and own[k].shape != v.shape]
+    missing = [k for k in own if k not in state and not k.endswith("expert_bias")]
+    unexpected = [k for k in state if k not in own]
+    if wrong or missing or unexpected:
+        raise ConfigError(f"`train.init_from`: {weights} does not fit this recipe's model (shape export vs "
+                          f"recipe: {wrong[:3]}; missing {missing[:3]}; unexpected {unexpected[:3]}): use an "
+                          "export of a run with the same model, moe.num_experts and unique layers")
+    model.load_state_dict(state, strict=False)

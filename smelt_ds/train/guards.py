@@ -1,0 +1,154 @@
+"""Run-directory guards: one run per directory, a resume that matches what its checkpoints hold.
+
+Checked before anything is written: a new run in a directory with checkpoints, a resume of another
+run or scale, or a resume that changes a recipe field the checkpoint depends on is refused with a
+ConfigError naming the field, both values and the way forward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from smelt_ds.config.run import RunConfig, config_diff, config_to_dict
+from smelt_ds.errors import ConfigError
+from smelt_ds.parallel.distributed import on_rank0
+from smelt_ds.train import checkpoint as ckpt
+from smelt_ds.train.provenance import tokenizer_file_hash
+from smelt_ds.train.run_lock import LOCK_NAME, RunLock
+
+__all__ = ["check_run_dir", "RESUME_MAY_CHANGE", "lock_run_dir", "remove_if_only_lock"]
+
+
+# recipe fields a checkpoint depends on: a resume with other values cannot load it, or would
+# silently change what the run computes (token ids, routing)
+_RESUME_FIXED = {"model": None, "loop": None,
+                 "moe": ("num_experts", "top_k", "expert_ffn_size", "shared_expert_ffn_size", "score_func",
+                         "aux_loss_free_bias", "backend", "ep_size")}
+
+
+def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | None = None) -> None:
+    """Refuse to mix runs in one run directory, before anything is written to it.
+
+    Raises ConfigError when a new run (``resume == "none"``) would start in a directory that
+    already holds checkpoints (they would be taken for this run's by export, eval and
+    ``--resume auto``); when ``--resume`` names a directory that does not exist, a checkpoint of
+    another run directory, or one older than the run's newest (a rewind would mix the newer
+    checkpoints into this run); or when a resumed run's recipe differs from the run directory's ``config.yaml`` in a field the
+    checkpoint depends on (``_RESUME_FIXED``: model, loop, MoE layout and backend, tokenizer); or,
+    when ``world_size`` is given, when the checkpoint to resume was written with another number
+    of ranks, ZeRO stage, MoE backend or expert-parallel size (:func:`smelt_ds.train.checkpoint.check_layout`).
+    """
+
+    damaged = sorted(p.name for p in ckpt.checkpoint_dir(out_dir).glob("damaged-step*"))
+    if resume == "none":
+        latest = ckpt.latest_complete(out_dir)
+        if latest is not None or damaged:
+            held = f"newest {latest.name}" if latest is not None else f"only damaged ones: {', '.join(damaged[:3])}"
+            raise ConfigError(f"run directory {out_dir} already holds checkpoints of an earlier run ({held}): "
+                              "continue it with --resume auto, or start this run in a new --run-dir (or delete "
+                              "the old one)")
+        return
+    if resume == "auto" and ckpt.latest_complete(out_dir) is None and damaged:
+        raise ConfigError(f"--resume auto: run directory {out_dir} holds no checkpoint that verifies, only damaged "
+                          f"ones ({', '.join(damaged[:3])}): nothing to continue from; start a new run in a new "
+                          "--run-dir (the damaged checkpoints are kept for inspection)")
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError(f"--resume {resume!r} does not exist: pass a checkpoint directory "
+                              f"({out_dir}/checkpoints/stepNNNNNNNN) or --resume auto")
+        owner = path.resolve().parent.parent
+        if owner != out_dir.resolve():
+            raise ConfigError(f"--resume {resume}: the checkpoint belongs to run directory {owner}, not to "
+                              f"{out_dir}: resume it there (--run-dir {owner}), or start a new run from its "
+                              "weights with `smelt-ds export` and train.init_from")
+        latest = ckpt.latest_complete(out_dir)
+        if latest is not None and latest.name > path.name:
+            raise ConfigError(f"--resume {resume} is older than the run's newest checkpoint {latest.name}: to "
+                              "rewind, first move the newer checkpoints out of checkpoints/ (otherwise they are "
+                              "pruned by train.keep_last or mixed into this run), or resume with --resume auto")
+    target = ckpt.latest_complete(out_dir) if resume == "auto" else Path(resume)
+    if world_size is not None and target is not None and (target / ckpt.MARKER).is_file():
+        ckpt.check_layout(target, ckpt.run_layout(cfg, world_size))
+    saved = out_dir / "config.yaml"
+    if not saved.is_file() or (resume == "auto" and ckpt.latest_complete(out_dir) is None):
+        return
+    import yaml
+
+    old, new = yaml.safe_load(saved.read_text()) or {}, config_to_dict(cfg)
+    _same_tokenizer_same_path(old, new)
+    diffs = []
+    for section, keys in _RESUME_FIXED.items():
+        a, b = new.get(section) or {}, old.get(section) or {}
+        if keys is not None:
+            a, b = {k: a.get(k) for k in keys}, {k: b.get(k) for k in keys}
+        diffs += config_diff(a, b, section, labels=("in this recipe", "in the run"))
+    if diffs:
+        raise ConfigError(f"--resume {resume}: run directory {out_dir} was trained with another model "
+                          f"({'; '.join(diffs[:4])}): resume with the run's own recipe ({saved}), or start "
+                          "this recipe in a new --run-dir")
+    _check_resume_overrides(old, new, out_dir, resume)
+
+
+# what a resume may change: how long, how often to log/evaluate/save, where data are cached, and
+# evaluation settings; everything else would change the optimisation it continues (the LR, the
+# batch, the data) while the checkpoint restores the old state, so config.yaml would lie
+RESUME_MAY_CHANGE = ("name", "train.max_steps", "train.log_every", "train.eval_every", "train.save_every",
+                     "train.keep_last", "train.exit_after_steps", "train.run_dir", "train.init_from", "eval",
+                     "cluster", "data.num_proc", "data.cache_dir", "data.output_dir", "data.offline", "data.verify",
+                     "data.shared_filesystem", "data.prepare_timeout_s", "deepspeed.comms_logger")
+
+
+def _same_tokenizer_same_path(old: dict, new: dict) -> None:
+    """The tokenizer is compared by content on resume (:func:`smelt_ds.train.provenance.record_run_tokenizer`
+    names both digests): a copy of the run's tokenizer under another path is the same tokenizer."""
+    a = (old.get("data") or {}).get("tokenizer") or {}
+    b = (new.get("data") or {}).get("tokenizer") or {}
+    if a.get("path") and b.get("path") and a["path"] != b["path"]:
+        if Path(a["path"]).is_file() and Path(b["path"]).is_file() and \
+                tokenizer_file_hash(a["path"]) == tokenizer_file_hash(b["path"]):
+            b["path"] = a["path"]  # b is new's own dict: compared as the run's path from here on
+
+
+def _check_resume_overrides(old: dict, new: dict, out_dir: Path, resume: str) -> None:
+    """Raise ConfigError naming every field outside :data:`RESUME_MAY_CHANGE` whose value differs
+    from the run's ``config.yaml`` (fields the saved file lacks are not compared)."""
+
+    def allowed(path: str) -> bool:
+        return any(path == p or path.startswith(p + ".") for p in RESUME_MAY_CHANGE)
+
+    diffs = [d for d in config_diff(_common(new, old), _common(old, new), labels=("in this recipe", "in the run"))
+             if not allowed(d.split(":", 1)[0])]
+    if diffs:
+        raise ConfigError(f"--resume {resume}: {'; '.join(diffs[:4])} (run directory {out_dir}): a resume continues "
+                          "the run's optimisation from its checkpoint and may change only "
+                          f"{', '.join(RESUME_MAY_CHANGE[1:8])}, eval.* and data caching: resume with the run's "
+                          "values, or start a new run from its weights (`smelt-ds export` then train.init_from)")
+
+
+def _common(a: Any, b: Any) -> Any:
+    """``a`` restricted to the keys ``b`` also has (recursively): fields added since ``b`` was written."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _common(v, b[k]) for k, v in a.items() if k in b}
+    return a
+
+
+def lock_run_dir(out_dir: Path, rank: int):
+    """Rank 0 takes the run directory's exclusive lock (:class:`smelt_ds.train.run_lock.RunLock`);
+    every rank raises the same ConfigError when another training holds it (collective).
+    Returns ``(lock or None, created)``: whether this call created the directory."""
+
+
+    created = not out_dir.exists()
+    lock = on_rank0(rank, lambda: RunLock(out_dir).acquire())
+    return lock, created
+
+
+def remove_if_only_lock(out_dir: Path) -> None:
+    """A refused run leaves no directory behind that it created (only its lock file is in it)."""
+
+    if out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= {LOCK_NAME}:
+        import shutil
+
+        shutil.rmtree(out_dir, ignore_errors=True)

@@ -1,0 +1,418 @@
+"""The training loop. Runs under the ``deepspeed`` launcher or as one plain process.
+
+    deepspeed [--num_gpus N | --hostfile H] --module smelt_ds.train RECIPE [--set k=v ...]
+    smelt-ds train RECIPE [--set k=v ...] [--nproc N] [--resume auto]
+
+The run directory (``train.run_dir``) receives the resolved recipe (``config.yaml``), the final
+DeepSpeed config (``ds_config.json``), TensorBoard events (``tb/``), ``metrics.jsonl``,
+checkpoints (``checkpoints/<tag>/``), ``zero3_tuning.json`` (ZeRO-3 runs: the loop-aware
+prefetch/persistence values chosen from the visit plan) and ``summary.json`` / ``summary.txt`` at
+the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from smelt_ds.config.run import RunConfig, dump_config, load_config
+from smelt_ds.cost.budget import compute_budget
+from smelt_ds.cost.zero_config import write_zero3_tuning
+from smelt_ds.errors import ConfigError
+from smelt_ds.model.moe import TopKRouter
+from smelt_ds.parallel.distributed import init_distributed, on_rank0, sync_flag
+from smelt_ds.parallel.engine import resolve_precision
+from smelt_ds.parallel.grad_norm import clip_before_step, logged_grad_norm
+from smelt_ds.testing.distributed import find_free_port
+from smelt_ds.train import checkpoint as ckpt
+from smelt_ds.train.build import Built, build
+from smelt_ds.train.checkpoint import CheckpointWriteError
+from smelt_ds.train.data import build_data
+from smelt_ds.train.guards import check_run_dir, lock_run_dir, remove_if_only_lock
+from smelt_ds.train.metrics import (
+    MetricsWriter,
+    MicroStats,
+    RunResult,
+    device_peak_tflops,
+    memory_bytes,
+    routing_metrics,
+    write_summary,
+)
+from smelt_ds.train.provenance import init_from_tokenizer, record_run_tokenizer
+
+__all__ = ["main", "train", "build", "Built", "parse_args", "RunResult"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="smelt_ds.train", description="Train a SMELT or Baseline recipe.")
+    add_train_arguments(p)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    return p.parse_args(argv)
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny/smelt.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field (YAML value), e.g. --set train.max_steps=20")
+    p.add_argument("--resume", default="none",
+                   help="'auto' continues from the latest complete checkpoint of the run directory, "
+                        "'none' starts fresh, or a checkpoint directory")
+    p.add_argument("--run-dir", default=None, help="override train.run_dir")
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed setup
+# ---------------------------------------------------------------------------------------------
+
+
+def launcher_command(args: argparse.Namespace) -> list[str]:
+    """The deepspeed launcher command line for ``--nproc N``."""
+    # the launcher of *this* interpreter (a bare `deepspeed` on PATH may belong to another env)
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
+           "--master_port", str(find_free_port()),
+           "--module", "smelt_ds.train", args.recipe, "--resume", args.resume]
+    for s in args.set:
+        cmd += ["--set", s]
+    if args.run_dir:
+        cmd += ["--run-dir", args.run_dir]
+    return cmd
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+# ---------------------------------------------------------------------------------------------
+
+
+class _Terminator:
+    """SIGTERM/SIGINT -> finish the current step, save a checkpoint, exit cleanly."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict[signal.Signals, Any] = {}
+
+    def __enter__(self):
+        if threading_is_main():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, h in self._old.items():
+            signal.signal(sig, h)
+
+
+def threading_is_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> RunResult:
+    """Train ``cfg`` and return a :class:`RunResult`. Initialises torch.distributed if needed.
+
+    Rank 0 holds the run directory's exclusive lock for the whole run (one writer per run).
+    Raises ConfigError for bad configuration, incompatible data, an unusable checkpoint, or a
+    run directory another training is using.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out_dir = Path(run_dir or cfg.train.run_dir.format(name=cfg.name))
+    if run_dir is not None:  # config.yaml says where the run lives, so the recipe resumes it as it is
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(run_dir)})})
+    cfg = init_from_tokenizer(cfg)  # a run started from an export trains on with its tokenizer
+    lock, created = lock_run_dir(out_dir, rank)
+    try:
+        check_run_dir(out_dir, cfg, resume, world)
+        dist.barrier()
+        return _fit(cfg, resume, out_dir, rank, world)
+    except ConfigError:
+        if rank == 0 and created and lock is not None:  # a refused new run leaves no directory behind
+            lock.release()
+            lock = None
+            remove_if_only_lock(out_dir)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int) -> RunResult:
+    """The body of :func:`train`, in a locked, checked run directory: build, restore, then one
+    optimizer step at a time with logging, validation and checkpoints until ``train.max_steps``
+    or a stop (signal, ``train.exit_after_steps``)."""
+    torch.manual_seed(cfg.train.seed)
+    data = build_data(cfg, rank, world)
+    built = build(cfg, world)  # before anything is written: a recipe the engine refuses leaves no trace
+    on_rank0(rank, lambda: record_run_tokenizer(out_dir, data.prepared, resuming=resume != "none"))
+    if rank == 0 and built.ds_config.get("zero_optimization", {}).get("stage") == 3:  # loop-aware ZeRO-3
+        write_zero3_tuning(out_dir, cfg, world, built.ds_config)
+    step, tokens_seen = _restore(built, data, out_dir, resume)
+    if step >= cfg.train.max_steps:  # a resume of a finished run: nothing to train, nothing rewritten
+        if rank == 0:
+            print(f"run {out_dir} already finished: its checkpoint is at step {step}, train.max_steps is "
+                  f"{cfg.train.max_steps}; nothing to train (raise train.max_steps to continue it)", file=sys.stderr)
+        return RunResult(out_dir, step, tokens_seen, [], [], {}, [])
+    if rank == 0:
+        dump_config(cfg, out_dir / "config.yaml")
+        (out_dir / "ds_config.json").write_text(json.dumps(built.ds_config, indent=2))
+    fit = _Fit(cfg, out_dir, rank, world, data, built, step, tokens_seen)
+    with _Terminator() as term:
+        while fit.step < cfg.train.max_steps:
+            lr, ids, grad_norm, means = _train_step(fit)
+            fit.result.losses.append(means["loss"])
+            fit.result.lrs.append(lr)
+            fit.result.sample_ids.append(ids)
+            _log_step(fit, lr, grad_norm, means)
+            if fit.step % cfg.train.eval_every == 0 or fit.step == cfg.train.max_steps:
+                fit.result.val = evaluate(built.engine, data, cfg)
+                fit.writer.write(fit.step, {f"val/{k}": v for k, v in fit.result.val.items()})
+            if _save_or_stop(fit, sync_flag(term.requested)):
+                break
+    fit.progress.close()
+    fit.writer.close()
+    result = fit.result
+    result.step, result.tokens_seen = fit.step, fit.tokens_seen
+    # a resume of a finished run trains nothing: keep its summary rather than overwrite it empty
+    if rank == 0 and not result.stopped_early and fit.step > fit.start:
+        write_summary(out_dir, cfg, result, fit.budget, data)
+    return result
+
+
+def _restore(built: Built, data, out_dir: Path, resume: str) -> tuple[int, int]:
+    """``(step, tokens_seen)`` of the checkpoint ``--resume`` names, with the engine, the loader
+    position, the RNG and the LR schedule restored; ``(0, 0)`` for a new run."""
+    if resume == "none":
+        return 0, 0
+    state = ckpt.load(built.engine, out_dir, resume, built.layout)
+    if state is None:
+        return 0, 0
+    data.train.load_state_dict(state["loader"])
+    ckpt.restore_rng(state["rng"])
+    resync_lr(built.scheduler)
+    return state["step"], state["tokens_seen"]
+
+
+class _Fit:
+    """What the steps of one fit share: the run, the engine, counters (optimizer steps, tokens)
+    and the loggers."""
+
+    def __init__(self, cfg: RunConfig, out_dir: Path, rank: int, world: int, data, built: Built, step: int,
+                 tokens_seen: int):
+        self.cfg, self.out_dir, self.rank, self.world, self.data, self.built = cfg, out_dir, rank, world, data, built
+        self.step, self.tokens_seen, self.start = step, tokens_seen, step
+        self.accum = built.engine.gradient_accumulation_steps()
+        self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * self.accum * world
+        self.budget = compute_budget(cfg, cfg.train.seq_len)
+        self.precision = resolve_precision(cfg)
+        self.result = RunResult(out_dir, step, tokens_seen, [], [], {}, [])
+        self.writer = MetricsWriter(out_dir, rank == 0, step)
+        self.micro = MicroStats()
+        self.progress = _progress(rank, step, cfg.train.max_steps)
+        self.t_last, self.tok_last = time.perf_counter(), tokens_seen
+
+
+def _train_step(fit: _Fit) -> tuple[float, list[int], float | None, dict[str, float]]:
+    """One optimizer step over ``accum`` micro-batches. Returns ``(lr, sample ids, the true global
+    gradient norm before clipping, the step's means)``."""
+    engine, cfg = fit.built.engine, fit.cfg
+    ids: list[int] = []
+    grad_norm = None
+    lr = step_lr(engine)  # the LR this optimizer step uses (the scheduler moves on in engine.step)
+    for m in range(fit.accum):
+        batch = fit.data.train.next_batch()
+        ids.extend(int(i) for i in batch.sample_ids)
+        out = engine(batch.input_ids, labels=batch.labels)
+        engine.backward(out.loss)
+        if m == fit.accum - 1:
+            grad_norm = _grad_norm_before_step(engine, cfg)
+        engine.step()
+        fit.micro.add(out)
+    fit.step += 1
+    fit.tokens_seen += fit.tokens_per_step
+    _after_step(fit.built.model, cfg)
+    return lr, ids, grad_norm, fit.micro.means()
+
+
+def _log_step(fit: _Fit, lr: float, grad_norm: float | None, means: dict[str, float]) -> None:
+    """Every ``train.log_every`` steps (and the last): a ``metrics.jsonl`` / TensorBoard row with
+    throughput (tokens/s), TFLOP/s per device, memory and routing; the progress bar every step."""
+    cfg, step = fit.cfg, fit.step
+    if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+        now = time.perf_counter()
+        tps = (fit.tokens_seen - fit.tok_last) / max(now - fit.t_last, 1e-9)
+        fit.t_last, fit.tok_last = now, fit.tokens_seen
+        row = {**means, "lr": lr, "grad_norm": _grad_norm(fit.built.engine, grad_norm), "tokens": fit.tokens_seen,
+               "tokens_per_s": tps, "tflops_per_device": fit.budget.train_flops_per_token * tps / fit.world / 1e12,
+               "memory_bytes": memory_bytes(), **routing_metrics(fit.built.model)}
+        peak = device_peak_tflops()
+        if peak and fit.precision == "bf16":
+            row["mfu"] = row["tflops_per_device"] / peak
+        fit.writer.write(step, row)
+    fit.progress.update(1)
+    fit.progress.set_postfix(loss=f"{means['loss']:.3f}")
+
+
+def _save_or_stop(fit: _Fit, signalled: bool) -> bool:
+    """Save a checkpoint every ``train.save_every`` steps, at the last step and before a stop.
+    Returns True when training stops here (a signal on any rank, or ``train.exit_after_steps``)."""
+    cfg, step, result = fit.cfg, fit.step, fit.result
+    stop = signalled or (cfg.train.exit_after_steps is not None and step - fit.start >= cfg.train.exit_after_steps)
+    if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop:
+        ckpt.save(fit.built.engine, fit.out_dir, step, fit.tokens_seen, fit.data.train.state_dict(),
+                  cfg.train.keep_last, fit.built.layout)
+    if not stop:
+        return False
+    result.stopped_early = step < cfg.train.max_steps
+    if result.stopped_early:
+        result.stop_reason = "signal" if signalled else "exit_after_steps"
+        if fit.rank == 0:
+            why = ("stop signal (SIGTERM/SIGINT)" if result.stop_reason == "signal"
+                   else f"train.exit_after_steps ({cfg.train.exit_after_steps})")
+            print(f"\nstopped at step {step} of {cfg.train.max_steps} by {why}; checkpoint "
+                  f"step{step:08d} saved in {fit.out_dir}: continue with --resume auto", file=sys.stderr)
+    return True
+
+
+def resync_lr(scheduler) -> None:
+    """Set every group's LR to the schedule's value at the restored step.
+
+    A checkpoint restores the optimizer's per-group LR as the *old* schedule computed it for the
+    next step; a resume that changed ``train.max_steps`` (allowed) changes the schedule, so the
+    first resumed step would otherwise run at the old schedule's LR. ``LambdaLR``: ``lr = base_lr
+    * lambda(last_epoch)``."""
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None:
+        return
+    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
+
+
+def step_lr(engine) -> float:
+    """The learning rate the next optimizer step applies to unscaled groups (``lr_scale`` 1;
+    looped groups use ``loop.shared_lr_scale`` times it), read from the optimizer before
+    ``engine.step()`` advances the schedule."""
+    groups = engine.optimizer.param_groups
+    return float(next((g["lr"] for g in groups if g.get("lr_scale", 1.0) == 1.0), groups[0]["lr"]))
+
+
+def _after_step(model, cfg: RunConfig) -> None:
+    """Aux-loss-free bias update (DeepSeek-V3), outside autograd, after each optimizer step."""
+    if not cfg.moe.aux_loss_free_bias:
+        return
+
+    import torch.distributed as dist
+
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(m.tokens_per_expert)
+            m.update_bias(cfg.moe.bias_update_rate)
+
+
+def _grad_norm_before_step(engine, cfg: RunConfig) -> float | None:
+    """True global gradient norm before clipping (expert-parallel shards summed once, see
+    :mod:`smelt_ds.parallel.grad_norm`), after the accumulation boundary's backward; at ZeRO-0 with an EP
+    backend this also clips the gradients to ``train.grad_clip`` (DeepSpeed's own ZeRO-0 clipping
+    is off there: its norm is wrong with expert parameters). None under optimizer offload."""
+
+    return clip_before_step(engine, cfg.train.grad_clip)
+
+
+def _grad_norm(engine, norm: float | None) -> float:
+    """The norm to log: :func:`_grad_norm_before_step`'s, else DeepSpeed's (raises RuntimeError
+    when DeepSpeed clipped with a different norm, see :func:`smelt_ds.parallel.grad_norm.logged_grad_norm`)."""
+
+    return logged_grad_norm(engine, norm)
+
+
+class _NoProgress:
+    def update(self, n): ...
+
+    def set_postfix(self, **kw): ...
+
+    def close(self): ...
+
+
+def _progress(rank: int, start: int, total: int):
+    if rank != 0:
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+@torch.no_grad()
+def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
+    """Mean next-token loss (nats/token) per validation domain over up to ``eval.eval_batches``
+    micro-batches per rank (token-weighted within a domain, summed over ranks); ``all`` is the
+    plain mean of the domains' values, so every domain weighs the same whatever its number of
+    windows (``smelt-ds eval``'s ``all`` instead pools the domains' tokens, and says so)."""
+    import torch.distributed as dist
+
+    engine.eval()
+    out: dict[str, float] = {}
+    for domain, batches in data.validation(cfg.eval.eval_batches).items():
+        s = torch.zeros(2, dtype=torch.float64)
+        for batch in batches:
+            o = engine(batch.input_ids, labels=batch.labels)
+            n = int((batch.labels != -100).sum())
+            s += torch.tensor([float(o.lm_loss) * n, n], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(s)
+        if s[1] > 0:
+            out[domain] = float(s[0] / s[1])
+    if out:
+        out["all"] = sum(out.values()) / len(out)
+    engine.train()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 trained to ``train.max_steps`` (or stopped by ``train.exit_after_steps``,
+    or already finished), 2 bad configuration, 143 stopped by SIGTERM/SIGINT after saving a
+    checkpoint (128 + SIGTERM, so ``train && next`` does not go on), 130 Ctrl-C before training
+    started (nothing saved), 1 a checkpoint could not be written (e.g. a full disk; the previous
+    complete checkpoint stays usable)."""
+    args = parse_args(argv)
+    return run_and_report(args, "smelt_ds.train")
+
+
+def run_and_report(args: argparse.Namespace, prog: str) -> int:
+    """Load ``args.recipe`` with ``args.set``, train, and turn the outcome into :func:`main`'s
+    exit status, printing one ``PROG: error: ...`` line for a bad configuration or a failed save."""
+    try:
+        cfg = load_config(args.recipe, args.set)
+        result = train(cfg, resume=args.resume, run_dir=args.run_dir)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointWriteError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130
+    return exit_status(result)
+
+
+def exit_status(result: RunResult) -> int:
+    """143 (128 + SIGTERM) for a run stopped by a signal, else 0 (see :func:`main`)."""
+    return 128 + signal.SIGTERM if result.stop_reason == "signal" else 0

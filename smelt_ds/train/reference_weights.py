@@ -1,0 +1,268 @@
+"""Reference-layout fp32 weights of a live DeepSpeed engine, for every MoE backend and ZeRO stage.
+
+Every checkpoint carries, next to DeepSpeed's own files, the model's weights in the reference
+layout (the parameter names and shapes of :class:`smelt_ds.model.SmeltLM` with the reference MoE
+backend), split into one shard per rank::
+
+    step00000050/reference/rank00000.pt   {"format", "rank", "dense": {name: tensor},
+                                           "experts": {name: {expert_index: tensor}}}
+
+They are gathered on the live engine at save time rather than reconstructed from DeepSpeed's files
+afterwards, because DeepSpeed 0.19.8's offline tool ``zero_to_fp32`` reads neither the per-expert
+files both expert-parallel backends write (``ValueError ... is not a model state checkpoint``) nor
+AutoEP at ZeRO-3 (``NotImplementedError``). The live engine knows its partitioning: DeepSpeed's
+``deepspeed.utils.safe_get_full_fp32_param`` returns the full fp32 master copy of any parameter
+at ZeRO 1-3 (and of the bf16 optimizer), so one code path serves every stage; at ZeRO-0 in fp32
+the parameter itself is the master copy.
+
+Who writes what: global rank 0 writes every data-parallel-replicated tensor (attention, norms,
+routers, dense and shared-expert FFNs, embeddings, persistent buffers); for expert-sharded
+tensors, rank 0 of each expert-data-parallel group writes its expert-parallel rank's experts
+under their *global* expert indices (``deepspeed``: ``ep_rank * E / ep_size + j``; ``autoep``: the
+placement AutoEP records on each expert parameter). Expert ``i`` of layer ``l`` lands at index
+``i`` of layer ``l``'s ``gate_up_proj [E, 2F, H]`` (gate rows first, then up rows, as in
+transformers' Qwen3-MoE) and ``down_proj [E, H, F]``. Cost: 4 bytes per parameter per checkpoint
+on disk (a bf16 + AdamW DeepSpeed checkpoint takes about 16).
+
+:func:`merge_reference_shards` (used by ``smelt-ds export``) checks that the shards are complete:
+one per rank of the run, every tensor of the reference model exactly once with its shape, every
+expert index of every layer exactly once.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from smelt_ds.config.run import config_from_dict, config_to_dict
+from smelt_ds.errors import ConfigError
+from smelt_ds.model import SmeltLM
+
+__all__ = ["REFERENCE_DIR", "FORMAT", "gather_reference_shard", "shard_path", "merge_reference_shards",
+           "reference_name", "has_reference_shards"]
+
+REFERENCE_DIR = "reference"
+FORMAT = 1
+
+_LAYER = r"(layers\.\d+\.mlp)"
+# (pattern on the live module's state-dict name, reference name, expert part); part None = dense
+_DEEPSPEED = [
+    (re.compile(_LAYER + r"\.moe\.deepspeed_moe\.gate\.wg\.weight"), r"\1.gate.weight", None),
+    (re.compile(_LAYER + r"\.moe\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.gate_proj\.weight"),
+     r"\1.experts.gate_up_proj", "gate"),
+    (re.compile(_LAYER + r"\.moe\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.up_proj\.weight"),
+     r"\1.experts.gate_up_proj", "up"),
+    (re.compile(_LAYER + r"\.moe\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.down_proj\.weight"),
+     r"\1.experts.down_proj", "down"),
+]
+_AUTOEP = [
+    (re.compile(_LAYER + r"\.router\.gate\.weight"), r"\1.gate.weight", None),
+    (re.compile(_LAYER + r"\.shared_experts\.(.+)"), r"\1.shared_expert.\2", None),
+    (re.compile(_LAYER + r"\.shared_experts_gate\.(.+)"), r"\1.shared_expert_gate.\2", None),
+    (re.compile(_LAYER + r"\.experts\.w1"), r"\1.experts.gate_up_proj", "gate"),
+    (re.compile(_LAYER + r"\.experts\.w3"), r"\1.experts.gate_up_proj", "up"),
+    (re.compile(_LAYER + r"\.experts\.w2"), r"\1.experts.down_proj", "down"),
+]
+
+
+def reference_name(name: str, backend: str) -> tuple[str, str | None, int | None]:
+    """Map a live module's state-dict ``name`` to ``(reference_name, part, local_index)``.
+
+    ``part`` is None for dense tensors, else ``gate``/``up``/``down`` (a piece of an expert
+    tensor); ``local_index`` is the expert's index among this rank's experts for the ``deepspeed``
+    backend (one module per expert) and None for ``autoep`` (one ``[E_local, ...]`` tensor).
+    Names that no rule matches are returned unchanged as dense tensors (the reference layout)."""
+    rules = {"deepspeed": _DEEPSPEED, "autoep": _AUTOEP}.get(backend, [])
+    for pattern, repl, part in rules:
+        m = pattern.fullmatch(name)
+        if m:
+            local = int(m.group(2)) if backend == "deepspeed" and part is not None else None
+            return m.expand(repl), part, local
+    return name, None, None
+
+
+def shard_path(ckpt_dir: str | Path, rank: int) -> Path:
+    return Path(ckpt_dir) / REFERENCE_DIR / f"rank{rank:05d}.pt"
+
+
+def has_reference_shards(ckpt_dir: str | Path) -> bool:
+    return (Path(ckpt_dir) / REFERENCE_DIR).is_dir()
+
+
+def _full_fp32(t: torch.Tensor) -> torch.Tensor:
+    """The full fp32 value of a parameter or buffer on this rank (collective at ZeRO 1-3)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = safe_get_full_fp32_param(t) if isinstance(t, torch.nn.Parameter) else None
+    if full is None:
+        if getattr(t, "ds_id", None) is not None:  # ZeRO-3 parameter outside the optimizer
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([t]):
+                return t.detach().float().cpu().clone()
+        return t.detach().float().cpu().clone()
+    return full.detach().float().cpu().clone()
+
+
+def _expert_placement(t: torch.Tensor, backend: str, local: int | None) -> list[int]:
+    """Global expert indices of the experts this rank holds in tensor ``t``."""
+    from deepspeed.utils import groups
+
+    if backend == "deepspeed":
+        ep_rank = groups._get_expert_parallel_rank(getattr(t, "group_name"))
+        n_local = getattr(t, "_smelt_local_experts", None)
+        return [ep_rank * n_local + local]
+    from deepspeed.module_inject.auto_ep_layer import AUTOEP_PARAM_LOCAL_EXPERTS, DS_AUTOEP_UC_META
+
+    return list(getattr(t, DS_AUTOEP_UC_META)[AUTOEP_PARAM_LOCAL_EXPERTS])
+
+
+def _is_expert(t: torch.Tensor) -> bool:
+    return getattr(t, "allreduce", True) is False and hasattr(t, "group_name")
+
+
+def _expert_data_rank(t: torch.Tensor) -> int:
+    from deepspeed.utils import groups
+
+    return groups._get_expert_data_parallel_rank(getattr(t, "group_name"))
+
+
+def _mark_local_expert_counts(module: torch.nn.Module) -> None:
+    """Give each DeepSpeed-MoE expert parameter its layer's number of local experts."""
+    for m in module.modules():
+        experts = getattr(getattr(m, "deepspeed_moe", None), "experts", None)
+        local = getattr(experts, "deepspeed_experts", None)
+        if local is None:
+            continue
+        for p in local.parameters():
+            p._smelt_local_experts = len(local)
+
+
+def gather_reference_shard(engine, backend: str) -> dict[str, Any]:
+    """This rank's shard of the reference-layout fp32 weights (collective: every rank calls it).
+
+    Args:
+        engine: a ``deepspeed.DeepSpeedEngine`` around a :class:`SmeltLM` (any ZeRO stage).
+        backend: ``moe.backend`` of the run (``reference``, ``deepspeed`` or ``autoep``).
+
+    Returns:
+        ``{"format", "rank", "dense": {name: (shape) fp32 CPU tensor}, "experts": {name:
+        {global_expert_index: tensor}}}``: ``dense`` only on global rank 0; ``experts`` only on
+        rank 0 of each expert-data-parallel group (expert pieces of ``gate_up_proj`` are whole
+        ``[2F, H]`` rows per expert, of ``down_proj`` ``[H, F]``).
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    module = engine.module
+    if backend == "deepspeed":
+        _mark_local_expert_counts(module)
+    dense: dict[str, torch.Tensor] = {}
+    pieces: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    seen: dict[int, str] = {}
+    # the state dict's order is the same on every rank, so the collective gathers line up
+    for name, t in module.state_dict(keep_vars=True).items():
+        ref, part, local = reference_name(name, backend)
+        if id(t) in seen and part is None:  # a tied or aliased tensor: gather once
+            if rank == 0:
+                dense[ref] = dense[seen[id(t)]]
+            continue
+        seen[id(t)] = ref
+        full = _full_fp32(t)
+        if part is None:
+            if rank == 0:
+                dense[ref] = full
+            continue
+        if _expert_data_rank(t) != 0:
+            continue
+        rows = full if local is None else full[None]
+        for e, row in zip(_expert_placement(t, backend, local), rows):
+            pieces.setdefault((ref, e), {})[part] = row
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for (ref, e), parts in pieces.items():
+        value = parts["down"] if "down" in parts else torch.cat([parts["gate"], parts["up"]], dim=0)
+        experts.setdefault(ref, {})[e] = value
+    return {"format": FORMAT, "rank": rank, "dense": dense, "experts": experts}
+
+
+def _expected_state(cfg) -> dict[str, torch.Size]:
+    """Names and shapes of the reference model's state dict, built on the meta device."""
+
+    raw = config_to_dict(cfg)
+    raw["moe"] = {**raw["moe"], "backend": "reference", "ep_size": 1}
+    raw.setdefault("deepspeed", {})["zero_stage"] = 0
+    with torch.device("meta"):
+        model = SmeltLM(config_from_dict(raw))
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+def _load_shard(path: Path) -> dict[str, Any]:
+    try:
+        shard = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file: name it
+        raise ConfigError(f"reference weights {path} are not readable ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120] if str(e) else ''}): the checkpoint is damaged; "
+                          "export an earlier checkpoint (checkpoints/stepNNNNNNNN)") from None
+    if not isinstance(shard, dict) or shard.get("format") != FORMAT:
+        raise ConfigError(f"{path} is not a smelt-ds reference-weights shard of format {FORMAT}")
+    return shard
+
+
+def merge_reference_shards(ckpt_dir: str | Path, cfg, world_size: int) -> dict[str, torch.Tensor]:
+    """The reference-layout fp32 state dict of a checkpoint, merged from its per-rank shards.
+
+    Args:
+        ckpt_dir: a checkpoint directory (``checkpoints/stepNNNNNNNN``).
+        cfg: the run's :class:`smelt_ds.config.run.RunConfig` (the expected names and shapes).
+        world_size: ranks that wrote the checkpoint (one shard each).
+
+    Returns:
+        ``{name: tensor}`` with exactly the keys of the reference :class:`SmeltLM`'s state dict.
+
+    Raises:
+        ConfigError: naming the file or tensor, for a missing or unreadable shard, a tensor
+            missing or written twice, a wrong shape, or a missing or duplicated expert index.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    expected = _expected_state(cfg)
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for r in range(world_size):
+        path = shard_path(ckpt_dir, r)
+        if not path.is_file():
+            raise ConfigError(f"{ckpt_dir}: reference weights of rank {r} are missing ({path}); the checkpoint "
+                              f"was written by {world_size} ranks: export an earlier, complete checkpoint")
+        shard = _load_shard(path)
+        for name, t in shard["dense"].items():
+            if name in state:
+                raise ConfigError(f"{path}: tensor {name} was already written by another rank")
+            state[name] = t
+        for name, by_index in shard["experts"].items():
+            into = experts.setdefault(name, {})
+            for e, t in by_index.items():
+                if e in into:
+                    raise ConfigError(f"{path}: expert {e} of {name} was already written by another rank "
+                                      "(two expert-parallel ranks claim the same expert)")
+                into[e] = t
+    for name, by_index in experts.items():
+        n = expected[name][0] if name in expected else len(by_index)
+        missing = sorted(set(range(n)) - set(by_index))
+        if missing or set(by_index) - set(range(n)):
+            raise ConfigError(f"{ckpt_dir}: {name} has experts {sorted(by_index)} of 0..{n - 1} (missing "
+                              f"{missing[:8]}): a rank's shard is incomplete; export an earlier checkpoint")
+        state[name] = torch.stack([by_index[e] for e in range(n)])
+    _check_against(state, expected, ckpt_dir)
+    return state
+
+
+def _check_against(state: dict[str, torch.Tensor], expected: dict[str, torch.Size], where: Path) -> None:
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(s)}" for k, s in expected.items()
+             if k in state and state[k].shape != s]
+    if missing or unexpected or wrong:
+        raise ConfigError(f"{where}: the reference weights do not fit the run's recipe (missing {missing[:4]}, "
+                          f"unexpected {unexpected[:4]}, shape written vs recipe {wrong[:3]})")

@@ -1,0 +1,495 @@
+"""`smelt-ds render-job` and the launcher templates: rendered Slurm scripts pass `bash -n`,
+Kubernetes manifests parse with the required fields, hostfiles give the master and world size,
+bad input is refused, the requeue path works with fake Slurm tools, and two launcher processes on
+loopback (node ranks 0 and 1, as the Slurm script starts them) train the tiny recipe with ZeRO-3."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from smelt_ds.cli import main as cli_main
+from smelt_ds.errors import ConfigError
+from smelt_ds.launch.jobs import JobOptions, expand_nodelist, main as launch_main, parse_hostfile, plan_job, render
+from smelt_ds.study.recipes import shipped_recipes
+from smelt_ds.testing import scaled_timeout
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = [(e.path, layout) for e in shipped_recipes() if e.size != "tiny" for layout in ("h100", "h200")]
+
+
+def _id(case):
+    path, layout = case
+    return f"{path.parent.name}/{path.stem}-{layout}"
+
+
+def _plan(recipe, scheduler, **kw):
+    return plan_job(recipe, JobOptions(scheduler=scheduler, **kw))
+
+
+def _bash_n(text: str, tmp_path: Path, name: str) -> None:
+    f = tmp_path / name
+    f.write_text(text)
+    r = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering every recipe
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CLUSTER, ids=_id)
+def test_rendered_slurm_and_k8s_jobs(case, tmp_path):
+    path, layout = case
+    plan = _plan(path, "slurm", layout=layout, partition="gpu", env=["NCCL_SOCKET_IFNAME=ib0"])
+    lay = plan.layout
+    text = render(plan)
+    _bash_n(text, tmp_path, "job.sbatch")
+    assert "{{" not in text
+    assert f"#SBATCH --nodes={lay.nodes}\n" in text and f"#SBATCH --gpus-per-node={lay.gpus_per_node}\n" in text
+    assert "#SBATCH --requeue\n" in text and "#SBATCH --partition=gpu\n" in text
+    assert "--resume auto" in text and "export NCCL_SOCKET_IFNAME=ib0\n" in text
+    assert f"SMELT_RECIPE=recipes/{path.parent.name}/{path.name}\n" in text
+    if layout == "h200":  # the layout's overrides reach smelt_ds.train
+        assert "--set train.micro_batch_size=" in text
+
+    plan = _plan(path, "k8s", layout=layout, image="registry.example.org/smelt-ds:1.0")
+    job = yaml.safe_load(render(plan))
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and ("Worker" in specs) == (lay.nodes > 1)
+    assert sum(s["replicas"] for s in specs.values()) == lay.nodes  # one pod per node
+    for role in specs:
+        assert specs[role]["restartPolicy"] == "OnFailure"
+        pod = specs[role]["template"]["spec"]
+        (c,) = pod["containers"]
+        assert c["name"] == "pytorch" and c["image"] == "registry.example.org/smelt-ds:1.0"
+        assert c["command"] == ["bash", "-c"]
+        assert f"--nnodes={lay.nodes} --nproc-per-node={lay.gpus_per_node}" in c["args"][0]
+        assert "--resume auto" in c["args"][0] and f"recipes/{path.parent.name}/{path.name}" in c["args"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == lay.gpus_per_node
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "300"
+        assert pod["terminationGracePeriodSeconds"] > 300
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+
+
+def test_single_node_k8s_job_has_no_workers():
+    job = yaml.safe_load(render(_plan(ROOT / "recipes/s/smelt.yaml", "k8s")))
+    assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Master"}
+    assert job["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# hostfiles and node lists
+# ---------------------------------------------------------------------------------------------
+
+HOSTFILE = """# two nodes of a cluster, fully qualified
+gpu-node-001.cluster.example.org slots=8
+gpu-node-002.cluster.example.org   slots=8   # second
+
+gpu-node-003.cluster.example.org slots=4
+"""
+
+
+def test_hostfile_gives_master_and_world_size(tmp_path):
+    from deepspeed.launcher.runner import _parse_hostfile
+
+    hosts = parse_hostfile(HOSTFILE)
+    ds = _parse_hostfile(HOSTFILE.splitlines())  # DeepSpeed's own parser agrees
+    assert [(h.name, h.slots) for h in hosts] == list(ds.items())
+    hf = tmp_path / "hostfile"
+    hf.write_text(HOSTFILE)
+    plan = _plan(ROOT / "recipes/m/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=2, gpus_per_node=8)
+    assert plan.master_addr == "gpu-node-001.cluster.example.org" and plan.world_size == 16
+    text = render(plan)
+    _bash_n(text, tmp_path, "run.sh")
+    assert "SMELT_MASTER_ADDR=gpu-node-001.cluster.example.org\n" in text
+    assert f"SMELT_HOSTFILE={hf.resolve()}\n" in text and "SMELT_NNODES=2\n" in text
+    # three nodes need 8 slots on the third host
+    with pytest.raises(ConfigError, match="gpu-node-003.cluster.example.org has 4 slots"):
+        _plan(ROOT / "recipes/m/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=3, gpus_per_node=8)
+    plan = _plan(ROOT / "recipes/tiny/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=3, gpus_per_node=4)
+    assert plan.world_size == 12 and plan.master_addr == "gpu-node-001.cluster.example.org"
+    # a single node needs no hostfile; several do
+    assert _plan(ROOT / "recipes/s/smelt.yaml", "deepspeed").master_addr == "127.0.0.1"
+    with pytest.raises(ConfigError, match="needs --hostfile"):
+        _plan(ROOT / "recipes/m/smelt.yaml", "deepspeed")
+
+
+@pytest.mark.parametrize("text,match", [
+    ("node1 slots=8\nnode1 slots=8\n", "listed twice"),
+    ("node1 8\n", "line 1.*HOSTNAME slots=N"),
+    ("# nothing\n\n", "no hosts"),
+])
+def test_bad_hostfiles(text, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_hostfile(text)
+
+
+def test_slurm_nodelists_expand_like_scontrol(capsys):
+    assert expand_nodelist("gpu[001-003,010],login-1") == ["gpu001", "gpu002", "gpu003", "gpu010", "login-1"]
+    assert expand_nodelist("r[1-2]n[08-09]") == ["r1n08", "r1n09", "r2n08", "r2n09"]
+    assert expand_nodelist("node7.cluster.example.org") == ["node7.cluster.example.org"]
+    for bad in ("gpu[3-1]", "gpu[1-2", ""):
+        with pytest.raises(ConfigError):
+            expand_nodelist(bad)
+    assert launch_main(["hostfile", "gpu[01-02]", "--slots", "8"]) == 0
+    assert capsys.readouterr().out == "gpu01 slots=8\ngpu02 slots=8\n"
+    assert parse_hostfile("gpu01 slots=8\ngpu02 slots=8\n")[0].name == "gpu01"
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(scheduler="pbs"), r"--scheduler 'pbs' is unknown: use one of deepspeed, slurm, k8s"),
+    (dict(scheduler="slurm", nodes=512), r"4096 GPUs is more than the layout needs.*2048 micro-batches"),
+    (dict(scheduler="slurm", gpus_per_node=16), r"--gpus-per-node.*\(16\) is more GPUs than a node of layout 'h100'"),
+    (dict(scheduler="slurm", nodes=1, gpus_per_node=4), r"`moe.ep_size` \(8\) does not divide the world size.*= 4\)"),
+    (dict(scheduler="slurm", nodes=3), r"train.global_batch_tokens"),  # 24 GPUs: 2048 sequences do not split
+    (dict(scheduler="slurm", nodes=0), r"`--nodes` \(0\) must be a positive integer"),
+    (dict(scheduler="slurm", layout="b200"), r"--layout 'b200'"),
+    (dict(scheduler="slurm", time="two days"), r"--time 'two days'"),
+    (dict(scheduler="slurm", env=["1BAD=x"]), r"--env '1BAD=x'"),
+    (dict(scheduler="slurm", shutdown_s=900), r"--shutdown-timeout \(900 s\) must be shorter"),
+    (dict(scheduler="k8s", image="my image"), r"--image"),
+])
+def test_bad_input_is_a_clear_error(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        render(_plan(ROOT / "recipes/xl/smelt.yaml", **kw))
+
+
+def test_cli_dry_run_and_errors(tmp_path, capsys):
+    rc = cli_main(["render-job", "recipes/xl/smelt.yaml", "--scheduler", "slurm", "--layout", "h200", "--dry-run",
+                   "-o", str(tmp_path / "job.sbatch")])
+    out = capsys.readouterr().out
+    assert rc == 0 and not (tmp_path / "job.sbatch").exists()  # dry run writes nothing
+    assert "world size    32 node(s) x 8 GPU(s) = 256 ranks" in out
+    assert "256 ranks x micro-batch 2 x 4096 tokens x accumulation 4 = 8,388,608 tokens per step" in out
+    assert "ep_size 8: 32 group(s) of 8 consecutive ranks (inside a node), 24 of 192 experts per GPU" in out
+    assert re.search(r"memory/GPU +[\d.]+ GiB of 139.7 GiB .*: fits, \d+% headroom", out)
+    assert '--node-rank="$SLURM_NODEID"' in out and "--set train.micro_batch_size=2" in out
+    rc = cli_main(["render-job", "recipes/xl/smelt.yaml", "--scheduler", "k8s", "-o", str(tmp_path / "job.yaml")])
+    assert rc == 0 and yaml.safe_load((tmp_path / "job.yaml").read_text())["kind"] == "PyTorchJob"
+    capsys.readouterr()
+    assert cli_main(["render-job", "recipes/xl/smelt.yaml", "--scheduler", "slurm", "--nodes", "1",
+                     "--gpus-per-node", "4"]) == 2
+    assert "does not divide the world size" in capsys.readouterr().err
+
+
+def test_memory_verdict_warns_when_a_layout_does_not_fit(tmp_path, capsys):
+    plan = _plan(ROOT / "recipes/xl/smelt.yaml", "slurm", overrides=["train.micro_batch_size=8"], nodes=32)
+    assert not plan.memory.fits(0.1) and any("under the 10% headroom" in n for n in plan.notes)
+    # writing such a job is refused unless --force; --dry-run still shows the verdict
+    args = ["render-job", "recipes/xl/smelt.yaml", "--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "8",
+            "-o", str(tmp_path / "x.sbatch")]
+    capsys.readouterr()
+    assert cli_main(args) == 2 and not (tmp_path / "x.sbatch").exists()
+    assert re.search(r"does not fit on 1 x 8 GPUs of [\d.]+ GiB: .* headroom \(needs 10%\); nothing written.*"
+                     r"--force", capsys.readouterr().err)
+    assert cli_main(args + ["--dry-run"]) == 0 and "DOES NOT FIT" in capsys.readouterr().out
+    assert cli_main(args + ["--force"]) == 0 and (tmp_path / "x.sbatch").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# the Slurm script's signal handling, with fake srun / scontrol
+# ---------------------------------------------------------------------------------------------
+
+FAKE_SRUN = """#!/bin/bash
+echo "srun $*" >> "$FAKE_LOG"
+trap 'echo "srun got TERM" >> "$FAKE_LOG"; exit 0' TERM
+echo started >> "$FAKE_LOG"
+while true; do sleep 0.05; done
+"""
+FAKE_SCONTROL = """#!/bin/bash
+if [[ "$1" == show ]]; then printf 'node-a\\nnode-b\\n'; else echo "scontrol $*" >> "$FAKE_LOG"; fi
+"""
+
+
+@pytest.mark.parametrize("sig,expect_requeue,rc", [(signal.SIGUSR1, True, 0), (signal.SIGTERM, False, 143)])
+def test_slurm_script_checkpoints_on_signal_and_requeues_near_the_time_limit(tmp_path, sig, expect_requeue, rc):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bindir / name).write_text(body)
+        (bindir / name).chmod(0o755)
+    job = tmp_path / "job.sbatch"
+    job.write_text(render(_plan(ROOT / "recipes/m/smelt.yaml", "slurm", log_dir=str(tmp_path / "logs"))))
+    log = tmp_path / "fake.log"
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+           "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "777", "SLURM_CPUS_ON_NODE": "32"}
+    proc = subprocess.Popen(["bash", str(job)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    while not (log.exists() and "started" in log.read_text()):
+        assert time.time() - t0 < 30 and proc.poll() is None, proc.stdout.read() if proc.poll() is not None else ""
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    lines = log.read_text().splitlines()
+    assert proc.returncode == rc, out
+    assert "srun got TERM" in lines
+    assert ("scontrol requeue 777" in lines) == expect_requeue
+    srun = next(l for l in lines if l.startswith("srun "))
+    assert "--ntasks-per-node=1" in srun and "--cpus-per-task=32" in srun
+    assert "--master-addr=node-a --master-port=20777" in srun and "--nnodes=4" in srun
+
+
+# ---------------------------------------------------------------------------------------------
+# two nodes on one machine
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_port_in(lo: int, hi: int) -> int:
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("smelt-cache")
+
+
+TINY_SETS = ["model.vocab_size=512", "model.hidden_size=32", "model.num_layers=4", "model.num_heads=4",
+             "model.num_kv_heads=2", "model.max_seq_len=64", "moe.num_experts=4", "moe.top_k=2",
+             "moe.expert_ffn_size=32", "data.builtin_max_bytes=150000", "data.tokenizer.vocab_size=512",
+             "train.seq_len=32", "train.micro_batch_size=2", "train.max_steps=2", "train.warmup_steps=1",
+             "train.log_every=1", "train.eval_every=100", "train.save_every=100", "eval.eval_batches=1",
+             "deepspeed.zero_stage=3"]
+
+
+@pytest.mark.distributed
+def test_two_nodes_on_loopback_train_the_tiny_recipe_with_zero3(tmp_path, cache):
+    """Render the Slurm job for 2 nodes x 1 rank and run its per-node step twice, as srun would on two
+    nodes (SLURM_NODEID 0 and 1, the same SLURM_JOB_NODELIST and SLURM_JOB_ID): the script derives
+    MASTER_ADDR and MASTER_PORT, torchrun starts one rank per node, and the ranks train together."""
+    port = _free_port_in(20000, 40000)
+    job_id = 300000 + port - 20000  # the script's port: 20000 + job id % 20000
+    run_dir = tmp_path / "run"
+    sets = TINY_SETS + [f"data.cache_dir={cache}", f"train.run_dir={run_dir}"]
+    plan = _plan(ROOT / "recipes/tiny/smelt.yaml", "slurm", nodes=2, gpus_per_node=1, workdir=str(ROOT),
+                 overrides=sets, log_dir=str(tmp_path / "logs"))
+    assert plan.world_size == 2
+    job = tmp_path / "job.sbatch"
+    job.write_text(render(plan))
+    env = {**os.environ, "SMELT_PYTHON": sys.executable, "SLURM_JOB_NODELIST": "127.0.0.1",
+           "SLURM_JOB_ID": str(job_id), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for var in ("MASTER_ADDR", "MASTER_PORT", "SMELT_MASTER_ADDR", "SMELT_MASTER_PORT"):
+        env.pop(var, None)
+    procs = [subprocess.Popen(["bash", str(job), "--per-node"], env={**env, "SLURM_NODEID": str(n)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=scaled_timeout(420))[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for n, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"node {n}:\n{out[-4000:]}"
+        assert f"smelt-ds: node {n} of 2 x 1 GPUs, master 127.0.0.1:{port}" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2
+    assert summary["tokens"] == 2 * 2 * 32 * 2  # steps x micro-batch x seq_len x 2 ranks (one per node)
+    ds_config = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds_config["zero_optimization"]["stage"] == 3 and ds_config["train_batch_size"] == 2 * 2
+    assert (run_dir / "checkpoints" / "step00000002").is_dir()
+
+
+# ---------------------------------------------------------------------------------------------
+# what the deepspeed script and the Kubernetes pods execute, with fake launchers
+# ---------------------------------------------------------------------------------------------
+
+FAKE_ARGV = """#!/bin/bash
+printf '%s\\n' "$0" "$@" > "$FAKE_LOG"
+[[ -n "${DS_ENV_FILE:-}" ]] && cp "$DS_ENV_FILE" "$FAKE_LOG.env"
+exit 0
+"""
+
+
+def _fake_bin(tmp_path: Path, name: str) -> dict[str, str]:
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / name).write_text(FAKE_ARGV)
+    (bindir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "argv")}
+
+
+def test_deepspeed_script_calls_the_launcher_with_hostfile_and_overrides(tmp_path):
+    hf = tmp_path / "hostfile"
+    hf.write_text(HOSTFILE)
+    plan = _plan(ROOT / "recipes/m/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=2, layout="h200",
+                 overrides=["train.log_every=5"], env=["NCCL_IB_HCA=mlx5_0", "MY_FLAG=a b"], workdir=str(ROOT))
+    (tmp_path / "run.sh").write_text(render(plan))
+    env = {**_fake_bin(tmp_path, "deepspeed"), "OMP_NUM_THREADS": "4"}
+    r = subprocess.run(["bash", str(tmp_path / "run.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()[1:]
+    assert argv == ["--num_nodes", "2", "--num_gpus", "8", "--master_addr", "gpu-node-001.cluster.example.org",
+                    "--master_port", "29500", "--hostfile", str(hf.resolve()), "--module", "smelt_ds.train",
+                    "recipes/m/smelt.yaml", "--resume", "auto", "--set", "train.micro_batch_size=4",
+                    "--set", "train.log_every=5"]
+    shipped = (tmp_path / "argv.env").read_text().splitlines()  # variables the other hosts receive
+    assert "OMP_NUM_THREADS=4" in shipped and "MY_FLAG=a b" in shipped
+
+
+def test_k8s_pod_command_uses_the_pod_rank_and_master_from_the_operator(tmp_path):
+    job = yaml.safe_load(render(_plan(ROOT / "recipes/l/top.yaml", "k8s", layout="h200")))
+    cmd = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["args"][0]
+    env = {**_fake_bin(tmp_path, "python"), "RANK": "5", "MASTER_ADDR": "smelt-l-top-master-0", "MASTER_PORT": "23456"}
+    r = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()[1:]
+    assert argv == ["-m", "torch.distributed.run", "--nnodes=16", "--nproc-per-node=8", "--node-rank=5",
+                    "--master-addr=smelt-l-top-master-0", "--master-port=23456", "-m", "smelt_ds.train",
+                    "recipes/l/top.yaml", "--resume", "auto", "--set", "train.micro_batch_size=2"]
+
+
+def test_version_matches_the_installed_package(capsys):
+    from importlib.metadata import version
+
+    from smelt_ds.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"smelt-ds {version('smelt-ds')}"
+
+
+# ---------------------------------------------------------------------------------------------
+# hostfile lines: accepted exactly when the deepspeed launcher accepts them
+# ---------------------------------------------------------------------------------------------
+
+HOSTFILE_LINES = [
+    "host slots=8", "  host   slots=8  ", "host\tslots=8", "host\x0cslots=8", "host\u00a0slots=8",
+    "gpu-node-001.cluster.example.org slots=16", "host slots=0", "host slots=08", "host slots=\u0668",
+    "host slots=8 # a comment after the entry", "host slots=8 max_slots=16", "host slots=8abc", "host slots=8.5",
+    "host#rack1 slots=8", "# host slots=8", "   # an indented comment", "#", "", "   \t ",
+    "host slots = 8", "host slots =8", "host slots= 8", "host SLOTS=8", "host Slots=8", "host slots:8",
+    "host slots=", "host slots=-1", "host slots=x8", "host 8", "host", "slots=8", "host,slots=8", "host:slots=8",
+    "hostslots=8", "host slots 8", "; host slots=8",
+]
+
+
+def _ours_and_deepspeeds(text: str, tmp_path: Path):
+    """(our hosts or None, DeepSpeed's hosts or None) for the hostfile ``text``; None = refused.
+    DeepSpeed reads the file as `deepspeed --hostfile` does (runner.fetch_hostfile)."""
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    hf = tmp_path / "hostfile"
+    hf.write_bytes(text.encode())
+    try:
+        ds = list(fetch_hostfile(str(hf)).items())
+    except ValueError:
+        ds = None
+    ours = []
+    for given in (text, hf.read_text()):  # as passed, and as plan_job reads the file
+        try:
+            ours.append([(h.name, h.slots) for h in parse_hostfile(given, str(hf))])
+        except ConfigError:
+            ours.append(None)
+    assert ours[0] == ours[1]
+    return ours[0], ds
+
+
+@pytest.mark.parametrize("line", HOSTFILE_LINES, ids=repr)
+def test_hostfile_line_accepted_exactly_when_deepspeed_accepts_it(line, tmp_path):
+    # alone (a comment or blank line alone is an empty hostfile: refused by both), and after a
+    # good line (so only the line itself decides)
+    for text in (line + "\n", f"first slots=2\n{line}\n"):
+        ours, ds = _ours_and_deepspeeds(text, tmp_path)
+        assert ours == ds, f"{text!r}: ours {ours}, deepspeed {ds}"
+    # the decision is as expected, not only shared (guards against both parsers changing)
+    accepted = line in ("host slots=8", "  host   slots=8  ", "host\tslots=8", "host\x0cslots=8",
+                        "host\u00a0slots=8", "gpu-node-001.cluster.example.org slots=16", "host slots=0",
+                        "host slots=08", "host slots=\u0668", "host slots=8 # a comment after the entry",
+                        "host slots=8 max_slots=16", "host slots=8abc", "host slots=8.5", "host#rack1 slots=8")
+    skipped = line.strip() == "" or line.strip().startswith("#")
+    assert (ours is not None and len(ours) == 2) == accepted
+    assert (ours == [("first", 2)]) == skipped
+
+
+@pytest.mark.parametrize("text", [
+    "a slots=8\na slots=4\n",                   # a host twice: refused
+    "a slots=8\n\n# a again\n  a   slots=8\n",  # also when the lines differ in spacing
+    "a slots=8\nA slots=8\n",                   # host names are compared as written
+    "a slots=8\na.example.org slots=8\n",
+    "a slots=8\r\nb slots=4\r\n",               # CRLF
+    "a slots=8\rb slots=4\r",                   # CR alone ends a line too (universal newlines)
+    "a slots=8\x85b slots=4\n",                 # NEL does not (one line: a, 8)
+    "a slots=8\u2028b slots=4\n",
+    "# only a comment\n\n",
+    "",
+    "\n\n\n",
+])
+def test_hostfile_files_parse_like_deepspeed(text, tmp_path):
+    ours, ds = _ours_and_deepspeeds(text, tmp_path)
+    assert ours == ds, f"{text!r}: ours {ours}, deepspeed {ds}"
+
+
+def test_hostfile_with_spaces_around_equals_is_refused_naming_the_line_and_the_fix(tmp_path, capsys):
+    hf = tmp_path / "hostfile"
+    hf.write_text("# the cluster\ngpu-node-001 slots=8\r\ngpu-node-002 slots = 8\n")
+    expected = (f"{hf} line 3: 'gpu-node-002 slots = 8' is not a deepspeed hostfile entry `HOSTNAME slots=N` "
+                "(the deepspeed launcher refuses it): write `gpu-node-002 slots=8` (lower-case `slots=`, no spaces "
+                "around `=`)")
+    with pytest.raises(ConfigError) as e:
+        _plan(ROOT / "recipes/m/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=2, gpus_per_node=8)
+    assert str(e.value) == expected
+    capsys.readouterr()
+    assert cli_main(["render-job", "recipes/m/smelt.yaml", "--scheduler", "deepspeed", "--hostfile", str(hf),
+                     "--nodes", "2", "--gpus-per-node", "8", "--dry-run"]) == 2
+    assert expected in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^hostfile line 1: 'node1 8' is not a deepspeed hostfile entry .*: "
+                                          r"write `node1 slots=8`$"):
+        parse_hostfile("node1 8\n")
+    with pytest.raises(ConfigError, match=r"^hostfile line 1: 'node1' .*: write one host per line as "
+                                          r"`HOSTNAME slots=N` .*e\.g\. `gpu-node-001\.example\.org slots=8`"):
+        parse_hostfile("node1\n")
+
+
+def test_hostfile_duplicate_and_empty_errors_name_the_lines(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parse_hostfile("a slots=8\n# b\nb slots=8\n a  slots=4\n", "hf")
+    assert str(e.value) == ("hf line 4: 'a  slots=4': host 'a' is listed twice (first on line 1), which the "
+                            "deepspeed launcher refuses: keep one line per host")
+    with pytest.raises(ConfigError, match=r"^hf lists no hosts \(only blank lines and `#` comments\): add one "
+                                          r"`HOSTNAME slots=N` line per node"):
+        parse_hostfile("# a slots=8\n\n", "hf")
+
+
+def test_hostfile_host_with_zero_slots_parses_but_a_job_cannot_use_it(tmp_path):
+    # the launcher takes `slots=0` (and with --num_gpus ignores slots), so the parser does too;
+    # the plan refuses such a host only when the job places ranks on it
+    assert [(h.name, h.slots) for h in parse_hostfile("a slots=8\nb slots=0\n")] == [("a", 8), ("b", 0)]
+    hf = tmp_path / "hostfile"
+    hf.write_text("a slots=8\nb slots=0\n")
+    plan = _plan(ROOT / "recipes/s/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=1, gpus_per_node=8)
+    assert plan.world_size == 8 and plan.master_addr == "a"
+    with pytest.raises(ConfigError, match=r"b has 0 slots, fewer than --gpus-per-node 8"):
+        _plan(ROOT / "recipes/m/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=2, gpus_per_node=8)

@@ -1,0 +1,122 @@
+"""DeepSpeed config assembly, optimizer groups and LR schedules (single process, no training)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import deepspeed.runtime.config as ds_runtime_config
+from deepspeed.runtime.config import DeepSpeedConfig
+
+from smelt_ds.config.run import config_from_dict, resolve_batch
+from smelt_ds.parallel.engine import build_ds_config, lr_multiplier, param_groups, template_name
+from smelt_ds.errors import ConfigError
+from smelt_ds.model import SmeltLM
+
+TINY = {"model": {"vocab_size": 64, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 16}}
+
+
+def _cfg(**sections):
+    raw = {k: dict(v) for k, v in TINY.items()}
+    for k, v in sections.items():
+        raw[k] = {**raw.get(k, {}), **v}
+    return config_from_dict(raw)
+
+
+@pytest.mark.parametrize("ds", [
+    {"zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
+    {"zero_stage": 3, "offload_optimizer": "cpu"}, {"zero_stage": 3, "offload_param": "cpu"},
+])
+@pytest.mark.parametrize("world", [1, 4])
+def test_ds_config_parses_with_deepspeed(ds, world, monkeypatch):
+    cfg = _cfg(deepspeed=ds, train={"micro_batch_size": 3, "seq_len": 16, "global_batch_tokens": 3 * 16 * 2 * world})
+    d = build_ds_config(cfg, world)
+
+    class DataParallel:  # DeepSpeed reads the data-parallel size from an mpu object
+        @staticmethod
+        def get_data_parallel_world_size():
+            return world
+
+    monkeypatch.setattr(ds_runtime_config.dist, "get_rank", lambda: 0)
+    parsed = DeepSpeedConfig(d, mpu=DataParallel())
+    assert parsed.zero_optimization_stage == ds["zero_stage"]
+    assert parsed.train_micro_batch_size_per_gpu == 3
+    assert parsed.gradient_accumulation_steps == 2
+    assert parsed.train_batch_size == 3 * 2 * world
+    assert parsed.gradient_clipping == cfg.train.grad_clip
+    assert not parsed.bfloat16_config.enabled  # CPU: fp32
+    expected = {"zero_stage": 0, "offload_optimizer": "none", "offload_param": "none", **ds}
+    assert template_name(cfg) == ("zero3_offload_param" if expected["offload_param"] != "none" else
+                                  "zero3_offload_optimizer" if expected["offload_optimizer"] != "none" else
+                                  f"zero{ds['zero_stage']}")
+    if expected["offload_optimizer"] == "cpu":
+        assert parsed.zero_config.offload_optimizer.device == "cpu"
+
+
+def test_user_deepspeed_keys_pass_through_unchanged():
+    extra = {"zero_optimization": {"stage3_max_live_parameters": 12345, "reduce_bucket_size": 777},
+             "steps_per_print": 7, "some_future_key": {"a": [1, 2]}}
+    cfg = _cfg(deepspeed={"zero_stage": 3, "config": extra})
+    d = build_ds_config(cfg, 1)
+    assert d["zero_optimization"]["stage3_max_live_parameters"] == 12345
+    assert d["zero_optimization"]["reduce_bucket_size"] == 777
+    assert d["zero_optimization"]["stage"] == 3  # template keys the user did not set stay
+    assert d["steps_per_print"] == 7 and d["some_future_key"] == {"a": [1, 2]}
+
+
+def test_global_batch_consistency():
+    cfg = _cfg(train={"micro_batch_size": 4, "seq_len": 32, "global_batch_tokens": 4 * 32 * 2 * 3})
+    assert resolve_batch(cfg, 2) == (3, 768)
+    with pytest.raises(ConfigError, match="train.global_batch_tokens"):
+        resolve_batch(cfg, 4)  # 768 / (4*32*4) is not an integer
+    cfg = _cfg(train={"micro_batch_size": 4, "seq_len": 32, "global_batch_tokens": 256,
+                      "gradient_accumulation_steps": 3})
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
+        resolve_batch(cfg, 1)
+    with pytest.raises(ConfigError, match="template"):
+        build_ds_config(_cfg(deepspeed={"template": "zero9"}), 1)
+
+
+def test_config_refuses_bad_backend_combinations():
+    with pytest.raises(ConfigError, match="autoep"):
+        _cfg(moe={"backend": "deepspeed"}, deepspeed={"zero_stage": 3})
+    with pytest.raises(ConfigError, match="moe.aux_loss_free_bias"):
+        _cfg(moe={"backend": "autoep", "aux_loss_free_bias": True})
+    with pytest.raises(ConfigError, match="deepspeed.offload_param"):
+        _cfg(deepspeed={"zero_stage": 2, "offload_param": "cpu"})
+    with pytest.raises(ConfigError, match="train.seq_len"):
+        _cfg(train={"seq_len": 100000})
+
+
+def test_param_groups_decay_and_shared_lr_scale():
+    cfg = _cfg(loop={"position": "middle", "shared_lr_scale": 0.5})
+    model = SmeltLM(cfg)
+    groups = param_groups(model, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen = [names[id(p)] for g in groups for p in g["params"]]
+    assert sorted(seen) == sorted(names.values())  # every parameter exactly once
+    looped_layers = {1, 2}  # middle half of 4 layers
+    for g in groups:
+        for p in g["params"]:
+            n = names[id(p)]
+            no_decay = p.ndim < 2 or "norm" in n or "embed_tokens" in n
+            assert g["weight_decay"] == (0.0 if no_decay else cfg.train.weight_decay), n
+            is_looped = n.startswith("layers.") and int(n.split(".")[1]) in looped_layers
+            assert g["lr_scale"] == (0.5 if is_looped else 1.0), n
+
+
+def test_lr_schedules_against_formulas():
+    cfg = _cfg(train={"max_steps": 100, "warmup_steps": 10, "min_lr_ratio": 0.1, "schedule": "cosine"})
+    f = lr_multiplier(cfg)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 90)))
+    assert f(100) == pytest.approx(0.1)
+    cfg = _cfg(train={"max_steps": 100, "warmup_steps": 10, "min_lr_ratio": 0.0, "schedule": "wsd",
+                      "decay_fraction": 0.2})
+    f = lr_multiplier(cfg)
+    assert f(50) == 1.0 and f(79) == 1.0
+    assert f(90) == pytest.approx(0.5) and f(100) == pytest.approx(0.0)
+    cfg = _cfg(train={"max_steps": 10, "warmup_steps": 0, "schedule": "constant"})
+    assert lr_multiplier(cfg)(7) == 1.0

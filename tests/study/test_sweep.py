@@ -1,0 +1,175 @@
+"""Sweep planning, run-directory bookkeeping, cluster rendering and bad sweep files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from smelt_ds.cost.budget import compute_budget, match_baseline
+from smelt_ds.config.run import config_from_dict, load_config
+from smelt_ds.errors import ConfigError
+from smelt_ds.study.sweep import load_sweep, materialize, plan_sweep, render_k8s, render_slurm, run_status
+
+ROOT = Path(__file__).resolve().parents[2]
+SWEEPS = sorted((ROOT / "recipes" / "sweeps").glob("*.yaml"))
+
+
+def _sweep(tmp: Path, **over) -> Path:
+    base = yaml.safe_load((ROOT / "recipes" / "tiny" / "baseline.yaml").read_text())
+    (tmp / "base.yaml").write_text(yaml.safe_dump(base))
+    doc = {"name": "t", "output_dir": str(tmp / "out"), "base": "base.yaml",
+           "sizes": [{"name": "h64", "overrides": {"model": {"hidden_size": 64}, "moe": {"expert_ffn_size": 48}}},
+                     {"name": "h128"}],
+           "budgets": [{"name": "d1", "tokens": 20480}, {"name": "c1", "flops": 1.0e11},
+                       {"name": "t", "tokens_per_param": 0.01}],
+           "architectures": [{"name": "baseline", "position": "none"},
+                             {"name": "smelt", "position": "middle", "ep_size": 2}],
+           "warmup_fraction": 0.1}
+    doc.update(over)
+    path = tmp / "sweep.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=[p.name for p in SWEEPS])
+def test_every_shipped_sweep_plans(path):
+    plan = plan_sweep(load_sweep(path), path)
+    sw = plan.sweep
+    assert len(plan.runs) == len(sw.sizes) * len(sw.budgets) * len(sw.architectures)
+    per_arch = {a.name: {(r.size, r.budget) for r in plan.runs if r.architecture == a.name} for a in sw.architectures}
+    assert all(len({s for s, _ in v}) >= 3 and len({b for _, b in v}) >= 3 for v in per_arch.values())
+    for r in plan.runs:
+        if r.deviations:
+            assert max(abs(v) for v in r.deviations.values()) <= sw.match_tolerance
+
+
+def test_plan_matches_each_size_and_converts_budgets(tmp_path):
+    path = _sweep(tmp_path)
+    plan = plan_sweep(load_sweep(path), path)
+    assert [r.name for r in plan.runs[:4]] == ["baseline-h64-d1", "smelt-h64-d1", "baseline-h128-d1", "smelt-h128-d1"]
+    base128 = yaml.safe_load((tmp_path / "base.yaml").read_text())
+    matched = match_baseline(base128, "middle", ep_size=2).raw
+    r = next(r for r in plan.runs if r.name == "smelt-h128-d1")
+    for section in ("model", "moe", "loop"):
+        assert r.raw[section] == matched[section]
+    # steps: tokens / (micro_batch 8 x seq_len 128); warmup 10% of steps
+    assert r.steps == 20480 // 1024 and r.tokens == 20480 and r.raw["train"]["warmup_steps"] == 2
+    # FLOPs budget: tokens = 1e11 / the Baseline's training FLOPs per token, same for both architectures
+    fpt = compute_budget(config_from_dict(base128)).train_flops_per_token
+    c1 = [x for x in plan.runs if x.budget == "c1" and x.size == "h128"]
+    assert {x.steps for x in c1} == {round(1e11 / fpt / 1024)}
+    assert r.train_flops_per_token == compute_budget(r.config).train_flops_per_token
+    assert r.non_embedding_params == compute_budget(r.config).non_embedding_params
+    # tokens per parameter: of the Baseline's non-embedding parameters
+    n128 = compute_budget(config_from_dict(base128)).non_embedding_params
+    assert {x.steps for x in plan.runs if x.budget == "t" and x.size == "h128"} == {round(0.01 * n128 / 1024)}
+
+
+def test_materialize_writes_loadable_recipes_and_labels(tmp_path):
+    path = _sweep(tmp_path)
+    plan = plan_sweep(load_sweep(path), path)
+    materialize(plan)
+    for r in plan.runs:
+        cfg = load_config(r.recipe_path)
+        assert cfg == r.config
+        assert cfg.train.run_dir == str(r.run_dir) and cfg.train.max_steps == r.steps
+        label = json.loads((r.run_dir / "sweep_run.json").read_text())
+        assert (label["architecture"], label["size"], label["budget"], label["tokens"]) == \
+            (r.architecture, r.size, r.budget, r.steps * 1024)
+    assert len(json.loads((plan.output_dir / "sweep_plan.json").read_text())["runs"]) == len(plan.runs)
+
+
+def test_status_and_conflicting_run_directories(tmp_path):
+    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.config.run import dump_config
+
+    path = _sweep(tmp_path)
+    plan = plan_sweep(load_sweep(path), path)
+    r = plan.runs[0]
+    assert run_status(r) == "new"
+    (r.run_dir / "checkpoints" / "step00000002").mkdir(parents=True)
+    (r.run_dir / "checkpoints" / "step00000002" / ckpt.MARKER).write_text("{}")
+    assert run_status(r) == "partial"
+    (r.run_dir / "summary.json").write_text(json.dumps({"steps": r.steps}))
+    assert run_status(r) == "done"
+    (r.run_dir / "summary.json").write_text(json.dumps({"steps": r.steps - 1}))
+    assert run_status(r) == "partial"
+    dump_config(r.config, r.run_dir / "config.yaml")
+    materialize(plan)  # the same recipe: fine
+    scaled = plan_sweep(load_sweep(path), path, steps_scale=0.5)
+    with pytest.raises(ConfigError, match=r"holds a run of another recipe \(train.max_steps"):
+        materialize(scaled)
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"sizes": [{"name": "a", "recipe": "nope.yaml"}]}, r"sizes\[0\].recipe.*does not exist"),
+    ({"base": None}, r"sizes\[0\].recipe.*no `base`"),
+    ({"budgets": [{"name": "x", "tokens": 10, "flops": 1.0}]}, "exactly one of `tokens`"),
+    ({"budgets": [{"name": "x"}]}, "exactly one of `tokens`.*got none"),
+    ({"budgets": [{"name": "x", "token": 10}]},
+     "unknown keys in `budgets\\[0\\]`: \\['token'\\]; allowed keys: \\['flops', 'name', 'tokens', 'tokens_per_param'\\]"),
+    ({"architectures": [{"name": "a"}, {"name": "a", "position": "top"}]}, "duplicate names \\['a'\\]"),
+    ({"sizes": [{"name": "a", "overrides": {"loop": {"position": "middle"}}}]}, "must be a Baseline"),
+    ({"sizes": [{"name": "a", "overrides": {"model": {"hidden_sise": 3}}}]}, "hidden_sise"),
+    ({"warmup_fraction": None}, "warmup_steps.*warmup_fraction"),
+    ({"match_tolerance": 1e-6}, "matching architecture 'smelt' to size"),
+])
+def test_bad_sweep_files_name_the_field_and_fix(tmp_path, over, match):
+    path = _sweep(tmp_path, **over)
+    with pytest.raises(ConfigError, match=match):
+        plan_sweep(load_sweep(path), path)
+
+
+def test_cli_dry_run_and_steps_scale(tmp_path, capsys):
+    from smelt_ds.cli import main
+
+    path = _sweep(tmp_path)
+    assert main(["sweep", str(path), "--dry-run", "--steps-scale", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert f"12 runs in {tmp_path / 'out'}-x0.5" in out and "| 10 | 10,240 |" in out
+    assert not (tmp_path / "out-x0.5").exists()
+    assert main(["sweep", str(tmp_path / "missing.yaml")]) == 2
+    assert "sweep file" in capsys.readouterr().err
+
+
+def test_render_slurm_array_and_k8s_jobs(tmp_path):
+    path = _sweep(tmp_path, launch={"max_parallel": 3, "partition": "gpu"})
+    plan = plan_sweep(load_sweep(path), path)
+    arrays = render_slurm(plan)
+    assert [a.name for a in arrays] == ["array-1x1.sbatch"]  # CPU recipes: one process each
+    text = arrays[0].read_text()
+    assert "#SBATCH --array=0-11%3" in text and "#SBATCH --partition=gpu" in text
+    subprocess.run(["bash", "-n", str(arrays[0])], check=True)
+    scripts = sorted((plan.output_dir / "launch" / "slurm" / "runs").glob("*.sbatch"))
+    assert len(scripts) == 12
+    for s, r in zip(scripts, plan.runs):
+        assert s.name.startswith(f"{r.index:03d}-") and str(r.recipe_path.name) in s.read_text()
+        subprocess.run(["bash", "-n", str(s)], check=True)
+    (plan.runs[0].run_dir / "summary.json").write_text(json.dumps({"steps": plan.runs[0].steps}))
+    jobs = render_k8s(plan)
+    assert len(jobs) == 11  # the finished run gets no job
+    for j, r in zip(jobs, plan.runs[1:]):
+        doc = yaml.safe_load(j.read_text())
+        assert doc["kind"] == "PyTorchJob"
+        args = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"][0]
+        assert args.startswith("test -f ") and "summary.json && exit 0; exec " in args
+        assert r.recipe_path.name in args
+
+
+def test_cluster_sweep_smelt_equals_the_shipped_matched_recipes():
+    # the sweep derives SMELT with the matcher; the shipped recipes/<size>/smelt.yaml came from the
+    # same matcher (smelt-ds recipes derive): both must be the same model
+    path = ROOT / "recipes" / "sweeps" / "cluster.yaml"
+    plan = plan_sweep(load_sweep(path), path)
+    checked = 0
+    for r in plan.runs:
+        shipped = ROOT / "recipes" / r.size / "smelt.yaml"
+        if r.architecture == "smelt" and r.budget == "t20" and shipped.is_file():
+            ref = yaml.safe_load(shipped.read_text())
+            assert {k: r.raw[k] for k in ("model", "moe", "loop")} == {k: ref[k] for k in ("model", "moe", "loop")}
+            checked += 1
+    assert checked == 4

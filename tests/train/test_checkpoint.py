@@ -1,0 +1,347 @@
+"""Checkpoint integrity: digests computed while writing, damaged checkpoints named and skipped,
+fsync before the marker, a full disk reported with the file and the space needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from smelt_ds.config.run import config_from_dict
+from smelt_ds.testing import run_distributed, scaled_timeout
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _raw(run_dir: Path, cache: Path, **train) -> dict:
+    return {"name": "ck",
+            "model": {"vocab_size": 512, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+                      "max_seq_len": 64},
+            "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 32}, "loop": {"position": "middle"},
+            "data": {"builtin_max_bytes": 150_000, "tokenizer": {"vocab_size": 512}, "cache_dir": str(cache)},
+            "train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 4, "warmup_steps": 1, "log_every": 1,
+                      "eval_every": 100, "save_every": 2, "keep_last": 3, "run_dir": str(run_dir), **train},
+            "eval": {"eval_batches": 1}}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt-cache")
+
+
+def _train(rank, world, raw, resume="none"):
+    from smelt_ds.train.loop import train
+
+    r = train(config_from_dict(raw), resume=resume)
+    return {"losses": r.losses, "step": r.step}
+
+
+def _fsync_order_worker(rank, world, raw):
+    """Train with os.fsync / os.replace recorded: (event, path) in order."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("replace", str(Path(b).resolve())))
+        return real_replace(a, b)
+
+    os.fsync, os.replace = fsync, replace
+    try:
+        _train(rank, world, raw)
+    finally:
+        os.fsync, os.replace = real_fsync, real_replace
+    return events
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache):
+    """A 4-step run saving at steps 2 and 4, with every fsync and rename recorded."""
+    tmp = tmp_path_factory.mktemp("ckpt-run")
+    raw = _raw(tmp / "run", cache)
+    events = run_distributed(_fsync_order_worker, 1, args=(raw,), timeout=300)[0]
+    return raw, Path(raw["train"]["run_dir"]), events
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def test_marker_lists_every_file_with_its_digest_and_files_are_synced_first(trained):
+    from smelt_ds.train import checkpoint as ckpt
+
+    _, run_dir, events = trained
+    step4 = run_dir / "checkpoints" / "step00000004"
+    meta = json.loads((step4 / ckpt.MARKER).read_text())
+    on_disk = sorted(str(p.relative_to(step4)) for p in step4.rglob("*") if p.is_file() and p.name != ckpt.MARKER)
+    assert sorted(meta["files"]) == on_disk
+    assert "mp_rank_00_model_states.pt" in on_disk and "reference/rank00000.pt" in on_disk
+    for name, want in meta["files"].items():               # digests computed while writing == read back
+        assert ckpt.file_digest(step4 / name) == {"sha256": want["sha256"], "bytes": want["bytes"]}, name
+    assert ckpt.verify(step4) == []
+    # every file and the directory were fsynced before the marker was renamed into place
+    marker_at = events.index(("replace", str((step4 / ckpt.MARKER).resolve())))
+    synced = {p for e, p in events[:marker_at] if e == "fsync"}
+    big = [n for n, d in meta["files"].items() if n.endswith(".pt")]
+    for name in big:
+        resolved = str((step4 / name).resolve())
+        assert resolved in synced or resolved + ".tmp" in synced, name
+    assert str(step4.resolve()) in synced
+
+
+def _flip(path: Path, n: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    for i in range(mid, mid + n):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.distributed
+def test_damaged_newest_checkpoint_is_named_kept_and_skipped(trained, tmp_path):
+    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.train.export import export_checkpoint
+    from smelt_ds.testing import DistributedTestError
+
+    raw, src, _ = trained
+    run_dir = _copy_run(src, tmp_path / "run")
+    raw = {**raw, "train": {**raw["train"], "run_dir": str(run_dir), "max_steps": 6}}
+    step4 = run_dir / "checkpoints" / "step00000004"
+    model_file = step4 / "mp_rank_00_model_states.pt"
+    size = model_file.stat().st_size
+    _flip(model_file)                                      # 64 flipped bytes, same size
+    assert model_file.stat().st_size == size
+    assert ckpt.verify(step4) == [f"{model_file} has another SHA-256 than when written (damaged)"]
+    damaged_bytes = model_file.read_bytes()
+    # an explicit --resume of it is refused, naming the file
+    with pytest.raises(DistributedTestError, match=r"--resume .*step00000004: the checkpoint is damaged \(.*"
+                                                   r"mp_rank_00_model_states.pt has another SHA-256"):
+        run_distributed(_train, 1, args=(raw, str(step4)), timeout=300)
+    # export and eval of the run refuse a damaged reference shard, naming it
+    shard = step4 / "reference" / "rank00000.pt"
+    good_shard = shard.read_bytes()
+    shard.write_bytes(good_shard[: len(good_shard) // 2])   # truncated
+    with pytest.raises(ConfigError, match=r"step00000004 is damaged \(.*rank00000.pt has [\d,]+ bytes, [\d,]+ when"):
+        export_checkpoint(run_dir, tmp_path / "export")
+    shard.write_bytes(good_shard)
+    # --resume auto falls back to step 2, says so, and keeps the damaged checkpoint
+    r = run_distributed(_train, 1, args=(raw, "auto"), timeout=300)[0]
+    assert r["step"] == 6 and len(r["losses"]) == 4        # steps 3..6: resumed from step 2
+    kept = run_dir / "checkpoints" / "damaged-step00000004"
+    assert (kept / "mp_rank_00_model_states.pt").read_bytes() == damaged_bytes
+    assert ckpt.latest_complete(run_dir).name == "step00000006"
+
+
+def test_checkpoint_without_digests_that_deepspeed_cannot_read_names_it(trained, tmp_path):
+    """Checkpoints of older smelt-ds have no digests: a truncated model file is still named."""
+    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.testing import DistributedTestError
+
+    raw, src, _ = trained
+    run_dir = _copy_run(src, tmp_path / "run")
+    raw = {**raw, "train": {**raw["train"], "run_dir": str(run_dir), "max_steps": 6}}
+    step4 = run_dir / "checkpoints" / "step00000004"
+    meta = json.loads((step4 / ckpt.MARKER).read_text())
+    del meta["files"]
+    (step4 / ckpt.MARKER).write_text(json.dumps(meta))
+    f = step4 / "mp_rank_00_model_states.pt"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(DistributedTestError, match=r"DeepSpeed could not load checkpoint .*step00000004 \(.*\): it is "
+                                                   r"damaged or from another recipe"):
+        run_distributed(_train, 1, args=(raw, "auto"), timeout=300)
+
+
+def test_full_disk_names_the_file_and_leaves_no_complete_checkpoint(tmp_path, cache):
+    """/dev/full answers every write with ENOSPC, as a full file system does."""
+    import yaml
+
+    from smelt_ds.train import checkpoint as ckpt
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("/dev/full is not available on this machine")
+    raw = _raw(tmp_path / "run", cache, max_steps=2)
+    step2 = tmp_path / "run" / "checkpoints" / "step00000002"
+    step2.mkdir(parents=True)
+    (step2 / "mp_rank_00_model_states.pt").symlink_to("/dev/full")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, "-m", "smelt_ds.train", str(recipe)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=scaled_timeout(300))
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "No space left on device writing" in r.stderr and "mp_rank_00_model_states.pt (needs about" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (step2 / ckpt.MARKER).exists() and ckpt.latest_complete(tmp_path / "run") is None
+
+
+def test_write_hashed_digest_equals_the_file(tmp_path):
+    from smelt_ds.train import checkpoint as ckpt
+
+    obj = {"w": torch.arange(10_000, dtype=torch.float32), "meta": {"step": 3}}
+    for zipfile in (True, False):
+        path = tmp_path / f"x{zipfile}.pt"
+        d = ckpt.write_hashed(obj, path, zipfile)
+        assert d == ckpt.file_digest(path)
+        assert torch.equal(torch.load(path, weights_only=True)["w"], obj["w"])
+
+
+def test_resume_may_change_only_what_does_not_change_the_optimisation(trained):
+    """`--set train.lr=...` on resume used to be ignored while config.yaml said it was used."""
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.train.guards import check_run_dir
+
+    raw, run_dir, _ = trained
+
+    def cfg(**train):
+        return config_from_dict({**raw, "train": {**raw["train"], **train}})
+
+    check_run_dir(run_dir, cfg(max_steps=10, eval_every=5, save_every=5, log_every=2, keep_last=1), "auto", 1)
+    check_run_dir(run_dir, config_from_dict({**raw, "eval": {"eval_batches": 4}}), "auto", 1)
+    with pytest.raises(ConfigError, match=r"--resume auto: train.lr: 0.003 in the run, 0.0001 in this recipe .*a "
+                                          r"resume continues the run's optimisation .*may change only train.max_steps"):
+        check_run_dir(run_dir, cfg(lr=1e-4), "auto", 1)
+    for change in ({"warmup_steps": 2}, {"micro_batch_size": 4}, {"seed": 7}, {"grad_clip": 0.5}):
+        with pytest.raises(ConfigError, match=rf"train.{next(iter(change))}: "):
+            check_run_dir(run_dir, cfg(**change), "auto", 1)
+    with pytest.raises(ConfigError, match=r"data.validation_share: "):
+        check_run_dir(run_dir, config_from_dict({**raw, "data": {**raw["data"], "validation_share": 0.2}}), "auto", 1)
+
+
+@pytest.mark.distributed
+def test_all_checkpoints_damaged_never_restarts_from_step_zero(trained, tmp_path):
+    """Every checkpoint damaged: --resume auto refuses (it used to train from step 0 over the run,
+    truncating metrics.jsonl), and so do a later --resume auto and a new run there."""
+    from smelt_ds.testing import DistributedTestError
+
+    raw, src, _ = trained
+    run_dir = _copy_run(src, tmp_path / "run")
+    raw = {**raw, "train": {**raw["train"], "run_dir": str(run_dir), "max_steps": 6}}
+    for step in (2, 4):
+        _flip(run_dir / "checkpoints" / f"step{step:08d}" / "mp_rank_00_model_states.pt")
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(DistributedTestError, match=r"no checkpoint of .* verifies \(damaged: step00000004, "
+                                                   r"step00000002"):
+        run_distributed(_train, 1, args=(raw, "auto"), timeout=300)
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()) == [
+        "damaged-step00000002", "damaged-step00000004"]
+    with pytest.raises(DistributedTestError, match=r"holds no checkpoint that verifies, only damaged ones"):
+        run_distributed(_train, 1, args=(raw, "auto"), timeout=300)
+    with pytest.raises(DistributedTestError, match=r"already holds checkpoints of an earlier run \(only damaged"):
+        run_distributed(_train, 1, args=(raw, "none"), timeout=300)
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.train.export import export_checkpoint
+
+    with pytest.raises(ConfigError, match=r"was moved aside as damaged \(.*mp_rank_00_model_states.pt has another"):
+        export_checkpoint(run_dir / "checkpoints" / "damaged-step00000004", tmp_path / "export")
+
+
+def _train_in_dir(rank, world, raw, run_dir, resume):
+    from smelt_ds.train.loop import train
+
+    r = train(config_from_dict(raw), resume=resume, run_dir=run_dir)
+    return {"lrs": r.lrs, "step": r.step}
+
+
+@pytest.mark.distributed
+def test_resume_with_a_new_max_steps_runs_the_new_schedule_from_the_first_step(trained, tmp_path):
+    """The checkpoint restores the old schedule's LR for the next step; the first resumed step must
+    use the new schedule (cosine over the new max_steps). Also: config.yaml records --run-dir."""
+    import yaml
+
+    from smelt_ds.parallel.engine import lr_multiplier
+
+    raw, src, _ = trained
+    run_dir = _copy_run(src, tmp_path / "elsewhere")
+    longer = {**raw, "train": {**raw["train"], "max_steps": 9}}
+    r = run_distributed(_train_in_dir, 1, args=(longer, str(run_dir), "auto"), timeout=300)[0]
+    f = lr_multiplier(config_from_dict(longer))
+    lr = config_from_dict(longer).train.lr
+    assert r["lrs"] == pytest.approx([lr * f(s) for s in range(4, 9)], rel=1e-12)
+    old = lr_multiplier(config_from_dict(raw))
+    assert abs(r["lrs"][0] - lr * old(4)) > 1e-6          # the old schedule's next LR differs
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["run_dir"] == str(run_dir)
+
+
+def test_full_disk_inside_torchs_zip_writer_is_named(tmp_path, monkeypatch):
+    """A write that fails mid-file surfaces from torch's zip writer as a RuntimeError ("unexpected
+    pos"); the message must still say no space, the file, and the bytes needed and free."""
+    import errno
+    import io
+
+    from smelt_ds.train import checkpoint as ckpt
+
+    class FillsUp(io.RawIOBase):
+        def __init__(self):
+            self.n = 0
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.n += len(memoryview(b))
+            if self.n > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return len(memoryview(b))
+
+        def fileno(self):
+            raise OSError("no fd")
+
+    monkeypatch.setattr(ckpt, "open", lambda *a, **k: FillsUp(), raising=False)
+    obj = {"w": torch.zeros(100_000)}
+    for zipfile in (True, False):
+        with pytest.raises(ckpt.CheckpointWriteError, match=r"No space left on device writing .*x.pt \(needs about "
+                                                            r"400,000 bytes; free [\d,]+\)"):
+            ckpt.write_hashed(obj, tmp_path / "x.pt", zipfile)
+
+
+def test_a_copy_of_the_runs_tokenizer_under_another_path_resumes(trained, tmp_path):
+    import shutil
+
+    import yaml
+
+    from smelt_ds.train.guards import check_run_dir
+
+    raw, src, _ = trained
+    run_dir = _copy_run(src, tmp_path / "run")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    shutil.copyfile(run_dir / "tokenizer.json", a)
+    shutil.copyfile(run_dir / "tokenizer.json", b)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    saved["data"]["tokenizer"]["path"] = str(a)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    moved = {**raw, "data": {**raw["data"], "tokenizer": {**raw["data"]["tokenizer"], "path": str(b)}}}
+    check_run_dir(run_dir, config_from_dict(moved), "auto", 1)   # same content: accepted
+
+
+@pytest.mark.distributed
+def test_lr_resync_after_a_longer_resume_under_zero3_on_two_ranks(tmp_path, cache):
+    """The same as the one-rank test with ZeRO-3's optimizer wrapper and 2 ranks."""
+    from smelt_ds.parallel.engine import lr_multiplier
+
+    raw = _raw(tmp_path / "run", cache, max_steps=4, save_every=2, exit_after_steps=2)
+    raw["deepspeed"] = {"zero_stage": 3}
+    assert run_distributed(_train, 2, args=(raw,), timeout=300)[0]["step"] == 2
+    longer = {**raw, "train": {**raw["train"], "max_steps": 7, "exit_after_steps": None}}
+    r = run_distributed(_train_lrs, 2, args=(longer,), timeout=300)
+    f, lr = lr_multiplier(config_from_dict(longer)), config_from_dict(longer).train.lr
+    for rank in r:
+        assert rank == pytest.approx([lr * f(s) for s in range(2, 7)], rel=1e-12)
+
+
+def _train_lrs(rank, world, raw):
+    from smelt_ds.train.loop import train
+
+    return train(config_from_dict(raw), resume="auto").lrs
