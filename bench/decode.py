@@ -53,7 +53,7 @@ def main() -> None:
     models = {}
     for name, cfg in cfgs.items():
         torch.manual_seed(0)
-        models[name] = SmeltLM(cfg).eval()
+        models[name] = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
     V = cfgs["baseline"].model.vocab_size
     prompt = torch.randint(0, V, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
     times = {name: [] for name in models}

@@ -29,6 +29,7 @@ from smelt_ds.parallel.engine import configure_activation_checkpointing
 from smelt_ds.cost.memory import POLICIES, activation_bytes
 from smelt_ds.study.memory_profile import SavedTensorCounter
 from smelt_ds.model import SmeltLM
+from smelt_ds.train.objective import total_loss
 
 
 def build(cfg, policy: str, impl: str):
@@ -36,30 +37,30 @@ def build(cfg, policy: str, impl: str):
     raw["train"]["activation_checkpointing"].update(policy=policy, impl=impl)
     c = config_from_dict(raw)
     torch.manual_seed(0)
-    model = SmeltLM(c).train()
+    model = SmeltLM(c.model, c.moe, c.loop).train()
     configure_activation_checkpointing(model, c)
     return c, model
 
 
-def step(model, ids, labels) -> float:
-    """Seconds of one forward + backward."""
+def step(model, ids, labels, train_cfg) -> float:
+    """Seconds of one forward + backward (of the training objective)."""
     model.zero_grad(set_to_none=True)
     t = time.perf_counter()
     out = model(ids, labels=labels)
-    out.loss.backward()
+    total_loss(out, train_cfg).backward()
     return time.perf_counter() - t
 
 
-def saved_bytes(model, ids, labels) -> int:
+def saved_bytes(model, ids, labels, train_cfg) -> int:
     counter = SavedTensorCounter(model.parameters())
-    fn = model.blocks.checkpoint_fn
-    if fn is not None:
-        model.blocks.checkpoint_fn = counter.wrap_checkpoint(fn)
+    ckpt = model.blocks.checkpointing
+    model.blocks.wrap_checkpoint_fn(counter.wrap_checkpoint)
     with counter:
         out = model(ids, labels=labels)
     n = counter.saved_bytes()
-    out.loss.backward()
-    model.blocks.checkpoint_fn = fn
+    total_loss(out, train_cfg).backward()
+    if ckpt is not None:  # back to the unwrapped function
+        model.blocks.configure_checkpointing(ckpt.visits, ckpt.fn, ckpt.frees_inputs)
     return n
 
 
@@ -89,10 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.warmup + args.rounds):
         order = POLICIES[r % len(POLICIES):] + POLICIES[:r % len(POLICIES)]
         for pol in order:
-            dt = step(models[pol][1], ids, labels)
+            dt = step(models[pol][1], ids, labels, cfg.train)
             if r >= args.warmup:
                 times[pol].append(dt)
-    saved = {pol: saved_bytes(m, ids, labels) for pol, (_, m) in models.items()}
+    saved = {pol: saved_bytes(m, ids, labels, cfg.train) for pol, (_, m) in models.items()}
     pred = {pol: activation_bytes(c, pol, B, S, 4, "cpu") for pol, (c, _) in models.items()}
     med = {pol: statistics.median(v) for pol, v in times.items()}
     plan = models["none"][1].schedule.plan

@@ -21,6 +21,7 @@ import torch
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.config.run import load_config
 from smelt_ds.model import SmeltLM
+from smelt_ds.train.objective import total_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,14 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def _setup(recipe: str, overrides: list[str]):
     cfg = load_config(ROOT / recipe, overrides)
     torch.manual_seed(0)
-    model = SmeltLM(cfg)
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return cfg, model, opt
 
 
-def _step(model, opt, x, y) -> float:
+def _step(model, opt, x, y, train_cfg) -> float:
     t0 = time.perf_counter()
-    loss = model(x, labels=y).loss
+    loss = total_loss(model(x, labels=y), train_cfg)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -61,8 +62,8 @@ def main() -> None:
     for i in range(args.warmup + args.repeats):
         order = list(runs) if i % 2 == 0 else list(reversed(runs))
         for name in order:
-            _, model, opt = runs[name]
-            dt = _step(model, opt, x, y)
+            cfg, model, opt = runs[name]
+            dt = _step(model, opt, x, y, cfg.train)
             if i >= args.warmup:
                 times[name].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}

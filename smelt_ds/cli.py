@@ -20,14 +20,16 @@ from smelt_ds.launch import cli as launch_cli
 from smelt_ds.study import cli as study_cli
 from smelt_ds.train import cli as train_cli
 
-#: package -> its commands, in the order ``smelt-ds --help`` lists them
+#: package -> the module that registers its commands, in the order ``smelt-ds --help`` lists them
+#: (cost: budget, match; data: data; train: train, export; eval: eval, analyze, generate;
+#: study: memory, recipes, sweep, scaling; launch: render-job)
 COMMANDS = {
-    "cost": (cost_cli, "budget, match"),
-    "data": (data_cli, "data"),
-    "train": (train_cli, "train, export"),
-    "eval": (eval_cli, "eval, analyze, generate"),
-    "study": (study_cli, "memory, recipes, sweep, scaling"),
-    "launch": (launch_cli, "render-job"),
+    "cost": cost_cli,
+    "data": data_cli,
+    "train": train_cli,
+    "eval": eval_cli,
+    "study": study_cli,
+    "launch": launch_cli,
 }
 
 
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "and its matched Baselines with DeepSpeed.")
     parser.add_argument("--version", action="version", version=f"smelt-ds {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module, _ in COMMANDS.values():
+    for module in COMMANDS.values():
         module.add_parser(sub)
     return parser
 

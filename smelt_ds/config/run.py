@@ -1,9 +1,10 @@
 """The recipe schema: one validated config tree per run (DESIGN §7).
 
 A recipe is a YAML file whose top-level keys are the sections of :class:`RunConfig`
-(``model``, ``moe``, ``loop``, ``data``, ``train``, ``deepspeed``, ``eval``, ``cluster``). YAML keys equal field
-names; unknown keys are rejected with the list of bad keys and the allowed ones. Precedence:
-``--set a.b=v`` on the command line > YAML > defaults.
+(``model``, ``moe``, ``moe_runtime``, ``loop``, ``data``, ``train``, ``deepspeed``, ``eval``,
+``cluster``). YAML keys equal field names; unknown keys are rejected with the list of bad keys and
+the allowed ones; keys that moved out of ``moe:`` (issue 14) are refused with their new place
+(:data:`MOVED_MOE_KEYS`). Precedence: ``--set a.b=v`` on the command line > YAML > defaults.
 
 Every violation raises :class:`smelt_ds.errors.ConfigError` whose message names the field path,
 the value and the fix.
@@ -19,7 +20,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from smelt_ds.config.data import DataConfig
-from smelt_ds.config.schedule import LoopSchedule
+from smelt_ds.config.schedule import LoopSchedule, build_schedule
 from smelt_ds.config.schema import StrictModel
 from smelt_ds.errors import ConfigError, fail
 
@@ -28,6 +29,8 @@ __all__ = [
     "StrictModel",
     "ModelConfig",
     "MoEConfig",
+    "MoERuntimeConfig",
+    "MOVED_MOE_KEYS",
     "LoopRange",
     "LoopConfig",
     "TrainConfig",
@@ -36,6 +39,8 @@ __all__ = [
     "ClusterLayout",
     "ClusterConfig",
     "RunConfig",
+    "build_schedule",
+    "check_moe_backend",
     "load_config",
     "config_from_dict",
     "apply_overrides",
@@ -72,7 +77,9 @@ class ModelConfig(StrictModel):
 
 
 class MoEConfig(StrictModel):
-    """Mixture-of-Experts FFN: router, experts and their losses, and the backend that runs them."""
+    """Mixture-of-Experts architecture: router and experts (what the model is). How the experts
+    run (backend, expert parallelism, capacity) is :class:`MoERuntimeConfig`; the loss
+    coefficients are in :class:`TrainConfig`."""
 
     num_experts: int = Field(8, gt=0, description="routed experts per MoE layer E")
     top_k: int = Field(2, gt=0, description="experts per token")
@@ -80,13 +87,18 @@ class MoEConfig(StrictModel):
     shared_expert_ffn_size: int = Field(0, ge=0, description="intermediate size of the shared expert; 0 = none")
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     norm_topk_prob: bool = Field(True, description="renormalise the top-k weights to sum to 1")
-    aux_loss_coef: float = Field(0.01, ge=0, description="Switch-style load-balancing loss coefficient")
-    z_loss_coef: float = Field(0.001, ge=0, description="router z-loss coefficient (ST-MoE)")
     router_jitter: float = Field(0.0, ge=0, description="multiplicative uniform noise on router input in training")
     aux_loss_free_bias: bool = Field(False, description="DeepSeek-V3 expert bias for selection, updated outside autograd")
     bias_update_rate: float = Field(1e-3, ge=0, description="step size of the aux-loss-free bias update")
     expert_impl: Literal["auto", "grouped_mm", "loop"] = Field(
         "auto", description="reference backend: torch._grouped_mm where available, else a per-expert loop")
+
+
+class MoERuntimeConfig(StrictModel):
+    """How the MoE layers run (not model architecture): the backend, expert parallelism, and the
+    ``deepspeed`` backend's capacity and kernels. Cross-field rules against ``moe`` and
+    ``deepspeed`` are checked when the recipe is loaded (:func:`check_moe_backend`)."""
+
     backend: Literal["reference", "deepspeed", "autoep"] = "reference"
     ep_size: int = Field(1, gt=0, description="expert-parallel size (deepspeed backend: ep_size, autoep: autoep_size)")
     capacity_factor: float = Field(1.0, gt=0, description="deepspeed backend: training capacity factor")
@@ -94,6 +106,14 @@ class MoEConfig(StrictModel):
     min_capacity: int = Field(4, ge=0, description="deepspeed backend: minimum tokens per expert")
     drop_tokens: bool = Field(True, description="deepspeed backend: drop tokens over capacity")
     use_tutel: bool = Field(False, description="deepspeed backend: tutel kernels (optional package)")
+
+
+#: Keys that left ``moe:`` in issue 14, and the section that holds them now.
+MOVED_MOE_KEYS: dict[str, str] = {
+    **{k: "moe_runtime" for k in ("backend", "ep_size", "capacity_factor", "eval_capacity_factor",
+                                  "min_capacity", "drop_tokens", "use_tutel")},
+    "aux_loss_coef": "train", "z_loss_coef": "train",
+}
 
 
 LoopPosition = Literal["none", "uniform", "bottom", "middle", "top", "asymmetric", "custom"]
@@ -168,6 +188,10 @@ class TrainConfig(StrictModel):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 disables")
+    aux_loss_coef: float = Field(0.01, ge=0, description="Switch-style load-balancing loss coefficient "
+                                                         "(smelt_ds.train.objective.total_loss)")
+    z_loss_coef: float = Field(0.001, ge=0, description="router z-loss coefficient (ST-MoE; "
+                                                        "smelt_ds.train.objective.total_loss)")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 where the accelerator supports it (CUDA), else fp32")
     log_every: int = Field(10, gt=0, description="steps between metrics rows")
@@ -251,12 +275,19 @@ class RunConfig(StrictModel):
     name: str = "smelt"
     model: ModelConfig = Field(default_factory=ModelConfig)
     moe: MoEConfig = Field(default_factory=MoEConfig)
+    moe_runtime: MoERuntimeConfig = Field(default_factory=MoERuntimeConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, raw: Any) -> Any:
+        check_moved_keys(raw)
+        return raw
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
@@ -266,7 +297,7 @@ class RunConfig(StrictModel):
     @property
     def schedule(self) -> LoopSchedule:
         """The visit plan of this recipe: ``loop`` over ``model.num_layers`` unique layers."""
-        return LoopSchedule.from_config(self.loop, self.model.num_layers)
+        return build_schedule(self.loop, self.model.num_layers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,12 +305,37 @@ class RunConfig(StrictModel):
 # --------------------------------------------------------------------------------------------
 
 
+def check_moved_keys(raw: Any) -> None:
+    """Refuse a recipe in the layout before issue 14: ``moe.<key>`` for a key of
+    :data:`MOVED_MOE_KEYS`. One ConfigError names every moved key, its new place and the YAML
+    to write (``--set moe.ep_size=2`` overrides land here too)."""
+    moe = raw.get("moe") if isinstance(raw, dict) else None
+    if not isinstance(moe, dict):
+        return
+    moved = [k for k in MOVED_MOE_KEYS if k in moe]
+    if not moved:
+        return
+    lines = []
+    for k in moved:
+        new, v = MOVED_MOE_KEYS[k], _flow_yaml(moe[k])
+        lines.append(f"`moe.{k}` moved to `{new}.{k}` (issue 14): write `{new}: {{{k}: {v}}}` "
+                     f"(or --set {new}.{k}={v})")
+    raise ConfigError("recipe uses the old `moe:` layout:\n  " + "\n  ".join(lines))
+
+
+def _flow_yaml(value: Any) -> str:
+    """``value`` as inline YAML (``autoep``, ``0.01``, ``true``)."""
+    text = yaml.safe_dump(value, default_flow_style=True).strip()
+    return text.removesuffix("...").strip()
+
+
 def check_run_config(cfg: RunConfig) -> None:
     """Cross-field checks of a parsed config. Raises ConfigError naming the field path."""
     _check_model(cfg.model)
-    _check_moe(cfg.moe, cfg.model, cfg.deepspeed.zero_stage)
+    _check_moe(cfg.moe)
+    check_moe_backend(cfg.moe, cfg.moe_runtime, cfg.deepspeed.effective_zero_stage)
     _check_train(cfg)
-    LoopSchedule.from_config(cfg.loop, cfg.model.num_layers)
+    build_schedule(cfg.loop, cfg.model.num_layers)
 
 
 def _check_model(m: ModelConfig) -> None:
@@ -297,25 +353,64 @@ def _check_model(m: ModelConfig) -> None:
               "lower first_k_dense")
 
 
-def _check_moe(moe: MoEConfig, m: ModelConfig, zero_stage: int = 0) -> None:
+def _check_moe(moe: MoEConfig) -> None:
     if moe.top_k > moe.num_experts:
         fail("moe.top_k", moe.top_k, f"must be <= `moe.num_experts` ({moe.num_experts})",
               "lower moe.top_k or raise moe.num_experts")
-    if moe.backend in ("deepspeed", "autoep") and moe.num_experts % moe.ep_size:
-        fail("moe.num_experts", moe.num_experts, f"must be divisible by `moe.ep_size` ({moe.ep_size})",
-              "choose an expert count that is a multiple of ep_size")
-    if moe.backend == "deepspeed" and zero_stage == 3:
-        fail("moe.backend", moe.backend, "does not support `deepspeed.zero_stage` (3): DeepSpeed-MoE refuses "
-              "ZeRO-3", "use moe.backend 'autoep' (ZeRO 0-3) or zero_stage <= 2")
-    if moe.backend == "autoep" and moe.aux_loss_free_bias:
-        fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'autoep' (AutoEP rejects "
-              "load_balance_coeff)", "set moe.aux_loss_free_bias to false or use backend 'reference'")
-    if moe.use_tutel and moe.backend != "deepspeed":
-        fail("moe.use_tutel", True, f"only applies to moe.backend 'deepspeed' (this recipe: {moe.backend!r})",
-              "set moe.backend to 'deepspeed' (tutel kernels for DeepSpeed-MoE) or moe.use_tutel to false")
-    if moe.backend == "reference" and moe.ep_size != 1:
-        fail("moe.ep_size", moe.ep_size, "needs an expert-parallel backend",
-              "set moe.backend to 'deepspeed' or 'autoep', or moe.ep_size to 1")
+
+
+def check_moe_backend(moe: MoEConfig, rt: MoERuntimeConfig, zero_stage: int) -> None:
+    """What ``moe_runtime.backend`` can run, given the architecture and the ZeRO stage
+    (``DeepSpeedSection.effective_zero_stage``). One ConfigError per rule, naming field, value
+    and fix. Checked at load time; :func:`smelt_ds.parallel.moe_backends.apply_backend` repeats
+    it for an explicit ZeRO stage and adds the runtime checks (tutel installed, world size).
+
+    Rules: ``reference`` has no expert parallelism. ``deepspeed`` and ``autoep``: ``moe.num_experts``
+    divisible by ``moe_runtime.ep_size``. ``deepspeed``: no ZeRO-3 (DeepSpeed raises ``Native
+    DeepSpeed MoE is not supported with ZeRO Stage 3`` inside ``deepspeed.initialize``), softmax
+    only (TopKGate), no ``aux_loss_free_bias`` (no expert bias in TopKGate), ``norm_topk_prob``
+    equal to DeepSpeed's fixed choice (top-1: raw softmax weight; top-k >= 2: renormalised).
+    ``autoep``: no ``aux_loss_free_bias`` (AutoEP rejects ``load_balance_coeff``), no
+    ``router_jitter`` (AutoEP's router has none). ``use_tutel`` only with ``deepspeed``.
+    """
+    b = rt.backend
+    if b == "reference" and rt.ep_size != 1:
+        fail("moe_runtime.ep_size", rt.ep_size, "needs an expert-parallel backend",
+              "set moe_runtime.backend to 'deepspeed' or 'autoep', or moe_runtime.ep_size to 1")
+    if rt.use_tutel and b != "deepspeed":
+        fail("moe_runtime.use_tutel", True, f"only applies to moe_runtime.backend 'deepspeed' (this recipe: {b!r})",
+              "set moe_runtime.backend to 'deepspeed' (tutel kernels for DeepSpeed-MoE) or moe_runtime.use_tutel "
+              "to false")
+    if b == "reference":
+        return
+    if moe.num_experts % rt.ep_size:
+        fail("moe.num_experts", moe.num_experts, f"must be divisible by `moe_runtime.ep_size` ({rt.ep_size})",
+              "choose an expert count that is a multiple of ep_size, or another moe_runtime.ep_size")
+    if moe.aux_loss_free_bias:
+        why = ("TopKGate has no expert bias" if b == "deepspeed" else
+               "DeepSpeed AutoEP rejects expert_parallel.load_balance_coeff")
+        fail("moe.aux_loss_free_bias", True, f"is not supported by moe_runtime.backend {b!r} ({why})",
+              "set moe.aux_loss_free_bias to false, or use moe_runtime.backend 'reference'")
+    if b == "deepspeed":
+        if zero_stage == 3:
+            fail("moe_runtime.backend", b, "does not support ZeRO stage 3 (`deepspeed.zero_stage` or "
+                  "`deepspeed.config.zero_optimization.stage`; DeepSpeed raises 'Native DeepSpeed MoE is not "
+                  "supported with ZeRO Stage 3')", "use moe_runtime.backend 'autoep' (ZeRO 0-3), or ZeRO stage <= 2")
+        if moe.score_func != "softmax":
+            fail("moe.score_func", moe.score_func, "is not supported by moe_runtime.backend 'deepspeed' (TopKGate "
+                  "is softmax-only)", "set moe.score_func to 'softmax', or use moe_runtime.backend 'autoep' or "
+                  "'reference'")
+        want = moe.top_k >= 2
+        if moe.norm_topk_prob != want:
+            how = ("renormalises the top-k weights to sum to 1" if want else
+                   "weights the top-1 expert by its raw softmax probability")
+            fail("moe.norm_topk_prob", moe.norm_topk_prob, f"differs from DeepSpeed's gate, which for top_k "
+                  f"{moe.top_k} {how}", f"set moe.norm_topk_prob to {str(want).lower()}, or use "
+                  "moe_runtime.backend 'autoep' or 'reference'")
+    elif moe.router_jitter > 0:
+        fail("moe.router_jitter", moe.router_jitter, "is not supported by moe_runtime.backend 'autoep' (AutoEP's "
+              "TokenChoiceTopKRouter has no input jitter)", "set moe.router_jitter to 0, or use "
+              "moe_runtime.backend 'deepspeed' or 'reference'")
 
 
 def _check_train(cfg: RunConfig) -> None:

@@ -20,7 +20,7 @@ from typing import NamedTuple, Sequence
 
 from smelt_ds.errors import ConfigError
 
-__all__ = ["Visit", "LoopSpan", "LoopSchedule", "preset_ranges"]
+__all__ = ["Visit", "LoopSpan", "LoopSchedule", "preset_ranges", "build_schedule"]
 
 
 class Visit(NamedTuple):
@@ -190,3 +190,10 @@ class LoopSchedule:
 
     def __repr__(self) -> str:
         return f"LoopSchedule(L={self.num_layers}, spans={self.spans}, order={self.order!r}, plan={self.layers()})"
+
+
+def build_schedule(loop_cfg, num_layers: int) -> LoopSchedule:
+    """The visit plan of a ``loop`` section (:class:`smelt_ds.config.run.LoopConfig`) over
+    ``num_layers`` unique layers: what ``RunConfig.schedule`` returns and what ``SmeltLM`` builds
+    from its ``loop_cfg`` and ``model_cfg.num_layers``. Raises ConfigError."""
+    return LoopSchedule.from_config(loop_cfg, num_layers)

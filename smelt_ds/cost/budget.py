@@ -241,7 +241,7 @@ def match_baseline(baseline_raw: dict[str, Any], position: str, repeats: int = 2
     Depth: among the numbers of unique layers whose visit count is closest to the Baseline's
     depth (exact when possible), the one whose matched budgets deviate least (ties: the deeper
     model; for ``asymmetric`` the most balanced split). Experts: the integer per-layer count,
-    a multiple of ``ep_size`` (default ``moe.ep_size``), that brings total non-embedding
+    a multiple of ``ep_size`` (default ``moe_runtime.ep_size``), that brings total non-embedding
     parameters closest to the Baseline's. Everything else is copied from the Baseline.
 
     Raises ConfigError when the Baseline is itself looped, when no depth yields a valid loop, or
@@ -251,7 +251,7 @@ def match_baseline(baseline_raw: dict[str, Any], position: str, repeats: int = 2
     if base_cfg.loop.position != "none":
         raise ConfigError(f"`loop.position` ({base_cfg.loop.position!r}) of the Baseline must be 'none': "
                           "match takes an unlooped Baseline recipe")
-    ep = ep_size or base_cfg.moe.ep_size
+    ep = ep_size or base_cfg.moe_runtime.ep_size
     L_B = base_cfg.model.num_layers
     scored = []
     for L, cand, balance in _candidate_loops(position, L_B, repeats, fraction, ranges):
@@ -275,8 +275,8 @@ def match_baseline(baseline_raw: dict[str, Any], position: str, repeats: int = 2
     for _, L, visits, cand, balance in (s for s in scored if s[0] == gap):
         raw = _with_loop(baseline_raw, L, _match_experts(baseline_raw, base_cfg, base_budget, L, cand, ep, seq_len),
                          cand, name or f"{base_cfg.name}-{position}x{repeats}")
-        if ep_size is not None and base_cfg.moe.backend != "reference":
-            raw["moe"]["ep_size"] = ep_size
+        if ep_size is not None and base_cfg.moe_runtime.backend != "reference":
+            raw.setdefault("moe_runtime", {})["ep_size"] = ep_size
         cfg = config_from_dict(raw, source="matched recipe")
         matched = compute_budget(cfg, seq_len)
         devs = deviations(matched, base_budget)

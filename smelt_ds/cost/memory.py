@@ -46,7 +46,7 @@ ZERO_OPTIONS = [("zero0", 0, False, False), ("zero1", 1, False, False), ("zero2"
 SOURCES = {
     "model_states": "DeepSpeed estimate_zero2_model_states_mem_needs / estimate_zero3_model_states_mem_needs "
                     "(bf16: 2 B params + 18 B/param sharded); ZeRO-0/1 and fp32 by the same decomposition; "
-                    "experts sharded over moe.ep_size, dense params over all ranks",
+                    "experts sharded over moe_runtime.ep_size, dense params over all ranks",
     "activations": "per-visit saved-tensor formula of smelt_ds.cost.memory.visit_activation_terms, after Korthikanti "
                    "et al. 2022 (arXiv 2205.05198) adapted to RMSNorm in fp32, GQA repeated K/V, SDPA "
                    "flash kernels, SwiGLU experts on T*K routed copies; checkpointed visits keep their input",
@@ -143,11 +143,11 @@ def _check_cluster(cfg: RunConfig, nodes: int, gpus_per_node: int) -> None:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"`{name}` ({v!r}) must be a positive integer: e.g. {name} 1")
     world = nodes * gpus_per_node
-    ep = cfg.moe.ep_size
+    ep = cfg.moe_runtime.ep_size
     if world % ep:
         raise ConfigError(f"`--nodes` x `--gpus-per-node` ({nodes} x {gpus_per_node} = {world} GPUs) must be "
-                          f"divisible by `moe.ep_size` ({ep}): expert parallelism shards the experts over groups "
-                          f"of {ep} GPUs; use a multiple of {ep} GPUs or lower moe.ep_size")
+                          f"divisible by `moe_runtime.ep_size` ({ep}): expert parallelism shards the experts over groups "
+                          f"of {ep} GPUs; use a multiple of {ep} GPUs or lower moe_runtime.ep_size")
 
 
 def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memory_bytes: int | str = 80 * GiB,
@@ -174,7 +174,7 @@ def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memo
         a :class:`MemoryReport`; ``report.fits(0.1)`` checks the recipe's own setting.
 
     Raises:
-        ConfigError: bad cluster sizes (N not divisible by ``moe.ep_size``), memory size, batch
+        ConfigError: bad cluster sizes (N not divisible by ``moe_runtime.ep_size``), memory size, batch
             or precision.
     """
     cfg = _with_batch(cfg, seq_len, micro_batch)
@@ -197,10 +197,10 @@ def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memo
     for label, stage, off_opt, off_param in ZERO_OPTIONS:
         if label not in option_set:
             continue
-        if stage == 3 and cfg.moe.backend == "deepspeed":
-            notes.append(f"{label}: skipped, moe.backend 'deepspeed' does not support ZeRO-3 (use 'autoep')")
+        if stage == 3 and cfg.moe_runtime.backend == "deepspeed":
+            notes.append(f"{label}: skipped, moe_runtime.backend 'deepspeed' does not support ZeRO-3 (use 'autoep')")
             continue
-        ms = model_states(counts, nodes, gpus_per_node, stage, off_opt, off_param, prec, cfg.moe.ep_size)
+        ms = model_states(counts, nodes, gpus_per_node, stage, off_opt, off_param, prec, cfg.moe_runtime.ep_size)
         for p in policy_list:
             # the ZeRO-3 loop tuning depends on the policy (recomputes lengthen backward reuse gaps)
             zero = zero_section(with_policy(cfg, p), nodes * gpus_per_node, dev_mem, stage, off_opt, off_param)
@@ -226,7 +226,7 @@ def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memo
             terms[k] = terms.get(k, 0) + val
     for k, val in outside_activation_terms(cfg, B, S, a).items():
         terms[f"outside/{k}"] = val
-    return MemoryReport(cfg.name, nodes, gpus_per_node, dev_mem, prec, S, B, cfg.moe.ep_size, counts, rows,
+    return MemoryReport(cfg.name, nodes, gpus_per_node, dev_mem, prec, S, B, cfg.moe_runtime.ep_size, counts, rows,
                         configured, ctx, kv_dtype, kv_cache_bytes_per_token(cfg, kv_dtype) * ctx, terms, notes)
 
 
@@ -256,7 +256,7 @@ def format_table(report: MemoryReport) -> str:
     widths = [max(len(row[i]) for row in [head] + rows) for i in range(len(head))]
     line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
     out = [f"{r.recipe}: {r.nodes} node(s) x {r.gpus_per_node} GPU(s) of {format_bytes(r.device_memory)}, "
-           f"{r.precision}, micro-batch {r.micro_batch} x seq_len {r.seq_len} tokens, moe.ep_size {r.ep_size}; "
+           f"{r.precision}, micro-batch {r.micro_batch} x seq_len {r.seq_len} tokens, moe_runtime.ep_size {r.ep_size}; "
            f"{r.params.total:,} parameters ({r.params.expert:,} in experts; embedding and head included)",
            "", line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(row) for row in rows]
     out.append("")

@@ -108,7 +108,7 @@ class ParamCounts:
     ``expert`` is the routed experts' weights of all MoE layers (all experts), ``dense`` the
     rest; ``largest_module`` is DeepSpeed's ``largest_layer_params`` (the most direct parameters
     of one module, ``deepspeed.runtime.zero.stage3.model_to_params``) on one GPU with
-    ``moe.ep_size`` expert parallelism.
+    ``moe_runtime.ep_size`` expert parallelism.
     """
 
     total: int
@@ -118,7 +118,8 @@ class ParamCounts:
 
 
 def _local_experts(cfg: RunConfig) -> int:
-    return cfg.moe.num_experts // cfg.moe.ep_size if cfg.moe.backend != "reference" else cfg.moe.num_experts
+    rt = cfg.moe_runtime
+    return cfg.moe.num_experts // rt.ep_size if rt.backend != "reference" else cfg.moe.num_experts
 
 
 def param_counts(cfg: RunConfig) -> ParamCounts:
@@ -134,7 +135,8 @@ def param_counts(cfg: RunConfig) -> ParamCounts:
     if any(i >= m.first_k_dense for i in range(m.num_layers)):
         per_expert = 3 * H * moe.expert_ffn_size
         modules += [moe.num_experts * H, H * moe.shared_expert_ffn_size]
-        modules.append(H * moe.expert_ffn_size if moe.backend == "deepspeed" else _local_experts(cfg) * per_expert)
+        modules.append(H * moe.expert_ffn_size if cfg.moe_runtime.backend == "deepspeed"
+                       else _local_experts(cfg) * per_expert)
     if m.first_k_dense:
         modules.append(H * m.dense_ffn_size)
     return ParamCounts(total=total, dense=total - expert, expert=expert, largest_module=max(modules))
@@ -432,7 +434,7 @@ def temporary_bytes(cfg: RunConfig, counts: ParamCounts, stage: int, micro_batch
             copies = 2 if stage == 2 and zero.get("overlap_comm", False) else 1
             out["zero_buckets"] = copies * a * bucket
     if stage == 3:
-        local = counts.dense + counts.expert // max(cfg.moe.ep_size, 1)
+        local = counts.dense + counts.expert // max(cfg.moe_runtime.ep_size, 1)
         window = int(zero.get("stage3_max_reuse_distance", 1e9)) + int(zero.get("stage3_prefetch_bucket_size", 5e7))
         out["zero3_window"] = a * max(0, min(window, local) - counts.largest_module)
     return out

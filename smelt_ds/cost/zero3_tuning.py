@@ -25,7 +25,7 @@ the extra gathered parameters fit the memory left on the GPU after model states,
 buffers (:mod:`smelt_ds.cost.memory_terms`, keeping 10% headroom); it never lowers the template's values
 (DeepSpeed's generic defaults), so it costs no more all-gather traffic than ``off``. Values the
 user set in ``deepspeed.config.zero_optimization`` win. Element counts are per GPU (experts
-divided by ``moe.ep_size``).
+divided by ``moe_runtime.ep_size``).
 
 When it matters: the shipped ``ds_configs/zero3.json`` sets the reuse distance and the live
 parameters to 1e9 elements and the prefetch bucket to 5e7. ``auto`` changes the reuse distance,
@@ -93,7 +93,7 @@ def visit_numel(cfg: RunConfig, layer: int) -> int:
     router, the local experts (``num_experts / ep_size`` with an expert-parallel backend), shared
     expert or dense FFN (:func:`smelt_ds.cost.budget.layer_params`)."""
     p = layer_params(cfg, layer)
-    experts = p["experts"] // cfg.moe.ep_size if cfg.moe.backend != "reference" else p["experts"]
+    experts = p["experts"] // cfg.moe_runtime.ep_size if cfg.moe_runtime.backend != "reference" else p["experts"]
     return p["attention"] + p["norms"] + p["router"] + experts + p["shared"] + p["dense"]
 
 
@@ -160,7 +160,7 @@ def _free_bytes(cfg: RunConfig, world_size: int, device_memory: int, zero: dict[
     nodes, gpus = (1, world_size)
     ds = cfg.deepspeed
     ms = memory_terms.model_states(counts, nodes, gpus, 3, ds.offload_optimizer != "none", ds.offload_param != "none",
-                             "bf16" if act_bytes == 2 else "fp32", cfg.moe.ep_size if world_size % cfg.moe.ep_size == 0
+                             "bf16" if act_bytes == 2 else "fp32", cfg.moe_runtime.ep_size if world_size % cfg.moe_runtime.ep_size == 0
                              else 1)
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
     act = memory_terms.activation_bytes(cfg, cfg.train.activation_checkpointing.policy, B, S, act_bytes).peak

@@ -7,42 +7,18 @@ The training engine calls::
     train = TrainLoader(prepared, cfg.train.seq_len, cfg.train.micro_batch_size, seed=cfg.data.seed)
     valid = validation_loaders(prepared, cfg.train.seq_len, cfg.train.micro_batch_size)
 
-Names are imported lazily so that reading a recipe (``smelt_ds.config`` imports
-``smelt_ds.config.data``) does not import ``datasets`` or ``torch``.
+The ``data:`` section itself (:class:`DataConfig`) is part of the config package
+(:mod:`smelt_ds.config.data`), so reading a recipe never imports ``datasets``.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from smelt_ds.config.data import DataConfig, SourceConfig, TokenizerConfig
+from smelt_ds.data.builtin import build_builtin_corpus, builtin_corpus_dir
+from smelt_ds.data.loader import TrainLoader, ValidationLoader, check_compatible, validation_loaders
+from smelt_ds.data.prepare import PreparedData, build_tokenizer, prepare_from_config, token_dtype
+from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
 
-_EXPORTS = {
-    "DataConfig": "smelt_ds.config.data",
-    "SourceConfig": "smelt_ds.config.data",
-    "TokenizerConfig": "smelt_ds.config.data",
-    "PreparedData": "smelt_ds.data.prepare",
-    "prepare_from_config": "smelt_ds.data.prepare",
-    "build_tokenizer": "smelt_ds.data.prepare",
-    "token_dtype": "smelt_ds.data.prepare",
-    "TrainLoader": "smelt_ds.data.loader",
-    "ValidationLoader": "smelt_ds.data.loader",
-    "validation_loaders": "smelt_ds.data.loader",
-    "check_compatible": "smelt_ds.data.loader",
-    "build_builtin_corpus": "smelt_ds.data.builtin",
-    "builtin_corpus_dir": "smelt_ds.data.builtin",
-    "train_tokenizer": "smelt_ds.data.tokenizer",
-    "tokenizer_hash": "smelt_ds.data.tokenizer",
-    "load_tokenizer": "smelt_ds.data.tokenizer",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'smelt_ds.data' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_EXPORTS))
+__all__ = ["DataConfig", "SourceConfig", "TokenizerConfig", "PreparedData", "prepare_from_config", "build_tokenizer",
+           "token_dtype", "TrainLoader", "ValidationLoader", "validation_loaders", "check_compatible",
+           "build_builtin_corpus", "builtin_corpus_dir", "train_tokenizer", "tokenizer_hash", "load_tokenizer"]

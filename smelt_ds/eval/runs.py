@@ -92,7 +92,7 @@ def load_run(path: str | Path, overrides: list[str] | None = None, name: str | N
     export_dir = resolve_export(path)
     model = load_exported(export_dir)
     cfg = load_config(export_dir / "config.yaml",
-                      ["moe.backend=reference", "moe.ep_size=1", "deepspeed.zero_stage=0", *(overrides or [])])
+                      ["moe_runtime.backend=reference", "moe_runtime.ep_size=1", "deepspeed.zero_stage=0", *(overrides or [])])
     if (export_dir / RUN_TOKENIZER).is_file():
         cfg = with_tokenizer(cfg, export_dir / RUN_TOKENIZER, allow_other_tokenizer,
                              "pass --allow-other-tokenizer to score the model with it anyway")

@@ -35,7 +35,7 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.study.recipes import MIN_HEADROOM, REPO_ROOT, memory_report, resolve, zero3_decision
 
 __all__ = ["SCHEDULERS", "LAUNCHERS_DIR", "TEMPLATES", "Host", "parse_hostfile", "expand_nodelist", "JobOptions",
-           "JobPlan", "plan_job", "render", "per_node_command", "summary", "main"]
+           "JobPlan", "plan_job", "render", "fill_template", "per_node_command", "summary", "main"]
 
 SCHEDULERS = ("deepspeed", "slurm", "k8s")
 LAUNCHERS_DIR = REPO_ROOT / "launchers"
@@ -234,7 +234,7 @@ class JobPlan:
 
     @property
     def ep_size(self) -> int:
-        return self.config.moe.ep_size if self.config.moe.backend != "reference" else 1
+        return self.config.moe_runtime.ep_size if self.config.moe_runtime.backend != "reference" else 1
 
 
 def _positive(name: str, value: Any) -> None:
@@ -251,9 +251,9 @@ def _check_world(cfg: RunConfig, layout_name: str, layout: ClusterLayout, nodes:
         raise ConfigError(f"`--gpus-per-node` ({gpus}) is more GPUs than a node of layout '{layout_name}' has "
                           f"({layout.gpus_per_node} x {layout.gpu}): use at most {layout.gpus_per_node}, or "
                           "choose another --layout")
-    ep = cfg.moe.ep_size if cfg.moe.backend != "reference" else 1
+    ep = cfg.moe_runtime.ep_size if cfg.moe_runtime.backend != "reference" else 1
     if world % ep:
-        raise ConfigError(f"`moe.ep_size` ({ep}) does not divide the world size ({nodes} nodes x {gpus} GPUs = "
+        raise ConfigError(f"`moe_runtime.ep_size` ({ep}) does not divide the world size ({nodes} nodes x {gpus} GPUs = "
                           f"{world}): expert parallelism splits the experts over groups of {ep} GPUs; use a "
                           f"multiple of {ep} GPUs")
     t = cfg.train
@@ -337,7 +337,7 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
     accum, gbt = _check_world(cfg, res.layout_name, layout, nodes, gpus, from_layout)
     if hosts and o.scheduler != "deepspeed":
         notes.append(f"--hostfile is only used by --scheduler deepspeed; {o.scheduler} finds its hosts itself")
-    ep = cfg.moe.ep_size if cfg.moe.backend != "reference" else 1
+    ep = cfg.moe_runtime.ep_size if cfg.moe_runtime.backend != "reference" else 1
     if ep > 1 and gpus % ep:
         notes.append(f"expert-parallel groups of {ep} GPUs span nodes ({gpus} GPUs per node): the expert "
                      "all-to-all crosses the network")
@@ -359,10 +359,13 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
 # ---------------------------------------------------------------------------------------------
 
 
-def _fill(template: str, values: dict[str, str], name: str) -> str:
+def fill_template(template: str, values: dict[str, str], name: str, by: str = "render-job") -> str:
+    """``template`` with every ``{{FIELD}}`` replaced by ``values[FIELD]`` (the templates under
+    ``launchers/``). Raises ConfigError naming the template ``name`` and ``by`` (what renders it)
+    when a field has no value."""
     missing = sorted({m for m in _FIELD.findall(template) if m not in values})
     if missing:
-        raise ConfigError(f"template {name} has fields {missing} that render-job does not fill")
+        raise ConfigError(f"template {name} has fields {missing} that {by} does not fill")
     return _FIELD.sub(lambda m: values[m.group(1)], template)
 
 
@@ -445,7 +448,7 @@ def render(plan: JobPlan) -> str:
     values = {"slurm": _render_slurm, "deepspeed": _render_deepspeed, "k8s": _render_k8s}[s](plan)
     if s == "k8s" and plan.nodes == 1:  # a single pod: the Master alone
         template = re.sub(r"\n    Worker:.*?template: \*pod\n", "\n", template, flags=re.S)
-    return _fill(template, values, str(TEMPLATES[s].relative_to(REPO_ROOT)))
+    return fill_template(template, values, str(TEMPLATES[s].relative_to(REPO_ROOT)))
 
 
 def submit_command(plan: JobPlan, output: str | None) -> str:
@@ -477,11 +480,11 @@ def _parallel_lines(plan: JobPlan) -> list[str]:
              f"accumulation {plan.accumulation} = {plan.global_batch_tokens:,} tokens per step"]
     if ep > 1:
         intra = "inside a node" if plan.gpus_per_node % ep == 0 else "spanning nodes"
-        lines.append(f"expert par.   {c.moe.backend}, ep_size {ep}: {world // ep} group(s) of {ep} consecutive ranks "
+        lines.append(f"expert par.   {c.moe_runtime.backend}, ep_size {ep}: {world // ep} group(s) of {ep} consecutive ranks "
                      f"({intra}), {c.moe.num_experts // ep} of {c.moe.num_experts} experts per GPU; each expert "
                      f"replicated on {world // ep} ranks (expert-data-parallel)")
     else:
-        lines.append(f"expert par.   none ({c.moe.backend} backend): all {c.moe.num_experts} experts on every GPU")
+        lines.append(f"expert par.   none ({c.moe_runtime.backend} backend): all {c.moe.num_experts} experts on every GPU")
     ds = c.deepspeed
     offload = "".join(f", offload {what} {dev}" for what, dev in (("optimizer", ds.offload_optimizer),
                                                                   ("params", ds.offload_param)) if dev != "none")

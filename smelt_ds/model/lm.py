@@ -9,15 +9,19 @@ Shape legend: B batch, S sequence (tokens), H hidden, V vocabulary, E experts, K
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smelt_ds.config.schedule import build_schedule
 from smelt_ds.model.attention import AttnProbsHook, CausalSelfAttention, KVCache, RMSNorm, RotaryEmbedding
-from smelt_ds.model.looping import LoopingBlockManager, Visit
+from smelt_ds.model.looping import LoopingBlockManager, Visit, VisitContext
 from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU
+
+if TYPE_CHECKING:
+    from smelt_ds.config.run import LoopConfig, ModelConfig, MoEConfig
 
 __all__ = ["Block", "VisitRecorder", "LMOutput", "SmeltLM", "routing_divergence"]
 
@@ -94,8 +98,10 @@ class Block(nn.Module):
     """Pre-norm decoder layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the ``mlp`` slot
     holds a :class:`MoE` or a dense :class:`SwiGLU`. Layers do not know they are looped."""
 
-    def __init__(self, cfg, layer_idx: int):
-        m, moe = cfg.model, cfg.moe
+    def __init__(self, model_cfg: ModelConfig, moe_cfg: MoEConfig, layer_idx: int):
+        """``model_cfg``: a :class:`smelt_ds.config.run.ModelConfig`; ``moe_cfg``: a
+        :class:`smelt_ds.config.run.MoEConfig` (used when ``layer_idx >= model_cfg.first_k_dense``)."""
+        m, moe = model_cfg, moe_cfg
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(m.hidden_size, m.norm_eps)
@@ -106,48 +112,56 @@ class Block(nn.Module):
         self.mlp = MoE.from_config(m.hidden_size, moe) if self.is_moe else SwiGLU(m.hidden_size, m.dense_ffn_size)
         self.dropout = m.dropout
 
-    def forward(self, x: torch.Tensor, visit: Visit, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache | None = None, recorder: VisitRecorder | None = None,
-                probs_hook: AttnProbsHook | None = None) -> torch.Tensor:
-        """``x``: ``(B, S, H)`` -> ``(B, S, H)``."""
-        a = self.self_attn(self.input_layernorm(x), cos, sin, visit, kv_cache, probs_hook)
+    def forward(self, x: torch.Tensor, ctx: VisitContext) -> torch.Tensor:
+        """``x``: ``(B, S, H)`` -> ``(B, S, H)``; ``ctx``: the visit's
+        :class:`smelt_ds.model.looping.VisitContext`."""
+        a = self.self_attn(self.input_layernorm(x), ctx.cos, ctx.sin, ctx.visit, ctx.kv_cache, ctx.probs_hook)
         x = x + F.dropout(a, self.dropout, self.training)
-        h = self.mlp(self.post_attention_layernorm(x))
-        if recorder is not None and self.is_moe:  # any MoE backend's FFN (reference, deepspeed, autoep)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):  # the reference MoE: its router counts tokens once per forward
+            h = self.mlp(h, count_tokens=ctx.counts_tokens)
+        else:  # dense SwiGLU, or a backend's replacement (DeepSpeedMoE, AutoEP layer): forward(x)
+            h = self.mlp(h)
+        if ctx.recorder is not None and self.is_moe:  # any MoE backend's FFN (reference, deepspeed, autoep)
             mlp: Any = self.mlp  # MoE or a backend's replacement (DeepSpeedMoE, AutoEP layer)
-            recorder.record(visit, mlp.last_route, mlp.last_losses)
+            ctx.recorder.record(ctx.visit, mlp.last_route, mlp.last_losses)
         return x + F.dropout(h, self.dropout, self.training)
 
 
 @dataclass
 class LMOutput:
-    """Result of :meth:`SmeltLM.forward`. Losses are scalars; ``loss`` = ``lm_loss`` +
-    aux_loss_coef * ``aux_loss`` + z_loss_coef * ``z_loss`` (None without labels)."""
+    """Result of :meth:`SmeltLM.forward`. Losses are unweighted scalars (None without labels):
+    ``lm_loss`` is the next-token cross-entropy (nats/token), ``aux_loss`` / ``z_loss`` the
+    load-balancing and router z-losses, means over MoE visits (None without MoE layers). The
+    training objective weights them: :func:`smelt_ds.train.objective.total_loss`."""
 
     logits: torch.Tensor  # (B, S, V)
-    loss: torch.Tensor | None = None
     lm_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
 
 
 class SmeltLM(nn.Module):
-    """A SMELT or Baseline decoder built from a :class:`smelt_ds.config.run.RunConfig`.
+    """A SMELT or Baseline decoder built from its architecture only: ``SmeltLM(model_cfg, moe_cfg,
+    loop_cfg)`` with the ``model``, ``moe`` and ``loop`` sections of a recipe
+    (:class:`smelt_ds.config.run.ModelConfig`, ``MoEConfig``, ``LoopConfig``). How the MoE runs
+    (``moe_runtime``) and the loss coefficients (``train``) are applied from outside.
 
     Attributes:
+        model_cfg, moe_cfg, loop_cfg: the three sections it was built from.
         schedule: the :class:`LoopSchedule` (visit plan).
         blocks: the :class:`LoopingBlockManager` over ``layers`` (unique layers).
         recorder: the :class:`VisitRecorder` of the last forward pass.
     """
 
-    def __init__(self, cfg):
+    def __init__(self, model_cfg: ModelConfig, moe_cfg: MoEConfig, loop_cfg: LoopConfig):
         super().__init__()
-        self.cfg = cfg
-        m = cfg.model
-        self.schedule = cfg.schedule
+        self.model_cfg, self.moe_cfg, self.loop_cfg = model_cfg, moe_cfg, loop_cfg
+        m = model_cfg
+        self.schedule = build_schedule(loop_cfg, m.num_layers)
         self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(m.num_layers))
-        self.blocks = LoopingBlockManager(self.layers, self.schedule, cfg.loop.input_injection)
+        self.layers = nn.ModuleList(Block(m, moe_cfg, i) for i in range(m.num_layers))
+        self.blocks = LoopingBlockManager(self.layers, self.schedule, loop_cfg.input_injection)
         self.norm = RMSNorm(m.hidden_size, m.norm_eps)
         self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
         if m.tie_embeddings:
@@ -160,7 +174,7 @@ class SmeltLM(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Normal(0, model.init_std) for every matrix, ones for norms, zeros for the router bias."""
-        std = self.cfg.model.init_std
+        std = self.model_cfg.init_std
         for name, p in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.fill_(1.0)
@@ -209,10 +223,6 @@ class SmeltLM(nn.Module):
         out.lm_loss = F.cross_entropy(out.logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=-100)
         out.aux_loss = self.recorder.mean_loss("aux")
         out.z_loss = self.recorder.mean_loss("z")
-        loss = out.lm_loss
-        if out.aux_loss is not None:
-            loss = loss + self.cfg.moe.aux_loss_coef * out.aux_loss + self.cfg.moe.z_loss_coef * out.z_loss
-        out.loss = loss
 
     # -- generation ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -226,9 +236,9 @@ class SmeltLM(nn.Module):
         Raises ValueError when the result would exceed ``model.max_seq_len``.
         """
         total = input_ids.shape[1] + max_new_tokens
-        if total > self.cfg.model.max_seq_len:
+        if total > self.model_cfg.max_seq_len:
             raise ValueError(f"prompt + max_new_tokens = {total} tokens > model.max_seq_len "
-                             f"({self.cfg.model.max_seq_len}); shorten the prompt or lower max_new_tokens")
+                             f"({self.model_cfg.max_seq_len}); shorten the prompt or lower max_new_tokens")
         was_training = self.training
         self.eval()
         cache = KVCache()

@@ -24,8 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smelt_ds.model.looping import checkpoint_phase
-
 __all__ = ["RouterOutput", "TopKRouter", "GroupedExperts", "MoE", "SwiGLU",
            "load_balancing_loss", "router_z_loss", "has_grouped_mm", "topk_lowest_index"]
 
@@ -88,14 +86,6 @@ class RouterOutput:
     topk_weight_TK: torch.Tensor  # combine weights, in the input dtype
 
 
-def _counts_this_call() -> bool:
-    """Whether a router call adds to ``tokens_per_expert``: training forwards (grad enabled, or
-    the first forward of a checkpointed visit, which a reentrant checkpoint runs without grad),
-    never the recompute of a checkpointed visit in backward (it would count the tokens twice)."""
-    phase = checkpoint_phase()
-    return phase != "recompute" and (torch.is_grad_enabled() or phase == "forward")
-
-
 def topk_lowest_index(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest scores of every row, ``(T, E)`` -> ``(T, K)`` int64, in
     descending score order; among exactly equal scores the lowest expert index comes first.
@@ -139,9 +129,15 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=aux_loss_free_bias)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
 
-    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x_TH: torch.Tensor, count_tokens: bool | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x_TH`` -> ``(logits_TE, probs_TE, topk_idx_TK, topk_weight_TK)`` (the fields of
-        :class:`RouterOutput`; a plain tuple so that ZeRO-3's module hooks see the tensors)."""
+        :class:`RouterOutput`; a plain tuple so that ZeRO-3's module hooks see the tensors).
+
+        ``count_tokens``: whether the choice adds to ``tokens_per_expert`` (with the expert bias
+        on); None = when grad is enabled. The looping block manager's visit context says False
+        for an activation-checkpoint recompute (it would count the tokens twice) and True for the
+        first forward of a checkpointed visit (which a reentrant checkpoint runs without grad)."""
         if self.training and self.jitter > 0:
             noise = torch.empty_like(x_TH).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             x_TH = x_TH * noise
@@ -157,7 +153,9 @@ class TopKRouter(nn.Module):
         weight_TK = scores_TE.gather(-1, topk_idx_TK)
         if self.norm_topk_prob:
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
-        if self.use_bias and _counts_this_call():
+        if count_tokens is None:
+            count_tokens = torch.is_grad_enabled()
+        if self.use_bias and count_tokens:
             with torch.no_grad():
                 self.tokens_per_expert += torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
         return logits_TE, probs_TE, topk_idx_TK, weight_TK.to(x_TH.dtype)
@@ -245,7 +243,8 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (+ optional shared expert). ``forward(x)``: ``(B, S, H)`` -> ``(B, S, H)``.
+    """Routed experts (+ optional shared expert). ``forward(x, count_tokens=None)``: ``(B, S, H)`` ->
+    ``(B, S, H)`` (``count_tokens``: see :meth:`TopKRouter.forward`).
 
     Per call it leaves ``self.last_route`` (the :class:`RouterOutput`) and ``self.last_losses``
     (``{"aux": tensor, "z": tensor}``, unscaled) for the looping block manager's recorder, which
@@ -272,10 +271,11 @@ class MoE(nn.Module):
                    moe_cfg.shared_expert_ffn_size, moe_cfg.score_func, moe_cfg.norm_topk_prob,
                    moe_cfg.aux_loss_free_bias, moe_cfg.router_jitter, moe_cfg.expert_impl)
 
-    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor, count_tokens: bool | None = None) -> torch.Tensor:
+        """``count_tokens``: passed to the router (:meth:`TopKRouter.forward`)."""
         B, S, H = x_BSH.shape
         x_TH = x_BSH.reshape(B * S, H)
-        route = RouterOutput(*self.gate(x_TH))
+        route = RouterOutput(*self.gate(x_TH, count_tokens))
         order_N, counts_E, token_N = self.dispatch(route.topk_idx_TK)
         y_NH = self.experts(x_TH[token_N], counts_E)
         out_TH = self.combine(y_NH, route.topk_weight_TK.reshape(-1)[order_N], token_N, x_TH)

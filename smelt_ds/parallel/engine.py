@@ -39,7 +39,7 @@ def build_ds_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
 
     Filled from the recipe: micro-batch, gradient accumulation, train batch size (samples),
     gradient clipping, bf16, ZeRO offload devices, the AutoEP ``expert_parallel`` section when
-    ``moe.backend`` is ``autoep``, the comms logger; then ``deepspeed.config`` is merged in.
+    ``moe_runtime.backend`` is ``autoep``, the comms logger; then ``deepspeed.config`` is merged in.
     Raises ConfigError for an inconsistent global batch (see :func:`smelt_ds.config.run.resolve_batch`).
     """
     t, ds = cfg.train, cfg.deepspeed
@@ -52,7 +52,7 @@ def build_ds_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     out["gradient_clipping"] = deepspeed_gradient_clipping(cfg)
     out["bf16"] = {"enabled": resolve_precision(cfg) == "bf16"}
     out["zero_optimization"] = zero_section(cfg, world_size)  # template, loop tuning, the recipe's keys
-    if cfg.moe.backend == "autoep":
+    if cfg.moe_runtime.backend == "autoep":
 
         out["expert_parallel"] = autoep_config_section(cfg)
     if ds.comms_logger:
@@ -139,7 +139,7 @@ def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
 
     ds_config = build_ds_config(cfg, world_size)
     groups = param_groups(model, cfg)
-    if cfg.moe.backend != "reference":
+    if cfg.moe_runtime.backend != "reference":
 
         groups = optimizer_param_groups(model, groups, cfg)
     t = cfg.train
@@ -205,7 +205,8 @@ def _torch_checkpoint(fn: Callable, x: torch.Tensor):
 
 
 def configure_activation_checkpointing(model: torch.nn.Module, cfg: RunConfig) -> None:
-    """Give the model's looping block manager its per-visit checkpoint policy and function.
+    """Give the model's looping block manager its checkpointed visits and checkpoint function
+    (:meth:`smelt_ds.model.looping.LoopingBlockManager.configure_checkpointing`).
 
     ``impl: torch`` uses non-reentrant ``torch.utils.checkpoint``; ``impl: deepspeed`` uses
     ``deepspeed.checkpointing`` configured with ``partition_activations``, ``cpu_checkpointing``
@@ -223,13 +224,11 @@ def configure_activation_checkpointing(model: torch.nn.Module, cfg: RunConfig) -
     ac = cfg.train.activation_checkpointing
     manager = cast("LoopingBlockManager", model.blocks)
     visits = checkpointed_visits(cfg, manager.schedule)
-    manager.checkpoint_frees_inputs = False
     if not visits:
-        manager.checkpoint_policy = manager.checkpoint_fn = None
+        manager.disable_checkpointing()
         return
-    manager.checkpoint_policy = frozenset(visits).__contains__
     if ac.impl == "torch":
-        manager.checkpoint_fn = _torch_checkpoint
+        manager.configure_checkpointing(visits, _torch_checkpoint, frees_inputs=False)
         return
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -244,6 +243,6 @@ def configure_activation_checkpointing(model: torch.nn.Module, cfg: RunConfig) -
                                       checkpoint_in_cpu=in_cpu,
                                       contiguous_checkpointing=ac.contiguous_memory_optimization,
                                       num_checkpoints=len(manager.schedule.plan))
-    manager.checkpoint_fn = ds_ckpt.non_reentrant_checkpoint
     # partition / CPU checkpointing replace the input's .data in place (kept for backward)
-    manager.checkpoint_frees_inputs = ac.partition_activations or in_cpu
+    manager.configure_checkpointing(visits, ds_ckpt.non_reentrant_checkpoint,
+                                    frees_inputs=ac.partition_activations or in_cpu)

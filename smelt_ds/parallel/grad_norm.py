@@ -238,14 +238,14 @@ def deepspeed_gradient_clipping(cfg) -> float:
             to a non-zero value (it would re-enable DeepSpeed's wrong clipping).
     """
     clip = cfg.train.grad_clip
-    if cfg.moe.backend not in EP_BACKENDS:
+    if cfg.moe_runtime.backend not in EP_BACKENDS:
         return clip
 
     if cfg.deepspeed.effective_zero_stage == 0:
         raw = (cfg.deepspeed.config or {}).get("gradient_clipping")
         if raw:
-            raise ConfigError(f"`deepspeed.config.gradient_clipping` ({raw!r}) with moe.backend "
-                              f"'{cfg.moe.backend}' at ZeRO stage 0 would turn on DeepSpeed's own clipping, whose "
+            raise ConfigError(f"`deepspeed.config.gradient_clipping` ({raw!r}) with moe_runtime.backend "
+                              f"'{cfg.moe_runtime.backend}' at ZeRO stage 0 would turn on DeepSpeed's own clipping, whose "
                               "norm is wrong with expert parameters: remove it and set train.grad_clip instead "
                               "(smelt clips with the true global norm)")
         return 0.0

@@ -1,30 +1,31 @@
 """MoE backends: run the reference MoE layers of a built :class:`SmeltLM` through DeepSpeed.
 
 The model package never imports DeepSpeed; this module does and is applied from outside, like
-torchtitan's ``parallelize.py``. One recipe field, ``moe.backend``, picks how the same reference
+torchtitan's ``parallelize.py``. One recipe field, ``moe_runtime.backend``, picks how the same reference
 layout (``mlp.gate.weight [E, H]``, ``mlp.experts.gate_up_proj [E, 2F, H]``,
 ``mlp.experts.down_proj [E, H, F]``, optional ``mlp.shared_expert`` + ``mlp.shared_expert_gate``)
 runs:
 
-==========  =======================================================  ======  ================
+==========  =======================================================  ======  ========================
 backend     what runs                                                ZeRO    expert parallel
-==========  =======================================================  ======  ================
+==========  =======================================================  ======  ========================
 reference   ``smelt_ds.model.moe.MoE`` (dropless, plain PyTorch)     0-3     no
-deepspeed   :class:`DeepSpeedMoE` around ``deepspeed.moe.layer.MoE``  0-2     ``moe.ep_size``
+deepspeed   :class:`DeepSpeedMoE` around ``deepspeed.moe.layer.MoE``  0-2     ``moe_runtime.ep_size``
 autoep      DeepSpeed AutoEP replaces ``layers.{i}.mlp`` in           0-3     ``autoep_size =
-            ``deepspeed.initialize`` (``expert_parallel`` section)            moe.ep_size``
-==========  =======================================================  ======  ================
+            ``deepspeed.initialize`` (``expert_parallel`` section)            moe_runtime.ep_size``
+==========  =======================================================  ======  ========================
 
 How the engine uses it (:func:`smelt_ds.parallel.engine.initialize`, :func:`smelt_ds.train.build.build`; all
-ranks, same order): after ``deepspeed.init_distributed`` and ``SmeltLM(cfg)``,
+ranks, same order): after ``deepspeed.init_distributed`` and ``SmeltLM(cfg.model, cfg.moe, cfg.loop)``,
 :func:`apply_backend` converts the model (before ``deepspeed.initialize``; raises ConfigError);
 ``build_ds_config`` adds the ``expert_parallel`` section (:func:`autoep_config_section`) for
 ``autoep``; :func:`optimizer_param_groups` splits expert parameters into ``moe`` groups for
 ``deepspeed``; and ``deepspeed.initialize`` gets ``optimizer=moe_optimizer(torch.optim.AdamW,
 ...)``, a factory DeepSpeed calls after AutoEP has replaced the layers.
 
-``out.loss`` already holds ``aux_loss_coef * aux + z_loss_coef * z`` for every backend (mean over
-MoE *visits*, the reference definitions), so the training loop does not change with the backend.
+Every backend leaves the same unweighted ``out.aux_loss`` / ``out.z_loss`` (means over MoE *visits*,
+the reference definitions), which :func:`smelt_ds.train.objective.total_loss` weights, so the
+training loop does not change with the backend.
 Checkpoints of every backend also carry the weights in the reference layout
 (:mod:`smelt_ds.train.reference_weights`).
 
@@ -44,10 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smelt_ds.config.run import check_moe_backend
 from smelt_ds.errors import fail
 from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU, load_balancing_loss, router_z_loss
 
-__all__ = ["BACKENDS", "AUTOEP_LAYER_PATTERN", "apply_backend", "check_backend_compat", 
+__all__ = ["BACKENDS", "AUTOEP_LAYER_PATTERN", "apply_backend", "check_backend_runtime",
            "tutel_available", "CapacityRouterOutput", "smelt_topk_gate_class", "DeepSpeedMoE", "convert_to_deepspeed_moe",
            "expert_parallel_rank", "optimizer_param_groups", "split_params_into_moe_groups", "moe_optimizer",
            "autoep_config_section", "attach_autoep_hooks", "autoep_layers"]
@@ -76,74 +78,33 @@ def tutel_available() -> bool:
     return importlib.util.find_spec("tutel") is not None and sharded_moe.TUTEL_INSTALLED
 
 
-def check_backend_compat(cfg, zero_stage: int | None = None, world_size: int | None = None) -> None:
-    """Raise :class:`ConfigError` for a recipe the chosen ``moe.backend`` cannot run.
+def check_backend_runtime(cfg, zero_stage: int | None = None, world_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` for what only the running job can tell about ``moe_runtime.backend``.
+
+    What a recipe can never run (e.g. ``deepspeed`` + ZeRO-3, ``score_func: sigmoid``,
+    ``aux_loss_free_bias``, ``use_tutel`` with another backend, ``num_experts`` not divisible by
+    ``ep_size``) is refused when the recipe is loaded
+    (:func:`smelt_ds.config.run.check_moe_backend`); this adds:
+
+    * ``zero_stage``: the ZeRO stage of the DeepSpeed config actually used, when it is not the
+      recipe's (``cfg.deepspeed.effective_zero_stage``): the load-time rules are rerun for it;
+    * ``world_size``: the number of ranks, when known (``moe_runtime.ep_size`` must divide it);
+    * ``use_tutel`` with the ``deepspeed`` backend: the optional ``tutel`` package must be importable.
 
     Args:
         cfg: a :class:`smelt_ds.config.run.RunConfig`.
-        zero_stage: the ZeRO stage of the DeepSpeed config (default: ``cfg.deepspeed.effective_zero_stage``).
-        world_size: number of ranks, when known (``moe.ep_size`` must divide it).
-
-    Raises:
-        ConfigError: naming the field path, the value and the fix. ``deepspeed`` backend: ZeRO-3
-            (DeepSpeed raises ``AssertionError: Native DeepSpeed MoE is not supported with ZeRO
-            Stage 3`` inside ``deepspeed.initialize``; use ``autoep``), ``score_func: sigmoid``
-            (TopKGate is softmax-only), ``aux_loss_free_bias`` (no expert bias in TopKGate),
-            ``norm_topk_prob`` other than DeepSpeed's fixed choice (top-1: raw softmax weight,
-            top-k >= 2: renormalised), ``use_tutel`` without the ``tutel`` package.
-            ``autoep`` backend: ``aux_loss_free_bias`` (AutoEP rejects ``load_balance_coeff``),
-            ``router_jitter`` > 0 (AutoEP's router has no jitter), ``use_tutel``.
-            Any EP backend: ``moe.ep_size`` not dividing ``world_size``.
     """
-    moe = cfg.moe
-    stage = cfg.deepspeed.effective_zero_stage if zero_stage is None else zero_stage
-    if moe.backend not in BACKENDS:
-        fail("moe.backend", moe.backend, "is unknown", f"use one of {list(BACKENDS)}")
-    if moe.backend == "reference":
+    moe, rt = cfg.moe, cfg.moe_runtime
+    if zero_stage is not None and zero_stage != cfg.deepspeed.effective_zero_stage:
+        check_moe_backend(moe, rt, zero_stage)
+    if rt.backend == "reference":
         return
-    if world_size is not None and world_size % moe.ep_size:
-        fail("moe.ep_size", moe.ep_size, f"must divide the number of ranks ({world_size})",
-              "launch a multiple of ep_size ranks or lower moe.ep_size")
-    if moe.backend == "deepspeed":
-        _check_deepspeed_backend(moe, stage)
-    else:
-        _check_autoep_backend(moe)
-
-
-def _check_deepspeed_backend(moe, stage: int) -> None:
-    if stage == 3:
-        fail("moe.backend", "deepspeed", "does not support ZeRO stage 3 (DeepSpeed raises 'Native DeepSpeed "
-              "MoE is not supported with ZeRO Stage 3')", "use moe.backend 'autoep' for ZeRO-3, or "
-              "deepspeed.zero_stage <= 2")
-    if moe.score_func != "softmax":
-        fail("moe.score_func", moe.score_func, "is not supported by moe.backend 'deepspeed' (TopKGate is "
-              "softmax-only)", "set moe.score_func to 'softmax', or use moe.backend 'autoep' or 'reference'")
-    if moe.aux_loss_free_bias:
-        fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'deepspeed' (TopKGate has no "
-              "expert bias)", "set moe.aux_loss_free_bias to false, or use moe.backend 'reference'")
-    want = moe.top_k >= 2
-    if moe.norm_topk_prob != want:
-        how = ("renormalises the top-k weights to sum to 1" if want else
-               "weights the top-1 expert by its raw softmax probability")
-        fail("moe.norm_topk_prob", moe.norm_topk_prob, f"differs from DeepSpeed's gate, which for top_k "
-              f"{moe.top_k} {how}", f"set moe.norm_topk_prob to {str(want).lower()}, or use moe.backend "
-              "'autoep' or 'reference'")
-    if moe.use_tutel and not tutel_available():
-        fail("moe.use_tutel", True, "needs the optional package `tutel`, which is not installed",
-              f"install it ({TUTEL_INSTALL_HINT}) or set moe.use_tutel to false")
-
-
-def _check_autoep_backend(moe) -> None:
-    if moe.aux_loss_free_bias:
-        fail("moe.aux_loss_free_bias", True, "is not supported by moe.backend 'autoep' (DeepSpeed AutoEP "
-              "rejects expert_parallel.load_balance_coeff)", "set moe.aux_loss_free_bias to false, or use "
-              "moe.backend 'reference'")
-    if moe.router_jitter > 0:
-        fail("moe.router_jitter", moe.router_jitter, "is not supported by moe.backend 'autoep' (AutoEP's "
-              "TokenChoiceTopKRouter has no input jitter)", "set moe.router_jitter to 0, or use moe.backend "
-              "'deepspeed' or 'reference'")
-    if moe.use_tutel:
-        fail("moe.use_tutel", True, "only applies to moe.backend 'deepspeed'", "set moe.use_tutel to false")
+    if world_size is not None and world_size % rt.ep_size:
+        fail("moe_runtime.ep_size", rt.ep_size, f"must divide the number of ranks ({world_size})",
+              "launch a multiple of ep_size ranks or lower moe_runtime.ep_size")
+    if rt.backend == "deepspeed" and rt.use_tutel and not tutel_available():
+        fail("moe_runtime.use_tutel", True, "needs the optional package `tutel`, which is not installed",
+              f"install it ({TUTEL_INSTALL_HINT}) or set moe_runtime.use_tutel to false")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +114,7 @@ def _check_autoep_backend(moe) -> None:
 
 def apply_backend(model: _ModuleT, cfg, zero_stage: int | None = None, world_size: int | None = None,
                   use_data_before_expert_parallel: bool = False) -> _ModuleT:
-    """Prepare ``model`` (a :class:`SmeltLM` with reference MoE layers) for ``cfg.moe.backend``.
+    """Prepare ``model`` (a :class:`SmeltLM` with reference MoE layers) for ``cfg.moe_runtime.backend``.
 
     Call it after the process group is initialised and *before* ``deepspeed.initialize``.
 
@@ -167,14 +128,14 @@ def apply_backend(model: _ModuleT, cfg, zero_stage: int | None = None, world_siz
       replaced layers on the first forward, so the aux and z losses reach ``SmeltLM``'s loss.
 
     ``world_size`` defaults to ``torch.distributed``'s when initialised. Returns ``model``.
-    Raises ConfigError (see :func:`check_backend_compat`).
+    Raises ConfigError (see :func:`check_backend_runtime`).
     """
     if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         world_size = torch.distributed.get_world_size()
-    check_backend_compat(cfg, zero_stage, world_size)
-    if cfg.moe.backend == "deepspeed":
+    check_backend_runtime(cfg, zero_stage, world_size)
+    if cfg.moe_runtime.backend == "deepspeed":
         convert_to_deepspeed_moe(model, cfg, use_data_before_expert_parallel)
-    elif cfg.moe.backend == "autoep" and not getattr(model, "_smelt_autoep_prehook", False):
+    elif cfg.moe_runtime.backend == "autoep" and not getattr(model, "_smelt_autoep_prehook", False):
         model.register_forward_pre_hook(_autoep_prehook)
         cast(Any, model)._smelt_autoep_prehook = True
     return model
@@ -293,21 +254,24 @@ class DeepSpeedMoE(nn.Module):
     ``shared_expert`` / ``shared_expert_gate`` of the reference layout.
     """
 
-    def __init__(self, hidden_size: int, moe_cfg, ep_size: int = 1):
+    def __init__(self, hidden_size: int, moe_cfg, runtime_cfg):
+        """``moe_cfg``: the architecture (:class:`smelt_ds.config.run.MoEConfig`); ``runtime_cfg``:
+        how it runs (:class:`smelt_ds.config.run.MoERuntimeConfig`: ``ep_size``, capacity, tutel)."""
         super().__init__()
+        rt, ep_size = runtime_cfg, runtime_cfg.ep_size
         self.num_experts, self.num_experts_per_tok = moe_cfg.num_experts, moe_cfg.top_k
         self.ep_size, self.hidden_size, self.ffn_size = ep_size, hidden_size, moe_cfg.expert_ffn_size
         from deepspeed.moe.layer import MoE as DeepSpeedMoELayer
 
         self.moe = DeepSpeedMoELayer(hidden_size, SwiGLU(hidden_size, moe_cfg.expert_ffn_size),
                                      num_experts=moe_cfg.num_experts, ep_size=ep_size, k=moe_cfg.top_k,
-                                     capacity_factor=moe_cfg.capacity_factor,
-                                     eval_capacity_factor=moe_cfg.eval_capacity_factor,
-                                     min_capacity=moe_cfg.min_capacity, drop_tokens=moe_cfg.drop_tokens,
-                                     use_rts=True, use_tutel=moe_cfg.use_tutel, top2_2nd_expert_sampling=False)
+                                     capacity_factor=rt.capacity_factor,
+                                     eval_capacity_factor=rt.eval_capacity_factor,
+                                     min_capacity=rt.min_capacity, drop_tokens=rt.drop_tokens,
+                                     use_rts=True, use_tutel=rt.use_tutel, top2_2nd_expert_sampling=False)
         self.moe.deepspeed_moe.gate = smelt_topk_gate_class()(hidden_size, moe_cfg.num_experts, moe_cfg.top_k,
-                                                    moe_cfg.capacity_factor, moe_cfg.eval_capacity_factor,
-                                                    moe_cfg.min_capacity, moe_cfg.drop_tokens,
+                                                    rt.capacity_factor, rt.eval_capacity_factor,
+                                                    rt.min_capacity, rt.drop_tokens,
                                                     jitter=moe_cfg.router_jitter)
         self.shared_expert: nn.Module | None = None
         self.shared_expert_gate: nn.Module | None = None
@@ -324,12 +288,14 @@ class DeepSpeedMoE(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_reference(cls, ref: MoE, moe_cfg, ep_size: int = 1, ep_rank: int = 0) -> "DeepSpeedMoE":
-        """Build from a reference :class:`MoE`, copying the router and this rank's experts
+    def from_reference(cls, ref: MoE, moe_cfg, runtime_cfg, ep_rank: int = 0) -> "DeepSpeedMoE":
+        """Build from a reference :class:`MoE` (``moe_cfg``, ``runtime_cfg`` as in the constructor;
+        ``ep_rank`` this rank's index in its expert-parallel group), copying the router and this rank's experts
         (``gate_up_proj[e]`` rows ``[:F]`` -> ``gate_proj``, ``[F:]`` -> ``up_proj``,
         ``down_proj[e]`` -> ``down_proj``) and taking over the shared expert modules."""
         hidden = ref.gate.weight.shape[1]
-        new = cls(hidden, moe_cfg, ep_size).to(device=ref.gate.weight.device, dtype=ref.gate.weight.dtype)
+        ep_size = runtime_cfg.ep_size
+        new = cls(hidden, moe_cfg, runtime_cfg).to(device=ref.gate.weight.device, dtype=ref.gate.weight.dtype)
         new.gate.wg.weight.copy_(ref.gate.weight)
         F_ = moe_cfg.expert_ffn_size
         first = ep_rank * (moe_cfg.num_experts // ep_size)
@@ -391,7 +357,7 @@ def expert_parallel_rank(ep_size: int, use_data_before_expert_parallel: bool = F
     if ep_size == 1:
         return 0
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise RuntimeError(f"moe.ep_size ({ep_size}) > 1 needs torch.distributed initialised before "
+        raise RuntimeError(f"moe_runtime.ep_size ({ep_size}) > 1 needs torch.distributed initialised before "
                            "apply_backend (e.g. deepspeed.init_distributed())")
     import deepspeed
     from deepspeed import comm as ds_dist
@@ -413,11 +379,11 @@ def convert_to_deepspeed_moe(model: nn.Module, cfg, use_data_before_expert_paral
     Must run on every rank before ``deepspeed.initialize`` (the engine then binds the expert
     groups via ``set_deepspeed_parallelism``). Raises RuntimeError as :func:`expert_parallel_rank`.
     """
-    ep_rank = expert_parallel_rank(cfg.moe.ep_size, use_data_before_expert_parallel)
+    ep_rank = expert_parallel_rank(cfg.moe_runtime.ep_size, use_data_before_expert_parallel)
     n = 0
     for _, block in _moe_blocks(model):
         if isinstance(block.mlp, MoE):
-            block.mlp = DeepSpeedMoE.from_reference(block.mlp, cfg.moe, cfg.moe.ep_size, ep_rank)
+            block.mlp = DeepSpeedMoE.from_reference(block.mlp, cfg.moe, cfg.moe_runtime, ep_rank)
             n += 1
     return n
 
@@ -466,14 +432,14 @@ class moe_optimizer:  # noqa: N801 - used like a function: optimizer=moe_optimiz
 
 
 def optimizer_param_groups(model: nn.Module, param_groups: list[dict[str, Any]], cfg) -> list[dict[str, Any]]:
-    """Optimizer parameter groups for ``cfg.moe.backend``; call after :func:`apply_backend`.
+    """Optimizer parameter groups for ``cfg.moe_runtime.backend``; call after :func:`apply_backend`.
 
     * ``reference`` / ``autoep``: ``param_groups`` unchanged. (AutoEP's expert parameters do not
       exist before ``deepspeed.initialize``; DeepSpeed remaps a client optimizer's groups to the
       replaced parameters and, for a DeepSpeed-config optimizer, splits MoE groups itself.)
     * ``deepspeed``: :func:`split_params_into_moe_groups`.
     """
-    if cfg.moe.backend == "deepspeed":
+    if cfg.moe_runtime.backend == "deepspeed":
         return split_params_into_moe_groups(param_groups)
     return param_groups
 
@@ -489,7 +455,7 @@ def _fits_grouped_mm(cfg) -> bool:
 
 
 def autoep_config_section(cfg, module_prefix: str = "") -> dict[str, Any]:
-    """The ``expert_parallel`` section of the DeepSpeed config for ``moe.backend: autoep``.
+    """The ``expert_parallel`` section of the DeepSpeed config for ``moe_runtime.backend: autoep``.
 
     A custom AutoEP layer pattern (no ``preset_model``): our MoE FFNs are the modules named
     ``{module_prefix}layers.{i}.mlp`` (dense FFN layers have no ``experts`` child and are
@@ -500,15 +466,14 @@ def autoep_config_section(cfg, module_prefix: str = "") -> dict[str, Any]:
     which SmeltLM does not have (E is read from the router weight shape).
 
     ``module_prefix`` is prepended when the model given to ``deepspeed.initialize`` wraps SmeltLM
-    (e.g. ``"model."``). Raises ConfigError (see :func:`check_backend_compat`).
+    (e.g. ``"model."``). What AutoEP cannot run (``aux_loss_free_bias``, ``router_jitter``) was
+    refused when the recipe was loaded (:func:`smelt_ds.config.run.check_moe_backend`).
     """
     moe = cfg.moe
-    if moe.aux_loss_free_bias or moe.router_jitter > 0 or moe.use_tutel:
-        _check_autoep_backend(moe)
     prefix = module_prefix.replace(".", r"\.")
     section: dict[str, Any] = {
         "enabled": True,
-        "autoep_size": moe.ep_size,
+        "autoep_size": cfg.moe_runtime.ep_size,
         "moe_layer_pattern": prefix + AUTOEP_LAYER_PATTERN,
         "router_pattern": "gate",
         "expert_pattern": "experts",
@@ -545,7 +510,7 @@ def attach_autoep_hooks(model: nn.Module) -> int:
     so ``return_router_logits`` is off). Forward hooks on ``layer.router.gate`` (logits ``(T, E)``)
     and ``layer.router`` (``(top_scores, selected_experts, counts)``) capture the routing, and a
     hook on the layer computes ``aux``/``z`` exactly as the reference MoE does, so
-    ``SmeltLM`` adds ``aux_loss_coef * mean_visits(aux) + z_loss_coef * mean_visits(z)`` the same
+    ``SmeltLM`` reports ``mean_visits(aux)`` / ``mean_visits(z)`` (weighted by the training objective) the same
     way for every backend. Idempotent; returns the number of layers newly hooked.
     """
     n = 0

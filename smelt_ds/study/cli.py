@@ -102,7 +102,7 @@ def _add_recipes_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=run_table)
     d = rsub.add_parser("derive", help="write the five looped variants next to a Baseline recipe (smelt-ds match)",
                         description="Run `smelt-ds match` for positions middle (smelt.yaml), uniform, bottom, top and "
-                                    "asymmetric with --ep-size <moe.ep_size> --tolerance 0.01 and write each next to "
+                                    "asymmetric with --ep-size <moe_runtime.ep_size> --tolerance 0.01 and write each next to "
                                     "the Baseline, keeping the Baseline's comments.")
     d.add_argument("baseline", help="Baseline recipe, e.g. recipes/xl/baseline.yaml")
     d.add_argument("--check", action="store_true", help="exit 1 when a variant file differs from its derivation")

@@ -21,6 +21,7 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
 from smelt_ds.parallel.engine import configure_activation_checkpointing
 from smelt_ds.train.build import build
+from smelt_ds.train.objective import total_loss
 from smelt_ds.parallel.distributed import init_distributed
 
 __all__ = ["SavedTensorCounter", "Measurement", "measure"]
@@ -163,11 +164,10 @@ def _measure_cpu(cfg: RunConfig, policy: str, steps: int) -> Measurement:
         impl = "torch"  # deepspeed.checkpointing needs a process group; both keep the same tensors
     run_cfg = _with_policy(cfg, policy, impl)
     torch.manual_seed(cfg.train.seed)
-    model = SmeltLM(run_cfg).train()
+    model = SmeltLM(run_cfg.model, run_cfg.moe, run_cfg.loop).train()
     configure_activation_checkpointing(model, run_cfg)
     counter = SavedTensorCounter(model.parameters())
-    if model.blocks.checkpoint_fn is not None:
-        model.blocks.checkpoint_fn = counter.wrap_checkpoint(model.blocks.checkpoint_fn)
+    model.blocks.wrap_checkpoint_fn(counter.wrap_checkpoint)  # no-op without checkpointing
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     saved = 0
     for step in range(steps):
@@ -175,7 +175,7 @@ def _measure_cpu(cfg: RunConfig, policy: str, steps: int) -> Measurement:
         with counter:
             out = model(ids, labels=labels)
         saved = max(saved, counter.saved_bytes())
-        out.loss.backward()
+        total_loss(out, run_cfg.train).backward()
         counter.release()
         opt.step()
         if step < steps - 1:
@@ -201,7 +201,7 @@ def _measure_cuda(cfg: RunConfig, policy: str, steps: int) -> Measurement:
     for step in range(steps):
         ids, labels = _random_batch(cfg, step, engine.device)
         out = engine(ids, labels=labels)
-        engine.backward(out.loss)
+        engine.backward(total_loss(out, run_cfg.train))
         engine.step()
     torch.cuda.synchronize()
     peak = int(torch.cuda.max_memory_allocated())

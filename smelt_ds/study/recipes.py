@@ -222,7 +222,7 @@ def derive_variants(baseline_path: str | Path, tolerance: float = 0.01) -> dict[
     """The YAML text of each looped variant (:data:`POSITIONS`) of a Baseline recipe file.
 
     Each is :func:`smelt_ds.cost.budget.match_baseline` of the Baseline (``smelt-ds match --position P
-    --ep-size <moe.ep_size> --tolerance 0.01``), written as the Baseline's own text with only
+    --ep-size <moe_runtime.ep_size> --tolerance 0.01``), written as the Baseline's own text with only
     ``name``, ``model.num_layers``, ``moe.num_experts`` and the ``loop`` block replaced, so that the
     comments citing sources carry over. Raises ConfigError when a variant deviates beyond
     ``tolerance`` or when the rewritten text does not parse back to the matcher's recipe.
@@ -235,7 +235,7 @@ def derive_variants(baseline_path: str | Path, tolerance: float = 0.01) -> dict[
     header, body = _header_and_body(text)
     if not re.search(r"^loop:\n  position: none\n", body, re.M):
         raise ConfigError(f"{path}: the Baseline's loop section must read exactly `loop:` / `  position: none`")
-    ep = base.moe.ep_size
+    ep = base.moe_runtime.ep_size
     out = {}
     for variant, position in POSITIONS.items():
         name = f"{size}-{variant}"
@@ -336,7 +336,7 @@ def recipe_rows(entries: list[RecipeEntry] | None = None) -> tuple[list[dict[str
             layout_rows.append({"size": e.size, "variant": e.variant, "layout": name, "gpu": lay.gpu,
                                 "device_memory_gib": lay.device_memory_gib, "nodes": lay.nodes,
                                 "gpus_per_node": lay.gpus_per_node, "zero": zero_option(c),
-                                "backend": c.moe.backend, "ep_size": c.moe.ep_size,
+                                "backend": c.moe_runtime.backend, "ep_size": c.moe_runtime.ep_size,
                                 "policy": c.train.activation_checkpointing.policy,
                                 "precision": rep.precision, "micro_batch": c.train.micro_batch_size,
                                 "accumulation": accum, "memory_bytes": row.total, "headroom": row.headroom,
@@ -360,7 +360,7 @@ def _training_rows(entries: list[RecipeEntry]) -> list[list[str]]:
         rows.append([e.size, str(t.seq_len), f"{t.global_batch_tokens:,}" if t.global_batch_tokens else
                      f"{t.micro_batch_size * t.seq_len:,} per rank", f"{t.lr:g}", str(t.warmup_steps),
                      f"{t.schedule} to {t.min_lr_ratio:g}", f"{t.max_steps:,}", _si(tokens),
-                     f"{c.moe.backend}, ep {c.moe.ep_size}", f"ZeRO-{c.deepspeed.zero_stage}"])
+                     f"{c.moe_runtime.backend}, ep {c.moe_runtime.ep_size}", f"ZeRO-{c.deepspeed.zero_stage}"])
     return rows
 
 

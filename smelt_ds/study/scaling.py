@@ -828,35 +828,35 @@ def _ci_str(ci, i, pct=False) -> str:
     return f" [{_pct(lo)}, {_pct(hi)}]" if pct else f" [{_g(lo)}, {_g(hi)}]"
 
 
-def report_markdown(res: dict[str, Any], figures: dict[str, str]) -> str:
-    """The markdown report of :func:`analyse`'s result."""
-    base = res["baseline"]
-    lines = ["# Scaling laws per architecture", "",
-             f"Law: `{res['law']}`, fitted separately per architecture (Hoffmann et al. 2022, Approach 3, "
-             f"Appendix D.2: Huber loss, delta = {res['method']['huber_delta']:g}, on log loss; L-BFGS from the "
-             f"best {res['method']['n_starts']} points of their initialisation grid). 95% confidence intervals: "
-             f"percentile bootstrap over runs ({res['method']['n_bootstrap']} resamples, seed "
-             f"{res['method']['seed']}).", "",
-             f"- loss: {res['units']['loss']}", f"- N: {res['units']['N']}", f"- D: {res['units']['D']}",
-             f"- C: {res['units']['C']}; per architecture f(N) = f0 + fh sqrt(N) + f1 N, fitted to the runs' "
-             "budgets (non-negative least squares on relative error; fh: head and attention-score FLOPs, which "
-             "grow with the width)", ""]
-    lines += ["## Runs", "", "| architecture | size | budget | N | D (tokens) | C (FLOPs) | loss |",
-              "|---|---|---|---:|---:|---:|---:|"]
+def _md_header(res: dict[str, Any]) -> list[str]:
+    """Title, the law and method, and the units."""
+    m, u = res["method"], res["units"]
+    return ["# Scaling laws per architecture", "",
+            f"Law: `{res['law']}`, fitted separately per architecture (Hoffmann et al. 2022, Approach 3, "
+            f"Appendix D.2: Huber loss, delta = {m['huber_delta']:g}, on log loss; L-BFGS from the "
+            f"best {m['n_starts']} points of their initialisation grid). 95% confidence intervals: "
+            f"percentile bootstrap over runs ({m['n_bootstrap']} resamples, seed "
+            f"{m['seed']}).", "",
+            f"- loss: {u['loss']}", f"- N: {u['N']}", f"- D: {u['D']}",
+            f"- C: {u['C']}; per architecture f(N) = f0 + fh sqrt(N) + f1 N, fitted to the runs' "
+            "budgets (non-negative least squares on relative error; fh: head and attention-score FLOPs, which "
+            "grow with the width)", ""]
+
+
+def _md_runs(res: dict[str, Any]) -> list[str]:
+    """## Runs: one row per run, then the runs left out."""
+    lines = ["## Runs", "", "| architecture | size | budget | N | D (tokens) | C (FLOPs) | loss |",
+             "|---|---|---|---:|---:|---:|---:|"]
     for r in sorted(res["runs"], key=lambda r: (r["architecture"], r["N"], r["D"])):
         lines.append(f"| {r['architecture']} | {r['size'] or ''} | {r['budget'] or ''} | {r['N']:.4g} | "
                      f"{r['D']:.4g} | {r['C']:.4g} | {r['loss']:.4f} |")
     if res["excluded"]:
         lines += ["", "Excluded:", ""] + [f"- `{e['what']}`: {e['reason']}" for e in res["excluded"]]
-    lines += ["", "## Fits", "", "| architecture | runs | E | A | alpha | B | beta | RMSE log L | f0 | fh | f1 |",
-              "|---|---:|---|---|---|---|---|---:|---:|---:|---:|"]
-    for arch, a in res["architectures"].items():
-        ci = a["params_ci95"]
-        cells = [f"{_g(a['params'][n], '.4g')}" + (f" [{_g(ci[n][0])}, {_g(ci[n][1])}]" if ci else "")
-                 for n in PARAM_NAMES]
-        fp = a["flops_per_token"]
-        lines.append(f"| {arch} | {a['n_runs']} | " + " | ".join(cells) + f" | {a['rmse_log_loss']:.4f} | "
-                     f"{fp['f0']:.4g} | {fp['fh']:.4g} | {fp['f1']:.4g} |")
+    return lines
+
+
+def _fit_notes(res: dict[str, Any]) -> list[str]:
+    """Warnings on the fits: few runs, estimates on a bound, a poor f(N), failed resamples."""
     notes = []
     for arch, a in res["architectures"].items():
         if a["n_runs"] < 10:
@@ -868,59 +868,103 @@ def report_markdown(res: dict[str, Any], figures: dict[str, str]) -> str:
                          f"{a['flops_per_token']['max_rel_residual']:.1%}")
         if a["bootstrap_failed"]:
             notes.append(f"{arch}: {a['bootstrap_failed']} bootstrap resamples had < 2 distinct N or D")
+    return notes
+
+
+def _md_fits(res: dict[str, Any]) -> list[str]:
+    """## Fits: the law's parameters with CIs and f(N) per architecture, then the notes."""
+    lines = ["", "## Fits", "", "| architecture | runs | E | A | alpha | B | beta | RMSE log L | f0 | fh | f1 |",
+             "|---|---:|---|---|---|---|---|---:|---:|---:|---:|"]
+    for arch, a in res["architectures"].items():
+        ci = a["params_ci95"]
+        cells = [f"{_g(a['params'][n], '.4g')}" + (f" [{_g(ci[n][0])}, {_g(ci[n][1])}]" if ci else "")
+                 for n in PARAM_NAMES]
+        fp = a["flops_per_token"]
+        lines.append(f"| {arch} | {a['n_runs']} | " + " | ".join(cells) + f" | {a['rmse_log_loss']:.4f} | "
+                     f"{fp['f0']:.4g} | {fp['fh']:.4g} | {fp['f1']:.4g} |")
+    notes = _fit_notes(res)
     if notes:
         lines += [""] + [f"- note: {n}" for n in notes]
+    return lines
+
+
+def _table_rows(C: list[float]) -> list[int]:
+    """Indices of the (at most 7, evenly spread) compute levels shown in the tables."""
+    return sorted(set(np.linspace(0, len(C) - 1, min(len(C), 7)).round().astype(int).tolist()))
+
+
+def _md_frontier(res: dict[str, Any]) -> list[str]:
+    """## Compute-optimal frontier: L*, N_opt, D_opt per architecture at a few compute levels."""
     C = res["C_grid"]
-    picks = sorted(set(np.linspace(0, len(C) - 1, min(len(C), 7)).round().astype(int).tolist()))
-    lines += ["", "## Compute-optimal frontier", "",
-              "L*(C) = min over N of L(N, C / f(N)); N_opt, D_opt its minimiser "
-              f"(training FLOPs measured in the runs: {res['C_measured'][0]:.3g} to {res['C_measured'][1]:.3g}; "
-              "beyond is extrapolation).", "",
-              "| C (FLOPs) | " + " | ".join(f"{a}: L* [CI] | N_opt | D_opt" for a in res["architectures"]) + " |",
-              "|---:|" + "---|---:|---:|" * len(res["architectures"])]
-    for i in picks:
+    lines = ["", "## Compute-optimal frontier", "",
+             "L*(C) = min over N of L(N, C / f(N)); N_opt, D_opt its minimiser "
+             f"(training FLOPs measured in the runs: {res['C_measured'][0]:.3g} to {res['C_measured'][1]:.3g}; "
+             "beyond is extrapolation).", "",
+             "| C (FLOPs) | " + " | ".join(f"{a}: L* [CI] | N_opt | D_opt" for a in res["architectures"]) + " |",
+             "|---:|" + "---|---:|---:|" * len(res["architectures"])]
+    for i in _table_rows(C):
         row = [f"{C[i]:.3g}"]
         for a in res["architectures"].values():
             f = a["frontier"]
             row += [_g(f["loss"][i], ".4f") + _ci_str(a["frontier_ci95"], i), _g(f["N_opt"][i]), _g(f["D_opt"][i])]
         lines.append("| " + " | ".join(row) + " |")
-    if base is not None and len(res["architectures"]) > 1:
-        lines += ["", f"## Training FLOPs saved vs {base}", "",
-                  f"saving(C) = 1 - C_X / C, where C_X is the compute at which architecture X's frontier reaches "
-                  f"{base}'s frontier loss L*_{base}(C) (positive: X needs less compute). Loss delta: "
-                  f"L*_X(C) - L*_{base}(C) at equal compute (nats/token).", ""]
-        for arch, a in res["architectures"].items():
-            if "savings" not in a:
-                continue
-            s = a["savings"]
-            m = measured_savings(res, arch)
-            rng = f"{_pct(m[0])} to {_pct(m[1])}" if m else "n/a"
-            lines += [f"**{arch}**: saving over the measured compute range: {rng}.", "",
-                      "| C (FLOPs) | saving [95% CI] | loss delta [95% CI] |", "|---:|---|---|"]
-            for i in picks:
-                lines.append(f"| {C[i]:.3g} | {_pct(s['saving'][i])}{_ci_str(a['savings_ci95'], i, True)} | "
-                             f"{_g(s['loss_delta'][i], '+.4f')}{_ci_str(a['loss_delta_ci95'], i)} |")
-            if a["envelope_savings"]:
-                es = ", ".join(f"{_pct(e['saving'])} at {e['C']:.3g}" for e in a["envelope_savings"])
-                lines += ["", f"Envelope cross-check (runs only, no fit): {es}."]
-            lines.append("")
-    paired = [(arch, a["paired"]) for arch, a in res["architectures"].items() if a.get("paired")]
-    if paired:
-        lines += [f"## Paired runs: each architecture vs {base} at the same size and budget (no fit)", "",
-                  "delta = loss - loss of the matched Baseline run (nats/token; negative: better). In a "
-                  "budget-matched sweep the two runs of a pair have the same N, D and training FLOPs, so this "
-                  "compares the architectures at equal compute without a law. 95% CI and p: paired t-test "
-                  "(scipy.stats.ttest_rel) over pairs; one seed per run, so seed noise is inside the spread.", "",
-                  "| architecture | pairs | mean delta [95% CI] | p | better in | mean delta by budget |",
-                  "|---|---:|---|---:|---:|---|"]
-        for arch, pr in paired:
-            ci = f" [{pr['ci95'][0]:+.4f}, {pr['ci95'][1]:+.4f}]" if pr["ci95"] else ""
-            pv = f"{pr['p_value']:.3g}" if pr["p_value"] is not None else "n/a"
-            bb = ", ".join(f"{k} {v:+.4f}" for k, v in pr["by_budget"].items())
-            lines.append(f"| {arch} | {pr['n_pairs']} | {pr['mean_delta']:+.4f}{ci} | {pv} | "
-                         f"{pr['wins']}/{pr['n_pairs']} | {bb} |")
+    return lines
+
+
+def _md_savings(res: dict[str, Any]) -> list[str]:
+    """## Training FLOPs saved vs the Baseline: per architecture, saving and loss delta on the
+    frontier, and the envelope cross-check. Empty without a Baseline and another architecture."""
+    base = res["baseline"]
+    if base is None or len(res["architectures"]) < 2:
+        return []
+    C = res["C_grid"]
+    lines = ["", f"## Training FLOPs saved vs {base}", "",
+             f"saving(C) = 1 - C_X / C, where C_X is the compute at which architecture X's frontier reaches "
+             f"{base}'s frontier loss L*_{base}(C) (positive: X needs less compute). Loss delta: "
+             f"L*_X(C) - L*_{base}(C) at equal compute (nats/token).", ""]
+    for arch, a in res["architectures"].items():
+        if "savings" not in a:
+            continue
+        s = a["savings"]
+        m = measured_savings(res, arch)
+        rng = f"{_pct(m[0])} to {_pct(m[1])}" if m else "n/a"
+        lines += [f"**{arch}**: saving over the measured compute range: {rng}.", "",
+                  "| C (FLOPs) | saving [95% CI] | loss delta [95% CI] |", "|---:|---|---|"]
+        for i in _table_rows(C):
+            lines.append(f"| {C[i]:.3g} | {_pct(s['saving'][i])}{_ci_str(a['savings_ci95'], i, True)} | "
+                         f"{_g(s['loss_delta'][i], '+.4f')}{_ci_str(a['loss_delta_ci95'], i)} |")
+        if a["envelope_savings"]:
+            es = ", ".join(f"{_pct(e['saving'])} at {e['C']:.3g}" for e in a["envelope_savings"])
+            lines += ["", f"Envelope cross-check (runs only, no fit): {es}."]
         lines.append("")
-    lines += ["## Envelope and IsoFLOP profiles", ""]
+    return lines
+
+
+def _md_paired(res: dict[str, Any]) -> list[str]:
+    """## Paired runs: the fit-free comparison of matched runs. Empty without pairs."""
+    paired = [(arch, a["paired"]) for arch, a in res["architectures"].items() if a.get("paired")]
+    if not paired:
+        return []
+    lines = [f"## Paired runs: each architecture vs {res['baseline']} at the same size and budget (no fit)", "",
+             "delta = loss - loss of the matched Baseline run (nats/token; negative: better). In a "
+             "budget-matched sweep the two runs of a pair have the same N, D and training FLOPs, so this "
+             "compares the architectures at equal compute without a law. 95% CI and p: paired t-test "
+             "(scipy.stats.ttest_rel) over pairs; one seed per run, so seed noise is inside the spread.", "",
+             "| architecture | pairs | mean delta [95% CI] | p | better in | mean delta by budget |",
+             "|---|---:|---|---:|---:|---|"]
+    for arch, pr in paired:
+        ci = f" [{pr['ci95'][0]:+.4f}, {pr['ci95'][1]:+.4f}]" if pr["ci95"] else ""
+        pv = f"{pr['p_value']:.3g}" if pr["p_value"] is not None else "n/a"
+        bb = ", ".join(f"{k} {v:+.4f}" for k, v in pr["by_budget"].items())
+        lines.append(f"| {arch} | {pr['n_pairs']} | {pr['mean_delta']:+.4f}{ci} | {pv} | "
+                     f"{pr['wins']}/{pr['n_pairs']} | {bb} |")
+    lines.append("")
+    return lines
+
+
+def _md_envelope(res: dict[str, Any]) -> list[str]:
+    """## Envelope and IsoFLOP profiles: the model-free cross-checks per architecture."""
+    lines = ["## Envelope and IsoFLOP profiles", ""]
     for arch, a in res["architectures"].items():
         env = ", ".join(f"{e['loss']:.3f} at {e['C']:.3g} (N {e['N']:.3g})" for e in a["envelope"])
         lines.append(f"- {arch} lower envelope (loss at C): {env}")
@@ -929,9 +973,21 @@ def report_markdown(res: dict[str, Any], figures: dict[str, str]) -> str:
                          f"{_g(g['N_opt'])}" + ("" if g["N_opt"] else " (no interior minimum)"))
         if not a["isoflop"]:
             lines.append("  - no IsoFLOP profile: no compute level with >= 3 sizes (use `flops:` budgets in the sweep)")
-    if figures:
-        lines += ["", "## Figures", ""] + [f"![{k}]({v})" for k, v in figures.items()]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _md_figures(figures: dict[str, str]) -> list[str]:
+    """## Figures: links to the PNGs of :func:`plot_report`. Empty without figures."""
+    if not figures:
+        return []
+    return ["", "## Figures", ""] + [f"![{k}]({v})" for k, v in figures.items()]
+
+
+def report_markdown(res: dict[str, Any], figures: dict[str, str]) -> str:
+    """The markdown report of :func:`analyse`'s result, one section after another."""
+    sections = [_md_header(res), _md_runs(res), _md_fits(res), _md_frontier(res), _md_savings(res),
+                _md_paired(res), _md_envelope(res), _md_figures(figures)]
+    return "\n".join(line for lines in sections for line in lines) + "\n"
 
 
 def _save(fig, ax, out_dir: Path, name: str, xlabel: str, ylabel: str, title: str) -> str:
@@ -949,18 +1005,11 @@ def _save(fig, ax, out_dir: Path, name: str, xlabel: str, ylabel: str, title: st
     return name
 
 
-def plot_report(res: dict[str, Any], out_dir: Path, prefix: str = "scaling_") -> dict[str, str]:
-    """Write ``<prefix>loss_vs_flops.png`` (runs and fitted frontiers with 95% bands) and, with a
-    Baseline and another architecture, ``<prefix>savings.png`` and ``<prefix>paired.png`` (the
-    paired loss differences of :func:`paired_comparison`). Returns ``{title: file name}``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def _plot_loss_vs_flops(res: dict[str, Any], out_dir: Path, name: str, colors: list[str]) -> str | None:
+    """Runs and fitted frontiers L*(C) with their 95% bands, over the measured compute."""
     import matplotlib.pyplot as plt
 
-    figs = {}
     C = np.array(res["C_grid"])
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
     for k, (arch, a) in enumerate(res["architectures"].items()):
         col = colors[k % len(colors)]
@@ -972,53 +1021,87 @@ def plot_report(res: dict[str, Any], out_dir: Path, prefix: str = "scaling_") ->
             ax.fill_between(C, band[0], band[1],
                             color=col, alpha=0.15, lw=0)
     ax.axvspan(*res["C_measured"], color="0.9", zorder=0, label="measured compute")
-    figs["loss vs training FLOPs"] = _save(
-        fig, ax, out_dir, f"{prefix}loss_vs_flops.png",
-        "training FLOPs C",
-        "validation loss (nats/token)",
-        "Loss vs training compute, with compute-optimal frontiers (95% bootstrap bands)")
+    return _save(fig, ax, out_dir, name,
+                 "training FLOPs C",
+                 "validation loss (nats/token)",
+                 "Loss vs training compute, with compute-optimal frontiers (95% bootstrap bands)")
+
+
+def _plot_savings(res: dict[str, Any], out_dir: Path, name: str, colors: list[str]) -> str | None:
+    """Training FLOPs saved vs the Baseline per architecture with 95% bands (clipped to the
+    axes); None without an architecture that has savings."""
+    import matplotlib.pyplot as plt
+
     others = {a: v for a, v in res["architectures"].items() if "savings" in v}
-    if others:
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        point = np.concatenate([100 * np.array(a["savings"]["saving"], dtype=float) for a in others.values()])
-        point = point[np.isfinite(point)]
-        lo_y = max(-100.0, min(-10.0, 1.5 * point.min() - 5 if point.size else -10.0))
-        hi_y = min(100.0, max(10.0, 1.5 * point.max() + 5 if point.size else 10.0))
-        for k, (arch, a) in enumerate(res["architectures"].items()):
-            if arch not in others:
-                continue
-            col = colors[k % len(colors)]
-            ax.plot(C, 100 * np.array(a["savings"]["saving"], dtype=float), color=col, label=arch)
-            if a["savings_ci95"]:  # clipped to the axes: a bootstrap band can reach -1000s of %
-                ax.fill_between(C, np.clip(100 * np.array(a["savings_ci95"][0], dtype=float), lo_y, hi_y),
-                                np.clip(100 * np.array(a["savings_ci95"][1], dtype=float), lo_y, hi_y),
-                                color=col, alpha=0.15, lw=0)
-        ax.set_ylim(lo_y, hi_y)
-        ax.axhline(0, color="k", lw=0.8)
-        ax.axvspan(*res["C_measured"], color="0.9", zorder=0, label="measured compute")
-        figs["training FLOPs saved"] = _save(
-            fig, ax, out_dir, f"{prefix}savings.png",
-            f"{res['baseline']} training FLOPs C",
-            f"training FLOPs saved vs {res['baseline']} (%)",
-            "Compute saved at equal loss on the frontier (95% bootstrap bands, clipped to the axes)")
+    if not others:
+        return None
+    C = np.array(res["C_grid"])
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    point = np.concatenate([100 * np.array(a["savings"]["saving"], dtype=float) for a in others.values()])
+    point = point[np.isfinite(point)]
+    lo_y = max(-100.0, min(-10.0, 1.5 * point.min() - 5 if point.size else -10.0))
+    hi_y = min(100.0, max(10.0, 1.5 * point.max() + 5 if point.size else 10.0))
+    for k, (arch, a) in enumerate(res["architectures"].items()):
+        if arch not in others:
+            continue
+        col = colors[k % len(colors)]
+        ax.plot(C, 100 * np.array(a["savings"]["saving"], dtype=float), color=col, label=arch)
+        if a["savings_ci95"]:  # clipped to the axes: a bootstrap band can reach -1000s of %
+            ax.fill_between(C, np.clip(100 * np.array(a["savings_ci95"][0], dtype=float), lo_y, hi_y),
+                            np.clip(100 * np.array(a["savings_ci95"][1], dtype=float), lo_y, hi_y),
+                            color=col, alpha=0.15, lw=0)
+    ax.set_ylim(lo_y, hi_y)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.axvspan(*res["C_measured"], color="0.9", zorder=0, label="measured compute")
+    return _save(fig, ax, out_dir, name,
+                 f"{res['baseline']} training FLOPs C",
+                 f"training FLOPs saved vs {res['baseline']} (%)",
+                 "Compute saved at equal loss on the frontier (95% bootstrap bands, clipped to the axes)")
+
+
+def _plot_paired(res: dict[str, Any], out_dir: Path, name: str, colors: list[str]) -> str | None:
+    """The paired loss differences of :func:`paired_comparison`, with their mean and 95% CI;
+    None without pairs."""
+    import matplotlib.pyplot as plt
+
     paired = {a: v["paired"] for a, v in res["architectures"].items() if v.get("paired")}
-    if paired:
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        for k, (arch, a) in enumerate(res["architectures"].items()):
-            if arch not in paired:
-                continue
-            col, pr = colors[k % len(colors)], paired[arch]
-            ax.scatter([q["C"] for q in pr["pairs"]], [q["delta"] for q in pr["pairs"]], color=col, s=22,
-                       label=f"{arch} - {res['baseline']}, one pair per size and budget")
-            ax.axhline(pr["mean_delta"], color=col, lw=1.2, label=f"{arch} mean {pr['mean_delta']:+.4f}")
-            if pr["ci95"]:
-                ax.axhspan(*pr["ci95"], color=col, alpha=0.15, lw=0, label=f"{arch} 95% CI (paired t)")
-        ax.axhline(0, color="k", lw=0.8)
-        figs["paired loss differences"] = _save(
-            fig, ax, out_dir, f"{prefix}paired.png",
-            "training FLOPs C of the pair",
-            "loss difference (nats/token)",
-            f"Matched runs: loss minus the {res['baseline']} run of the same N, D and FLOPs (no fit)")
+    if not paired:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for k, arch in enumerate(res["architectures"]):
+        if arch not in paired:
+            continue
+        col, pr = colors[k % len(colors)], paired[arch]
+        ax.scatter([q["C"] for q in pr["pairs"]], [q["delta"] for q in pr["pairs"]], color=col, s=22,
+                   label=f"{arch} - {res['baseline']}, one pair per size and budget")
+        ax.axhline(pr["mean_delta"], color=col, lw=1.2, label=f"{arch} mean {pr['mean_delta']:+.4f}")
+        if pr["ci95"]:
+            ax.axhspan(*pr["ci95"], color=col, alpha=0.15, lw=0, label=f"{arch} 95% CI (paired t)")
+    ax.axhline(0, color="k", lw=0.8)
+    return _save(fig, ax, out_dir, name,
+                 "training FLOPs C of the pair",
+                 "loss difference (nats/token)",
+                 f"Matched runs: loss minus the {res['baseline']} run of the same N, D and FLOPs (no fit)")
+
+
+def plot_report(res: dict[str, Any], out_dir: Path, prefix: str = "scaling_") -> dict[str, str]:
+    """Write ``<prefix>loss_vs_flops.png`` (runs and fitted frontiers with 95% bands) and, with a
+    Baseline and another architecture, ``<prefix>savings.png`` and ``<prefix>paired.png`` (the
+    paired loss differences of :func:`paired_comparison`). Returns ``{title: file name}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    figures = (("loss vs training FLOPs", "loss_vs_flops.png", _plot_loss_vs_flops),
+               ("training FLOPs saved", "savings.png", _plot_savings),
+               ("paired loss differences", "paired.png", _plot_paired))
+    figs = {}
+    for title, suffix, plot in figures:
+        name = plot(res, out_dir, f"{prefix}{suffix}", colors)
+        if name is not None:
+            figs[title] = name
     return figs
 
 

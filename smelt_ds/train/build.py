@@ -40,11 +40,11 @@ def build(cfg: RunConfig, world_size: int) -> Built:
     """
 
     torch.manual_seed(cfg.train.seed)
-    model = SmeltLM(cfg)
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     if cfg.train.init_from:  # a checkpoint loaded by --resume replaces these weights
 
         load_initial_weights(model, cfg.train.init_from)
-    if cfg.moe.backend != "reference":
+    if cfg.moe_runtime.backend != "reference":
 
         model = apply_backend(model, cfg)
     configure_activation_checkpointing(model, cfg)

@@ -299,12 +299,13 @@ def run_layout(cfg, world_size: int) -> dict[str, Any]:
     """What a checkpoint's files depend on besides the model: ``world_size`` (ranks),
     ``zero_stage`` (as DeepSpeed sees it), ``moe_backend`` and ``ep_size`` (expert-parallel
     size; 1 for the reference backend). Stored in the ``COMPLETE`` marker."""
-    return {"world_size": world_size, "zero_stage": cfg.deepspeed.effective_zero_stage, "moe_backend": cfg.moe.backend,
-            "ep_size": cfg.moe.ep_size if cfg.moe.backend != "reference" else 1}
+    rt = cfg.moe_runtime  # the marker keeps its pre-issue-14 key names, so old checkpoints still load
+    return {"world_size": world_size, "zero_stage": cfg.deepspeed.effective_zero_stage, "moe_backend": rt.backend,
+            "ep_size": rt.ep_size if rt.backend != "reference" else 1}
 
 
 _LAYOUT_WORDS = {"world_size": "ranks (data-parallel x expert-parallel)", "zero_stage": "ZeRO stage",
-                 "moe_backend": "moe.backend", "ep_size": "moe.ep_size (expert-parallel size)"}
+                 "moe_backend": "moe_runtime.backend", "ep_size": "moe_runtime.ep_size (expert-parallel size)"}
 
 
 def check_layout(path: str | Path, layout: dict[str, Any]) -> None:

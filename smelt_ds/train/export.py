@@ -59,9 +59,9 @@ def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.T
             raise ConfigError(f"checkpoint {ckpt_dir} is damaged ({'; '.join(problems[:3])}): export an earlier "
                               f"checkpoint ({ckpt_dir.parent}/stepNNNNNNNN)")
         return merge_reference_shards(ckpt_dir, cfg, int(meta.get("world_size", 1)))
-    if cfg.moe.backend != "reference":
+    if cfg.moe_runtime.backend != "reference":
         raise ConfigError(f"{ckpt_dir} has no reference weights ({ckpt_dir}/reference/): it was written by an "
-                          f"older smelt-ds, and a moe.backend {cfg.moe.backend!r} checkpoint cannot be converted "
+                          f"older smelt-ds, and a moe_runtime.backend {cfg.moe_runtime.backend!r} checkpoint cannot be converted "
                           "offline; resume it for one step with this version (--resume auto, raising "
                           "train.max_steps by 1) and export the new checkpoint")
     if cfg.deepspeed.zero_stage == 0:
@@ -132,8 +132,8 @@ def load_exported(path: str | Path):
     if not (path / "model.pt").is_file() or not (path / "config.yaml").is_file():
         raise ConfigError(f"{str(path)!r} is not an export directory (needs model.pt and config.yaml): "
                           "create one with `smelt-ds export RUN_DIR -o OUT`")
-    cfg = load_config(path / "config.yaml", ["moe.backend=reference", "moe.ep_size=1", "deepspeed.zero_stage=0"])
-    model = SmeltLM(cfg)
+    cfg = load_config(path / "config.yaml", ["moe_runtime.backend=reference", "moe_runtime.ep_size=1", "deepspeed.zero_stage=0"])
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     state = _load_weights(path / "model.pt", "")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("expert_bias")]

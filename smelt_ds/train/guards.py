@@ -24,7 +24,8 @@ __all__ = ["check_run_dir", "RESUME_MAY_CHANGE", "lock_run_dir", "remove_if_only
 # silently change what the run computes (token ids, routing)
 _RESUME_FIXED = {"model": None, "loop": None,
                  "moe": ("num_experts", "top_k", "expert_ffn_size", "shared_expert_ffn_size", "score_func",
-                         "aux_loss_free_bias", "backend", "ep_size")}
+                         "aux_loss_free_bias"),
+                 "moe_runtime": ("backend", "ep_size")}
 
 
 def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | None = None) -> None:

@@ -36,6 +36,7 @@ from smelt_ds.train.build import Built, build
 from smelt_ds.train.checkpoint import CheckpointWriteError
 from smelt_ds.train.data import build_data
 from smelt_ds.train.guards import check_run_dir, lock_run_dir, remove_if_only_lock
+from smelt_ds.train.objective import total_loss
 from smelt_ds.train.metrics import (
     MetricsWriter,
     MicroStats,
@@ -240,11 +241,12 @@ def _train_step(fit: _Fit) -> tuple[float, list[int], float | None, dict[str, fl
         batch = fit.data.train.next_batch()
         ids.extend(int(i) for i in batch.sample_ids)
         out = engine(batch.input_ids, labels=batch.labels)
-        engine.backward(out.loss)
+        loss = total_loss(out, cfg.train)  # lm + aux_coef * aux + z_coef * z
+        engine.backward(loss)
         if m == fit.accum - 1:
             grad_norm = _grad_norm_before_step(engine, cfg)
         engine.step()
-        fit.micro.add(out)
+        fit.micro.add(out, loss)
     fit.step += 1
     fit.tokens_seen += fit.tokens_per_step
     _after_step(fit.built.model, cfg)

@@ -53,10 +53,12 @@ class MicroStats:
     n: int = 0
     sums: dict[str, float] = field(default_factory=dict)
 
-    def add(self, out) -> None:
+    def add(self, out, loss: torch.Tensor) -> None:
+        """Add one micro-batch: ``loss`` is the training objective
+        (:func:`smelt_ds.train.objective.total_loss`), ``out`` the model's ``LMOutput`` (its
+        unweighted ``lm_loss``, ``aux_loss``, ``z_loss``)."""
         self.n += 1
-        for k in ("loss", "lm_loss", "aux_loss", "z_loss"):
-            v = getattr(out, k)
+        for k, v in (("loss", loss), ("lm_loss", out.lm_loss), ("aux_loss", out.aux_loss), ("z_loss", out.z_loss)):
             if v is not None:
                 self.sums[k] = self.sums.get(k, 0.0) + float(v.detach())
 

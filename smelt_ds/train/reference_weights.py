@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from smelt_ds.config.run import config_from_dict, config_to_dict
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
 
@@ -146,7 +145,7 @@ def gather_reference_shard(engine, backend: str) -> dict[str, Any]:
 
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` around a :class:`SmeltLM` (any ZeRO stage).
-        backend: ``moe.backend`` of the run (``reference``, ``deepspeed`` or ``autoep``).
+        backend: ``moe_runtime.backend`` of the run (``reference``, ``deepspeed`` or ``autoep``).
 
     Returns:
         ``{"format", "rank", "dense": {name: (shape) fp32 CPU tensor}, "experts": {name:
@@ -191,11 +190,8 @@ def gather_reference_shard(engine, backend: str) -> dict[str, Any]:
 def _expected_state(cfg) -> dict[str, torch.Size]:
     """Names and shapes of the reference model's state dict, built on the meta device."""
 
-    raw = config_to_dict(cfg)
-    raw["moe"] = {**raw["moe"], "backend": "reference", "ep_size": 1}
-    raw.setdefault("deepspeed", {})["zero_stage"] = 0
-    with torch.device("meta"):
-        model = SmeltLM(config_from_dict(raw))
+    with torch.device("meta"):  # the model takes its architecture only: the reference layout
+        model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     return {k: v.shape for k, v in model.state_dict().items()}
 
 

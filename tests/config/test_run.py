@@ -156,10 +156,10 @@ def test_set_overrides_take_precedence_over_yaml(tmp_path):
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.moe.top_k) == (64, 8, 2)
     cfg = load_config(path, ["model.hidden_size=32", "moe.top_k=1", "model.tie_embeddings=true", "name=x y",
                              "loop.position=custom", "loop.ranges=[{start: 2, end: 4, repeats: 3}]",
-                             "moe.aux_loss_coef=1e-3", "model.head_dim=", "moe.score_func=sigmoid"])
+                             "train.aux_loss_coef=1e-3", "model.head_dim=", "moe.score_func=sigmoid"])
     assert cfg.model.hidden_size == 32 and cfg.model.num_layers == 8  # untouched YAML value kept
     assert cfg.moe.top_k == 1 and cfg.model.tie_embeddings is True and cfg.name == "x y"
-    assert cfg.moe.aux_loss_coef == pytest.approx(1e-3) and cfg.model.head_dim is None
+    assert cfg.train.aux_loss_coef == pytest.approx(1e-3) and cfg.model.head_dim is None
     assert cfg.moe.score_func == "sigmoid"
     assert [(r.start, r.end, r.repeats) for r in cfg.loop.ranges] == [(2, 4, 3)]
     # a later override wins over an earlier one; a new section is created
@@ -318,3 +318,83 @@ def test_yaml_merge_keys_and_distinct_nested_keys_are_accepted(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("base: &b {x: 1, y: 2}\nuse:\n  <<: *b\n  y: 3\nother:\n  x: 5\n")
     assert read_yaml_mapping(path) == {"base": {"x": 1, "y": 2}, "use": {"x": 1, "y": 3}, "other": {"x": 5}}
+
+
+# --------------------------------------------------------------------------------------------
+# issue 14: the MoE section holds the architecture only
+# --------------------------------------------------------------------------------------------
+
+
+def test_runtime_knobs_and_loss_coefficients_have_their_own_sections():
+    cfg = config_from_dict({"moe": {"num_experts": 4, "top_k": 2},
+                            "moe_runtime": {"backend": "autoep", "ep_size": 2, "capacity_factor": 1.5},
+                            "train": {"aux_loss_coef": 0.02, "z_loss_coef": 0.0}})
+    assert (cfg.moe_runtime.backend, cfg.moe_runtime.ep_size, cfg.moe_runtime.capacity_factor) == ("autoep", 2, 1.5)
+    assert (cfg.train.aux_loss_coef, cfg.train.z_loss_coef) == (0.02, 0.0)
+    d = RunConfig()
+    assert (d.train.aux_loss_coef, d.train.z_loss_coef) == (0.01, 0.001)
+    assert (d.moe_runtime.backend, d.moe_runtime.ep_size, d.moe_runtime.min_capacity) == ("reference", 1, 4)
+    assert "backend" not in type(d.moe).model_fields and "aux_loss_coef" not in type(d.moe).model_fields
+    assert "`train.z_loss_coef` (-1.0)" in bad({"train": {"z_loss_coef": -1.0}})  # same validation as before
+
+
+@pytest.mark.parametrize("moe,new", [
+    ({"backend": "autoep"}, ["`moe.backend` moved to `moe_runtime.backend` (issue 14): write "
+                             "`moe_runtime: {backend: autoep}`"]),
+    ({"aux_loss_coef": 0.01, "z_loss_coef": 0.0, "ep_size": 2},
+     ["`moe.aux_loss_coef` moved to `train.aux_loss_coef` (issue 14): write `train: {aux_loss_coef: 0.01}`",
+      "`moe.z_loss_coef` moved to `train.z_loss_coef` (issue 14): write `train: {z_loss_coef: 0.0}`",
+      "`moe.ep_size` moved to `moe_runtime.ep_size` (issue 14): write `moe_runtime: {ep_size: 2}`"]),
+    ({"use_tutel": True, "drop_tokens": False, "capacity_factor": 1.25, "eval_capacity_factor": 2.0,
+      "min_capacity": 0, "num_experts": 8},
+     [f"`moe.{k}` moved to `moe_runtime.{k}`" for k in ("use_tutel", "drop_tokens", "capacity_factor",
+                                                       "eval_capacity_factor", "min_capacity")]),
+])
+def test_old_moe_layout_is_refused_naming_each_moved_key(tmp_path, moe, new):
+    path = write(tmp_path, {"moe": moe})
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: recipe uses the old `moe:` layout")
+    for line in new:
+        assert line in msg
+
+
+def test_old_moe_key_given_with_set_is_refused_too(tmp_path):
+    path = write(tmp_path, {"moe": {"top_k": 2}})
+    with pytest.raises(ConfigError, match=r"`moe\.ep_size` moved to `moe_runtime\.ep_size` \(issue 14\): write "
+                                          r"`moe_runtime: \{ep_size: 2\}` \(or --set moe_runtime\.ep_size=2\)"):
+        load_config(path, ["moe.ep_size=2"])
+    assert load_config(path, ["moe_runtime.ep_size=2", "moe_runtime.backend=autoep"]).moe_runtime.ep_size == 2
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"moe_runtime": {"backend": "deepspeed"}, "deepspeed": {"zero_stage": 3}},
+     r"`moe_runtime\.backend` \('deepspeed'\) does not support ZeRO stage 3.*use moe_runtime\.backend 'autoep'"),
+    ({"moe_runtime": {"backend": "deepspeed"}, "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}},
+     r"`moe_runtime\.backend` \('deepspeed'\) does not support ZeRO stage 3"),  # the effective stage
+    ({"moe": {"score_func": "sigmoid"}, "moe_runtime": {"backend": "deepspeed"}},
+     r"`moe\.score_func` \('sigmoid'\) is not supported by moe_runtime\.backend 'deepspeed'"),
+    ({"moe": {"aux_loss_free_bias": True}, "moe_runtime": {"backend": "autoep"}},
+     r"`moe\.aux_loss_free_bias` \(True\) is not supported by moe_runtime\.backend 'autoep'"),
+    ({"moe_runtime": {"backend": "autoep", "use_tutel": True}},
+     r"`moe_runtime\.use_tutel` \(True\) only applies to moe_runtime\.backend 'deepspeed'"),
+    ({"moe": {"num_experts": 6}, "moe_runtime": {"backend": "autoep", "ep_size": 4}},
+     r"`moe\.num_experts` \(6\) must be divisible by `moe_runtime\.ep_size` \(4\)"),
+    ({"moe_runtime": {"ep_size": 2}}, r"`moe_runtime\.ep_size` \(2\) needs an expert-parallel backend"),
+])
+def test_backend_rules_are_checked_when_the_recipe_is_loaded(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(raw)
+
+
+def test_budget_refuses_a_recipe_that_can_never_train(tmp_path, capsys):
+    from smelt_ds.cli import main
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes/tiny/smelt.yaml").read_text())
+    raw["moe_runtime"] = {"backend": "deepspeed"}
+    raw["deepspeed"] = {"zero_stage": 3}
+    path = write(tmp_path, raw)
+    assert main(["budget", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "`moe_runtime.backend` ('deepspeed') does not support ZeRO stage 3" in err and "autoep" in err

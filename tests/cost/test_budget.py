@@ -43,7 +43,7 @@ def _cfg(raw):
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_param_counts_equal_module(name):
     cfg = _cfg(SHAPES[name])
-    model = SmeltLM(cfg)
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     b = compute_budget(cfg)
     emb = {id(p) for n, p in model.named_parameters() if n in ("embed_tokens.weight", "lm_head.weight")}
     non_emb = sum(p.numel() for p in model.parameters() if id(p) not in emb)
@@ -62,7 +62,7 @@ def test_forward_flops_equal_flop_counter(name):
     loop, torch's FlopCounterMode counts exactly the matmuls of the 'full' convention, so the
     analytic count must agree to the FLOP."""
     cfg = _cfg(SHAPES[name])
-    model = SmeltLM(cfg).eval()
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
     B, S = 2, 16
     ids = torch.randint(0, cfg.model.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as fc, torch.no_grad():
@@ -85,7 +85,7 @@ def test_causal_convention_counts_half_the_keys():
 
 def test_kv_cache_bytes_equal_measured_cache():
     cfg = _cfg(SHAPES["middle_gqa"])
-    model = SmeltLM(cfg).eval()
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
     cache = KVCache()
     with torch.no_grad():
         model(torch.zeros(1, 10, dtype=torch.long), kv_cache=cache)

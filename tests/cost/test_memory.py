@@ -24,6 +24,7 @@ from smelt_ds.config.run import config_from_dict, config_to_dict, load_config
 from smelt_ds.parallel.engine import configure_activation_checkpointing
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
+from smelt_ds.train.objective import total_loss
 
 SMELT, BASELINE = "recipes/tiny/smelt.yaml", "recipes/tiny/baseline.yaml"
 SHORT = ["train.seq_len=32", "train.micro_batch_size=2"]
@@ -77,7 +78,7 @@ def test_param_counts_equal_the_module_and_deepspeeds_model_to_params(path, sect
     from deepspeed.runtime.zero.stage3 import model_to_params
 
     cfg = _variant(path, **sections)
-    model = SmeltLM(cfg)
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     counts = memory.param_counts(cfg)
     assert (counts.total, counts.largest_module) == model_to_params(model)
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and n.startswith("layers."))
@@ -90,7 +91,7 @@ def test_dense_model_states_equal_deepspeed_estimators(nodes, gpus):
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     cfg = _variant(BASELINE)
-    total, largest = model_to_params(SmeltLM(cfg))
+    total, largest = model_to_params(SmeltLM(cfg.model, cfg.moe, cfg.loop))
     counts = memory.param_counts(cfg)
     N = nodes * gpus
     for label, stage, off_opt, off_param in memory.ZERO_OPTIONS:
@@ -111,7 +112,7 @@ def test_dense_model_states_equal_deepspeed_estimators(nodes, gpus):
 def test_expert_parallel_model_states():
     """Experts sharded over ep=2 and ZeRO-partitioned over the expert-data-parallel group of
     N/ep: ZeRO-2 on 8 GPUs = 2 B (dense + experts/2) + 18 B (dense/8 + (experts/2)/4)."""
-    cfg = _variant(SMELT, moe={"backend": "autoep", "ep_size": 2})
+    cfg = _variant(SMELT, moe_runtime={"backend": "autoep", "ep_size": 2})
     c = memory.param_counts(cfg)
     ms = memory.model_states(c, 1, 8, 2, precision="bf16", ep_size=2)
     want = 2 * c.dense + 2 * c.expert / 2 + 18 * c.dense / 8 + 18 * (c.expert / 2) / 4
@@ -169,7 +170,7 @@ def test_measured_model_state_storage(measured):
     m = ms["none"]
     P = memory.param_counts(cfg).total
     assert m.params == 4 * P and m.grads == 4 * P
-    n_tensors = len(list(SmeltLM(cfg).parameters()))
+    n_tensors = len(list(SmeltLM(cfg.model, cfg.moe, cfg.loop).parameters()))
     assert 8 * P <= m.optimizer <= 8 * P + 4 * n_tensors  # Adam moments (+ a step scalar per tensor)
     assert m.predicted_model_states == 16 * P
 
@@ -194,20 +195,19 @@ def test_bf16_formula_matches_a_bf16_model():
         raw["train"]["activation_checkpointing"]["policy"] = policy
         c = config_from_dict(raw)
         torch.manual_seed(0)
-        model = SmeltLM(c).train()
+        model = SmeltLM(c.model, c.moe, c.loop).train()
         for p in model.parameters():  # parameters only, as DeepSpeed's bf16 engine casts (0.19.8
             p.data = p.data.to(torch.bfloat16)  # keeps fp32 buffers: the RoPE tables are cast per call)
         configure_activation_checkpointing(model, c)
         counter = memory_profile.SavedTensorCounter(model.parameters())
-        if model.blocks.checkpoint_fn is not None:
-            model.blocks.checkpoint_fn = counter.wrap_checkpoint(model.blocks.checkpoint_fn)
+        assert model.blocks.wrap_checkpoint_fn(counter.wrap_checkpoint) == (policy != "none")
         ids = torch.randint(0, 4096, (2, 32))
         with counter:
             out = model(ids, labels=ids.clone())  # two int64 storages, as the formula's ids + labels
         got = counter.saved_bytes()
         pred = memory.activation_bytes(c, policy, 2, 32, 2, "cpu").stored
         assert got - pred == UNMODELLED_BYTES, (policy, pred, got)
-        out.loss.backward()
+        total_loss(out, c.train).backward()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,8 +248,8 @@ def test_bad_input_raises_config_error(kwargs, match):
 
 
 def test_gpus_not_divisible_by_ep_size():
-    cfg = _variant(SMELT, moe={"backend": "autoep", "ep_size": 2})
-    with pytest.raises(ConfigError, match=r"moe\.ep_size.*\(2\)"):
+    cfg = _variant(SMELT, moe_runtime={"backend": "autoep", "ep_size": 2})
+    with pytest.raises(ConfigError, match=r"moe_runtime\.ep_size.*\(2\)"):
         memory.estimate(cfg, nodes=1, gpus_per_node=3)
 
 

@@ -117,6 +117,7 @@ def _gather_bytes() -> int:
 
 def _comms_worker(rank, world, raws):
     from smelt_ds.model import SmeltLM
+    from smelt_ds.train.objective import total_loss
     from smelt_ds.parallel import engine
 
     orig = zero_config.load_template
@@ -125,7 +126,7 @@ def _comms_worker(rank, world, raws):
     for raw in raws:
         cfg = config_from_dict(raw)
         torch.manual_seed(0)
-        model = SmeltLM(cfg)
+        model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
         engine.configure_activation_checkpointing(model, cfg)
         eng, _, _, ds = engine.initialize(cfg, model, world)
         per_step = []
@@ -134,7 +135,7 @@ def _comms_worker(rank, world, raws):
             ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(10 * step + rank))
             out = eng(ids[:, :-1], labels=ids[:, 1:])
             fwd = _gather_bytes()
-            eng.backward(out.loss)
+            eng.backward(total_loss(out, cfg.train))
             bwd = _gather_bytes()
             eng.step()
             per_step.append((fwd, bwd + _gather_bytes()))

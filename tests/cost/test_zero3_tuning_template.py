@@ -117,19 +117,20 @@ def _gather_bytes() -> int:
 def _worker(rank, world, raws):
     from smelt_ds.parallel import engine
     from smelt_ds.model import SmeltLM
+    from smelt_ds.train.objective import total_loss
 
     res = []
     for raw in raws:
         cfg = config_from_dict(raw)
         torch.manual_seed(0)
-        eng, _, _, ds = engine.initialize(cfg, SmeltLM(cfg), world)
+        eng, _, _, ds = engine.initialize(cfg, SmeltLM(cfg.model, cfg.moe, cfg.loop), world)
         steps = []
         for step in range(4):  # DeepSpeed records its module trace in steps 1-2 and uses it from step 3
             _gather_bytes()
             ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(10 * step + rank))
             out = eng(ids[:, :-1], labels=ids[:, 1:])
             fwd = _gather_bytes()
-            eng.backward(out.loss)
+            eng.backward(total_loss(out, cfg.train))
             eng.step()
             steps.append((fwd, _gather_bytes()))
         parts = sum(p.ds_tensor.ds_numel * p.element_size() for p in eng.module.parameters())

@@ -18,8 +18,8 @@ PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 def require(path: Path) -> Path:
     """Skip the calling test when a shared corpus is absent."""
     if not path.is_file():
-        pytest.skip(f"shared corpus {path} is absent (expected at <repo>/../shared/data; see "
-                    "/work/shared/data/README.md)")
+        pytest.skip(f"shared corpus {path.name} is absent (expected in ../shared/data/ beside the repository, "
+                    "described by its README.md)")
     return path
 
 

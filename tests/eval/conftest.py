@@ -56,7 +56,8 @@ def random_exports(tmp_path_factory, eval_cache, eval_data):
     for name, raw in (("baseline", baseline_raw(eval_cache)), ("smelt", tiny_raw(eval_cache))):
         raw["model"]["init_std"] = 0.2
         torch.manual_seed(1)
-        out[name] = export_model(SmeltLM(config_from_dict(raw)), root / name)
+        cfg = config_from_dict(raw)
+        out[name] = export_model(SmeltLM(cfg.model, cfg.moe, cfg.loop), cfg, root / name)
     return out
 
 

@@ -39,13 +39,14 @@ def baseline_raw(cache: Path, **sections) -> dict:
     return raw
 
 
-def export_model(model, out: Path) -> Path:
-    """Write ``model.pt`` + ``config.yaml`` like ``smelt-ds export`` (no training, no DeepSpeed)."""
+def export_model(model, cfg, out: Path) -> Path:
+    """Write ``model.pt`` + ``config.yaml`` (of the RunConfig ``cfg`` the model was built from) like
+    ``smelt-ds export`` (no training, no DeepSpeed)."""
     from smelt_ds.config.run import dump_config
 
     out.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), out / "model.pt")
-    dump_config(model.cfg, out / "config.yaml")
+    dump_config(cfg, out / "config.yaml")
     return out
 
 

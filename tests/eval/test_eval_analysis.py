@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from smelt_ds.model.looping import Visit
+from smelt_ds.model.looping import Visit, VisitContext
 
 
 def _batches(V: int, n: int = 2, B: int = 2, S: int = 16, seed: int = 0) -> list[dict]:
@@ -43,7 +43,7 @@ def _first_token_model(tiny_cfg):
     from smelt_ds.model import SmeltLM
 
     cfg = tiny_cfg({"loop": {"position": "middle"}, "model": {"rope_theta": 1e9}})
-    m = SmeltLM(cfg).eval()
+    m = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
     H = cfg.model.hidden_size
     emb = torch.randn(cfg.model.vocab_size, H) * 0.1
     emb[:, 0] = 0.0
@@ -68,7 +68,7 @@ def test_head_forced_on_first_token_reads_one_and_identical_visits_do_not_diverg
     from smelt_ds.eval.analysis import analyze_model
 
     m = _first_token_model(tiny_cfg)
-    res = analyze_model(m, _batches(m.cfg.model.vocab_size))
+    res = analyze_model(m, _batches(m.model_cfg.vocab_size))
     attn = res["attention"]
     assert list(attn) == [f"L{v.layer}V{v.visit}" for v in m.schedule.plan]
     for rec in attn.values():
@@ -90,12 +90,13 @@ def test_uniform_attention_has_the_closed_form_values(tiny_cfg):
     from smelt_ds.eval.analysis import analyze_model
     from smelt_ds.model import SmeltLM
 
-    m = SmeltLM(tiny_cfg({"loop": {"position": "middle"}})).eval()
+    cfg = tiny_cfg({"loop": {"position": "middle"}})
+    m = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
     with torch.no_grad():
         for layer in m.layers:
             layer.self_attn.q_proj.weight.zero_()  # all scores 0: query i attends 1/(i+1) to each key
     S = 16
-    res = analyze_model(m, _batches(m.cfg.model.vocab_size, S=S))
+    res = analyze_model(m, _batches(m.model_cfg.vocab_size, S=S))
     rows = range(1, S)
     first = sum(1 / (i + 1) for i in rows) / (S - 1)
     ent = sum(math.log(i + 1) for i in rows) / (S - 1)
@@ -111,8 +112,9 @@ def test_random_model_statistics_equal_hand_computations(tiny_cfg):
     from smelt_ds.eval.analysis import analyze_model
     from smelt_ds.model import SmeltLM
 
-    m = SmeltLM(tiny_cfg({"loop": {"position": "middle"}})).eval()
-    batches = _batches(m.cfg.model.vocab_size, n=2, B=3, S=20, seed=1)
+    cfg = tiny_cfg({"loop": {"position": "middle"}})
+    m = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
+    batches = _batches(m.model_cfg.vocab_size, n=2, B=3, S=20, seed=1)
     res = analyze_model(m, batches)
     # by hand: attention probabilities and router inputs of every visit, in plan order
     probs: dict[Visit, list[torch.Tensor]] = {}
@@ -137,7 +139,7 @@ def test_random_model_statistics_equal_hand_computations(tiny_cfg):
         top3 = p[:, :, 1:].sort(-1, descending=True).values[..., :3].sum(-1).mean(dim=(0, 2))
         assert rec["top_mass"] == pytest.approx(top3.tolist(), rel=1e-5)
     # routing: expert load and divergence from the router's own inputs
-    K, E = m.cfg.moe.top_k, m.cfg.moe.num_experts
+    K, E = m.moe_cfg.top_k, m.moe_cfg.num_experts
     for layer, xs in router_in.items():
         visits = m.schedule.visits_of(layer)
         per_visit = [torch.cat(xs[v::visits]) for v in range(visits)]  # calls alternate per batch
@@ -166,7 +168,7 @@ def test_random_model_statistics_equal_hand_computations(tiny_cfg):
                 x = m.embed_tokens(b["input_ids"])
                 cos, sin = m.rotary(torch.arange(b["input_ids"].shape[1]))
                 for v in m.schedule.plan[:d]:
-                    x = m.layers[v.layer](x, visit=v, cos=cos, sin=sin)
+                    x = m.layers[v.layer](x, VisitContext(v, cos, sin))
                 logits = m.lm_head(m.norm(x))
                 num += float(F.cross_entropy(logits.transpose(1, 2), b["labels"], reduction="sum"))
                 agree += float((logits.argmax(-1) == final).sum())

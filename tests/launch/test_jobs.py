@@ -162,7 +162,7 @@ def test_slurm_nodelists_expand_like_scontrol(capsys):
     (dict(scheduler="pbs"), r"--scheduler 'pbs' is unknown: use one of deepspeed, slurm, k8s"),
     (dict(scheduler="slurm", nodes=512), r"4096 GPUs is more than the layout needs.*2048 micro-batches"),
     (dict(scheduler="slurm", gpus_per_node=16), r"--gpus-per-node.*\(16\) is more GPUs than a node of layout 'h100'"),
-    (dict(scheduler="slurm", nodes=1, gpus_per_node=4), r"`moe.ep_size` \(8\) does not divide the world size.*= 4\)"),
+    (dict(scheduler="slurm", nodes=1, gpus_per_node=4), r"`moe_runtime.ep_size` \(8\) does not divide the world size.*= 4\)"),
     (dict(scheduler="slurm", nodes=3), r"train.global_batch_tokens"),  # 24 GPUs: 2048 sequences do not split
     (dict(scheduler="slurm", nodes=0), r"`--nodes` \(0\) must be a positive integer"),
     (dict(scheduler="slurm", layout="b200"), r"--layout 'b200'"),
@@ -174,6 +174,17 @@ def test_slurm_nodelists_expand_like_scontrol(capsys):
 def test_bad_input_is_a_clear_error(kw, match):
     with pytest.raises(ConfigError, match=match):
         render(_plan(ROOT / "recipes/xl/smelt.yaml", **kw))
+
+
+def test_fill_template_fills_every_field_and_refuses_a_missing_one():
+    from smelt_ds.launch.jobs import fill_template
+
+    # values go in literally (no second pass), shell braces are left alone
+    assert fill_template("a={{A}} ${B} {{A}}\n", {"A": "{{B}}"}, "t.sh") == "a={{B}} ${B} {{B}}\n"
+    with pytest.raises(ConfigError, match=r"template t.sh has fields \['B', 'C'\] that render-job does not fill"):
+        fill_template("{{A}}{{C}}{{B}}", {"A": "1"}, "t.sh")
+    with pytest.raises(ConfigError, match=r"fields \['B'\] that smelt-ds sweep does not fill"):
+        fill_template("{{B}}", {}, "t.sh", by="smelt-ds sweep")
 
 
 def test_cli_dry_run_and_errors(tmp_path, capsys):

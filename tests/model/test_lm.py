@@ -8,10 +8,16 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from smelt_ds.model import KVCache, SmeltLM, Visit, VisitRecorder, routing_divergence
 from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU
+from smelt_ds.train.objective import total_loss
+
+
+def build_lm(cfg) -> SmeltLM:
+    """``SmeltLM`` of a recipe's architecture sections (``model``, ``moe``, ``loop``)."""
+    return SmeltLM(cfg.model, cfg.moe, cfg.loop)
+
 
 V = 61  # tiny vocabulary (tests/conftest.py)
 
@@ -45,8 +51,8 @@ def aux_z_by_hand(W: torch.Tensor, x_BSH: torch.Tensor, k: int) -> tuple[float, 
 @pytest.mark.parametrize("order", ["block", "layer"])
 def test_aux_loss_is_mean_over_moe_visits_and_total_loss(tiny_cfg, order):
     cfg = tiny_cfg({"loop": {"order": order}, "model": {"first_k_dense": 1},
-                    "moe": {"aux_loss_coef": 0.3, "z_loss_coef": 0.05}})
-    model = SmeltLM(cfg)
+                    "train": {"aux_loss_coef": 0.3, "z_loss_coef": 0.05}})
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     calls = capture_moe_inputs(model)
     ids, labels = torch.randint(0, V, (2, 6)), torch.randint(0, V, (2, 6))
     out = model(ids, labels=labels)
@@ -70,17 +76,19 @@ def test_aux_loss_is_mean_over_moe_visits_and_total_loss(tiny_cfg, order):
     logp = out.logits.reshape(-1, V).log_softmax(-1)
     lm = -logp[torch.arange(12), labels.reshape(-1)].mean().item()
     assert out.lm_loss.item() == pytest.approx(lm, rel=1e-5)
-    assert out.loss.item() == pytest.approx(lm + 0.3 * aux_mean + 0.05 * z_mean, rel=1e-5)
+    assert not hasattr(out, "loss")  # the model returns unweighted losses; training weights them
+    assert total_loss(out, cfg.train).item() == pytest.approx(lm + 0.3 * aux_mean + 0.05 * z_mean, rel=1e-5)
 
 
 def test_lm_loss_ignores_minus_100_and_dense_model_has_no_aux(tiny_cfg):
-    model = SmeltLM(tiny_cfg({"model": {"first_k_dense": 4}}))
+    cfg = tiny_cfg({"model": {"first_k_dense": 4}})
+    model = build_lm(cfg)
     ids = torch.randint(0, V, (1, 5))
     labels = torch.tensor([[3, -100, 7, -100, 1]])
     out = model(ids, labels=labels)
     logp = out.logits[0].log_softmax(-1)
     assert out.lm_loss.item() == pytest.approx(-(logp[0, 3] + logp[2, 7] + logp[4, 1]).item() / 3, rel=1e-5)
-    assert out.aux_loss is None and out.z_loss is None and out.loss is out.lm_loss
+    assert out.aux_loss is None and out.z_loss is None and total_loss(out, cfg.train) is out.lm_loss
     assert model.recorder.losses == {} and model.recorder.routes == {}
 
 
@@ -96,7 +104,7 @@ def test_incremental_decoding_equals_full_forward(tiny_cfg, position, order, inj
     n_layers = 6 if position == "asymmetric" else 4
     cfg = tiny_cfg({"loop": {"position": position, "order": order, "input_injection": inject},
                     "model": {"num_layers": n_layers}})
-    model = SmeltLM(cfg).eval()
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
     assert cfg.model.num_kv_heads < cfg.model.num_heads  # GQA
     B, S, prefill = 2, 9, 4
     ids = torch.randint(0, V, (B, S))
@@ -118,7 +126,7 @@ def test_incremental_decoding_equals_full_forward(tiny_cfg, position, order, inj
 
 
 def test_kv_cache_slots_of_two_visits_differ(tiny_cfg):
-    model = SmeltLM(tiny_cfg()).eval()
+    model = build_lm(tiny_cfg()).eval()
     cache = KVCache()
     with torch.no_grad():
         model(torch.randint(0, V, (1, 5)), kv_cache=cache)
@@ -127,7 +135,7 @@ def test_kv_cache_slots_of_two_visits_differ(tiny_cfg):
 
 
 def test_generate_greedy_equals_argmax_of_full_forward(tiny_cfg):
-    model = SmeltLM(tiny_cfg()).eval()
+    model = build_lm(tiny_cfg()).eval()
     prompt = torch.randint(0, V, (2, 4))
     out = model.generate(prompt, max_new_tokens=6)
     assert out.shape == (2, 10) and torch.equal(out[:, :4], prompt)
@@ -137,7 +145,7 @@ def test_generate_greedy_equals_argmax_of_full_forward(tiny_cfg):
 
 
 def test_generate_sampling_seeded_and_top_p(tiny_cfg):
-    model = SmeltLM(tiny_cfg({"model": {"init_std": 0.5}})).eval()
+    model = build_lm(tiny_cfg({"model": {"init_std": 0.5}})).eval()
     prompt = torch.randint(0, V, (3, 3))
     a = model.generate(prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(7))
     b = model.generate(prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(7))
@@ -168,7 +176,7 @@ def test_generate_sampling_seeded_and_top_p(tiny_cfg):
 
 
 def test_generate_eos_and_length_limit(tiny_cfg):
-    model = SmeltLM(tiny_cfg()).eval()
+    model = build_lm(tiny_cfg()).eval()
     prompt = torch.randint(0, V, (2, 3))
     greedy = model.generate(prompt, 6)
     eos = int(greedy[0, 5])  # row 0 emits it at step 3 (maybe earlier too)
@@ -215,7 +223,7 @@ def test_recorder_divergence_and_router_stats():
 
 
 def test_model_divergence_zero_when_visits_see_same_input(tiny_cfg):
-    model = SmeltLM(tiny_cfg())
+    model = build_lm(tiny_cfg())
     with torch.no_grad():  # every layer is the identity on the residual stream
         for layer in model.layers:
             layer.self_attn.o_proj.weight.zero_()
@@ -225,7 +233,7 @@ def test_model_divergence_zero_when_visits_see_same_input(tiny_cfg):
 
 
 def test_model_divergence_matches_hand_count(tiny_cfg):
-    model = SmeltLM(tiny_cfg({"model": {"init_std": 0.5}}))
+    model = build_lm(tiny_cfg({"model": {"init_std": 0.5}}))
     calls = capture_moe_inputs(model)
     model(torch.randint(0, V, (2, 8)))
     div = model.recorder.divergence()
@@ -248,7 +256,7 @@ def test_model_divergence_matches_hand_count(tiny_cfg):
 
 
 def test_probs_hook_explicit_equals_sdpa_and_probs_are_causal(tiny_cfg):
-    model = SmeltLM(tiny_cfg()).eval()
+    model = build_lm(tiny_cfg()).eval()
     ids = torch.randint(0, V, (2, 7))
     seen: dict[Visit, torch.Tensor] = {}
     with torch.no_grad():
@@ -277,7 +285,7 @@ def test_probs_hook_explicit_equals_sdpa_and_probs_are_causal(tiny_cfg):
 
 
 def test_probs_hook_with_kv_cache(tiny_cfg):
-    model = SmeltLM(tiny_cfg()).eval()
+    model = build_lm(tiny_cfg()).eval()
     ids = torch.randint(0, V, (1, 6))
     seen = {}
     with torch.no_grad():
@@ -297,7 +305,7 @@ def test_probs_hook_with_kv_cache(tiny_cfg):
 
 
 def test_dense_first_k_layers(tiny_cfg):
-    model = SmeltLM(tiny_cfg({"model": {"first_k_dense": 2}}))
+    model = build_lm(tiny_cfg({"model": {"first_k_dense": 2}}))
     assert [type(layer.mlp) for layer in model.layers] == [SwiGLU, SwiGLU, MoE, MoE]
     mlp = model.layers[0].mlp
     assert mlp.gate_proj.weight.shape == (48, 32) and mlp.down_proj.weight.shape == (32, 48)
@@ -308,14 +316,15 @@ def test_dense_first_k_layers(tiny_cfg):
 
 
 def test_tied_embeddings_share_the_weight(tiny_cfg):
-    tied = SmeltLM(tiny_cfg({"model": {"tie_embeddings": True}}))
+    cfg = tiny_cfg({"model": {"tie_embeddings": True}})
+    tied = build_lm(cfg)
     assert tied.lm_head.weight is tied.embed_tokens.weight
     ids = torch.randint(0, V, (1, 4))
-    tied(ids, labels=ids).loss.backward()
+    total_loss(tied(ids, labels=ids), cfg.train).backward()
     with torch.no_grad():
         tied.embed_tokens.weight[5, 0] = 123.0
     assert tied.lm_head.weight[5, 0].item() == 123.0
-    untied = SmeltLM(tiny_cfg())
+    untied = build_lm(tiny_cfg())
     assert untied.lm_head.weight is not untied.embed_tokens.weight
     n_tied = sum(p.numel() for p in tied.parameters())
     n_untied = sum(p.numel() for p in untied.parameters())
@@ -324,7 +333,7 @@ def test_tied_embeddings_share_the_weight(tiny_cfg):
 
 
 def test_looped_parameter_names(tiny_cfg):
-    model = SmeltLM(tiny_cfg())
+    model = build_lm(tiny_cfg())
     names = model.looped_parameter_names()
     assert {n.split(".")[1] for n in names} == {"1", "2"}
     assert "layers.1.mlp.experts.gate_up_proj" in names and "layers.0.mlp.gate.weight" not in names
@@ -345,7 +354,7 @@ def test_state_dict_holds_each_layer_once():
 
     cfg = config_from_dict({"model": {"num_layers": 4, "hidden_size": 32, "max_seq_len": 64},
                             "train": {"seq_len": 32}})
-    model = SmeltLM(cfg)
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     keys = list(model.state_dict())
     assert not [k for k in keys if k.startswith("blocks.")]
     assert sum(1 for k in keys if k.endswith("mlp.experts.gate_up_proj")) == 4

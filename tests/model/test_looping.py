@@ -11,6 +11,14 @@ import torch.nn.functional as F
 from smelt_ds.config.run import LoopConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import LoopSchedule, LoopSpan, SmeltLM, Visit
+from smelt_ds.model.looping import VisitContext
+from smelt_ds.train.objective import total_loss
+
+
+def build_lm(cfg) -> SmeltLM:
+    """``SmeltLM`` of a recipe's architecture sections (``model``, ``moe``, ``loop``)."""
+    return SmeltLM(cfg.model, cfg.moe, cfg.loop)
+
 
 # --------------------------------------------------------------------------------------------
 # visit plans
@@ -142,13 +150,13 @@ def unrolled_logits(model: SmeltLM, ids: torch.Tensor, plan, layers=None, inject
             else:
                 x = x + block_in
         mod = model.layers[layer] if layers is None else layers[n]
-        x = mod(x, visit=Visit(layer, visit), cos=cos, sin=sin)
+        x = mod(x, VisitContext(Visit(layer, visit), cos, sin))
     return model.lm_head(model.norm(x))
 
 
 @pytest.mark.parametrize("order,inject", [("block", "none"), ("layer", "none"), ("block", "add")])
 def test_looped_forward_equals_unrolled(tiny_cfg, order, inject):
-    model = SmeltLM(tiny_cfg({"loop": {"order": order, "input_injection": inject}}))
+    model = build_lm(tiny_cfg({"loop": {"order": order, "input_injection": inject}}))
     assert model.schedule.plan == [Visit(*v) for v in PLAN4[order]]
     ids = torch.randint(0, 61, (2, 7))
     got = model(ids).logits
@@ -160,8 +168,8 @@ def test_looped_forward_equals_unrolled(tiny_cfg, order, inject):
 
 
 def test_input_injection_changes_output(tiny_cfg):
-    a = SmeltLM(tiny_cfg({"loop": {"input_injection": "none"}}))
-    b = SmeltLM(tiny_cfg({"loop": {"input_injection": "add"}}))
+    a = build_lm(tiny_cfg({"loop": {"input_injection": "none"}}))
+    b = build_lm(tiny_cfg({"loop": {"input_injection": "add"}}))
     b.load_state_dict(a.state_dict())
     ids = torch.randint(0, 61, (1, 5))
     assert (a(ids).logits - b(ids).logits).abs().max() > 1e-3
@@ -170,12 +178,12 @@ def test_input_injection_changes_output(tiny_cfg):
 @pytest.mark.parametrize("order,inject", [("block", "none"), ("layer", "none"), ("block", "add")])
 def test_looped_grad_equals_sum_of_unrolled_copies(tiny_cfg, order, inject):
     cfg = tiny_cfg({"loop": {"order": order, "input_injection": inject},
-                    "moe": {"aux_loss_coef": 0.5, "z_loss_coef": 0.1}, "model": {"first_k_dense": 1}})
-    model = SmeltLM(cfg)
+                    "train": {"aux_loss_coef": 0.5, "z_loss_coef": 0.1}, "model": {"first_k_dense": 1}})
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     twin = copy.deepcopy(model)  # before any forward: a module holding last_route is not deep-copyable
     ids = torch.randint(0, 61, (2, 6))
     labels = torch.randint(0, 61, (2, 6))
-    model(ids, labels=labels).loss.backward()
+    total_loss(model(ids, labels=labels), cfg.train).backward()
 
     copies = [copy.deepcopy(twin.layers[layer]) for layer, _ in PLAN4[order]]
     logits = unrolled_logits(twin, ids, PLAN4[order], layers=copies, inject=inject == "add")
@@ -201,21 +209,131 @@ def test_looped_grad_equals_sum_of_unrolled_copies(tiny_cfg, order, inject):
 def test_checkpointed_looped_visits_same_loss_and_grads(tiny_cfg):
     from torch.utils.checkpoint import checkpoint
 
-    model = SmeltLM(tiny_cfg())
+    cfg = tiny_cfg()
+    model = build_lm(cfg)
     ids = torch.randint(0, 61, (2, 6))
     out = model(ids, labels=ids)
-    out.loss.backward()
+    total_loss(out, cfg.train).backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
     seen = []
-    model.blocks.checkpoint_fn = lambda fn, x: checkpoint(fn, x, use_reentrant=False)
-    model.blocks.checkpoint_policy = lambda v: seen.append(v) or model.schedule.is_looped(v.layer)
+    model.blocks.configure_checkpointing(lambda v: seen.append(v) or model.schedule.is_looped(v.layer),
+                                         lambda fn, x: checkpoint(fn, x, use_reentrant=False))
     out2 = model(ids, labels=ids)
-    out2.loss.backward()
+    total_loss(out2, cfg.train).backward()
     assert seen == model.schedule.plan
-    torch.testing.assert_close(out2.loss, out.loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out2.lm_loss, out.lm_loss, rtol=0, atol=1e-6)
     torch.testing.assert_close(out2.aux_loss, out.aux_loss, rtol=0, atol=1e-6)
     assert len(model.recorder.losses) == 6  # recompute overwrote, did not add
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+# --------------------------------------------------------------------------------------------
+# the manager's checkpointing API and visit context
+# --------------------------------------------------------------------------------------------
+
+
+def _model(cfg) -> SmeltLM:
+    return SmeltLM(cfg.model, cfg.moe, cfg.loop)
+
+
+def _loss(out) -> torch.Tensor:
+    """A training objective with the MoE losses in it (their gradients go through the recorder)."""
+    return out.lm_loss + 0.5 * out.aux_loss + 0.1 * out.z_loss
+
+
+def _contexts(model: SmeltLM) -> list[VisitContext]:
+    """Pre-hooks on every layer: the :class:`VisitContext` of each call, in call order."""
+    seen: list[VisitContext] = []
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda mod, args: seen.append(args[1]))
+    return seen
+
+
+def test_configure_checkpointing_with_visit_set_checkpoints_exactly_those(tiny_cfg):
+    from torch.utils.checkpoint import checkpoint
+
+    model = _model(tiny_cfg()).train()
+    plan = model.schedule.plan  # 0 1 2 1 2 3
+    chosen = {Visit(1, 1), Visit(3, 0)}
+    calls: list[torch.Tensor] = []
+
+    def fn(run, x):
+        calls.append(x)
+        return checkpoint(run, x, use_reentrant=False)
+
+    model.blocks.configure_checkpointing(chosen, fn)
+    assert model.blocks.checkpointing.visits == frozenset(chosen)
+    assert not model.blocks.checkpointing.frees_inputs
+    ctxs = _contexts(model)
+    reports: list[Visit] = []
+    ids = torch.randint(0, 61, (2, 6))
+    out = model(ids, labels=ids, probs_hook=lambda v, p: reports.append(v))
+    assert len(calls) == 2  # one call of fn per chosen visit
+    assert [(c.visit, c.checkpointed, c.recompute) for c in ctxs] == [
+        (v, v in chosen, False) for v in plan]
+    assert all(c.kv_cache is None and c.cos.shape == (6, 8) for c in ctxs)
+    _loss(out).backward()
+    recomputed = ctxs[len(plan):]
+    assert sorted(c.visit for c in recomputed) == sorted(chosen)
+    assert all(c.checkpointed and c.recompute and not c.counts_tokens for c in recomputed)
+    assert reports == plan  # the recompute reports no attention probs
+    assert list(model.recorder.losses) == plan  # every layer is MoE: recorded once per visit, in plan order
+
+    # reconfigure / wrap / disable
+    assert model.blocks.wrap_checkpoint_fn(lambda f: (lambda run, x: calls.append(None) or f(run, x)))
+    calls.clear()
+    model(ids, labels=ids)
+    assert len(calls) == 4  # the wrapper and the wrapped fn, per chosen visit
+    model.blocks.disable_checkpointing()
+    assert model.blocks.checkpointing is None
+    assert not model.blocks.wrap_checkpoint_fn(lambda f: f)
+    calls.clear()
+    model(ids, labels=ids)
+    assert calls == []
+    with pytest.raises(ValueError, match=r"Visit\(layer=3, visit=1\).*not in the visit plan"):
+        model.blocks.configure_checkpointing([Visit(3, 1)], fn)
+    with pytest.raises(TypeError, match="callable"):
+        model.blocks.configure_checkpointing(chosen, None)
+
+
+def test_checkpointing_skipped_in_eval_without_grad_and_with_kv_cache(tiny_cfg):
+    from smelt_ds.model import KVCache
+
+    model = _model(tiny_cfg()).train()
+    calls = []
+    model.blocks.configure_checkpointing(lambda v: True, lambda run, x: calls.append(x) or run(x))
+    ids = torch.randint(0, 61, (1, 5))
+    with torch.no_grad():
+        model(ids)
+    model(ids, kv_cache=KVCache())
+    model.eval()(ids)
+    assert calls == []
+    model.train()(ids)
+    assert len(calls) == len(model.schedule.plan)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recompute_does_not_double_count_tokens_per_expert(tiny_cfg, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    from smelt_ds.model.moe import TopKRouter
+
+    def tokens(ckpt: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = _model(tiny_cfg({"moe": {"aux_loss_free_bias": True, "router_jitter": 0.1}})).train()
+        if ckpt:
+            model.blocks.configure_checkpointing(
+                set(model.schedule.plan), lambda run, x: checkpoint(run, x, use_reentrant=reentrant))
+        ids = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(5)  # jitter stream
+        _loss(model(ids, labels=ids)).backward()
+        return [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, TopKRouter)]
+
+    ref, got = tokens(False), tokens(True)
+    # 4 layers, 6 visits: 2 * 6 tokens * top-2 per visit, layers 1 and 2 visited twice
+    assert [int(t.sum()) for t in ref] == [24, 48, 48, 24]
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r)

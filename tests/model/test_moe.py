@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from smelt_ds.model.moe import MoE, SwiGLU, has_grouped_mm, load_balancing_loss, router_z_loss
+from smelt_ds.train.objective import total_loss
 
 H, E, K, FF = 16, 6, 2, 8
 
@@ -250,6 +251,21 @@ def test_aux_loss_free_bias_steers_selection_not_weights():
     assert moe.gate.tokens_per_expert.sum().item() == 0
 
 
+def test_count_tokens_is_explicit():
+    """``count_tokens`` None counts when grad is enabled; True / False override it (the looping
+    manager passes False for a checkpoint recompute, True for a reentrant checkpoint's forward)."""
+    moe, x = _constructed_moe()
+    moe.gate.use_bias = True
+    moe(x, count_tokens=False)
+    with torch.no_grad():
+        moe(x)
+    assert moe.gate.tokens_per_expert.sum().item() == 0
+    moe(x)
+    with torch.no_grad():
+        moe(x, count_tokens=True)
+    assert moe.gate.tokens_per_expert.sum().item() == 2 * 8  # 4 tokens x top-2, twice
+
+
 def test_swiglu_by_hand():
     m = SwiGLU(4, 3)
     x = torch.randn(5, 4)
@@ -314,7 +330,7 @@ def _tied_step(policy: str, score_func: str = "softmax"):
 
     cfg = config_from_dict(_tied_raw(policy, score_func))
     torch.manual_seed(0)
-    model = SmeltLM(cfg).train()
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop).train()
     configure_activation_checkpointing(model, cfg)
     chosen: list[torch.Tensor] = []
     for name, m in model.named_modules():
@@ -325,8 +341,9 @@ def _tied_step(policy: str, score_func: str = "softmax"):
     ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(5)  # dropout stream
     out = model(ids[:, :-1], labels=ids[:, 1:])
-    out.loss.backward()
-    return {"loss": out.loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+    loss = total_loss(out, cfg.train)
+    loss.backward()
+    return {"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
             "chosen": chosen}
 
 

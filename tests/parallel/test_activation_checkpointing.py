@@ -20,6 +20,7 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM, Visit
 from smelt_ds.model.moe import TopKRouter
 from smelt_ds.testing import run_distributed
+from smelt_ds.train.objective import total_loss
 
 POLICIES = ("full", "looped", "every_n")
 
@@ -48,10 +49,10 @@ def _step(raw, checkpoint_fn=None):
     the routing of every router call (forward and recompute) by router."""
     cfg = config_from_dict(raw)
     torch.manual_seed(0)
-    model = SmeltLM(cfg).train()
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop).train()
     configure_activation_checkpointing(model, cfg)
-    if checkpoint_fn is not None:
-        model.blocks.checkpoint_fn = checkpoint_fn
+    if checkpoint_fn is not None:  # same visits and frees_inputs, another function
+        assert model.blocks.wrap_checkpoint_fn(lambda configured: checkpoint_fn)
     calls: dict[str, list[torch.Tensor]] = {}
     for name, m in model.named_modules():
         if isinstance(m, TopKRouter) and name.startswith("layers."):
@@ -59,8 +60,9 @@ def _step(raw, checkpoint_fn=None):
     ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(5)  # dropout / jitter stream
     out = model(ids[:, :-1], labels=ids[:, 1:])
-    out.loss.backward()
-    return {"loss": out.loss.detach(), "aux": out.aux_loss.detach(), "z": out.z_loss.detach(),
+    loss = total_loss(out, cfg.train)
+    loss.backward()
+    return {"loss": loss.detach(), "aux": out.aux_loss.detach(), "z": out.z_loss.detach(),
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
             "stats": model.recorder.router_stats(),
             "tokens": [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, TopKRouter)],
@@ -98,16 +100,16 @@ def reference():
 
 def test_checkpointed_visits_per_policy():
     cfg = config_from_dict(_raw())
-    model_plan = SmeltLM(cfg).schedule.plan  # middle of 4: 0 1 2 1 2 3
+    model_plan = SmeltLM(cfg.model, cfg.moe, cfg.loop).schedule.plan  # middle of 4: 0 1 2 1 2 3
     assert [v.layer for v in model_plan] == [0, 1, 2, 1, 2, 3]
     want = {"none": set(), "full": set(model_plan),
             "looped": {Visit(1, 0), Visit(2, 0), Visit(1, 1), Visit(2, 1)},
             "every_n": {Visit(0, 0), Visit(2, 0), Visit(2, 1)}}
     for policy, visits in want.items():
         c = config_from_dict(_raw(policy))
-        assert checkpointed_visits(c, SmeltLM(c).schedule) == visits, policy
+        assert checkpointed_visits(c, SmeltLM(c.model, c.moe, c.loop).schedule) == visits, policy
     c = config_from_dict(_raw("every_n", every_n=3))
-    assert checkpointed_visits(c, SmeltLM(c).schedule) == {Visit(0, 0), Visit(1, 1)}
+    assert checkpointed_visits(c, SmeltLM(c.model, c.moe, c.loop).schedule) == {Visit(0, 0), Visit(1, 1)}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -122,7 +124,7 @@ def test_gradient_of_aux_and_z_loss_is_present(reference):
     """The router weights' gradient depends on the aux / z losses (so 'same gradients' above also
     covers the losses' gradient through checkpointed visits)."""
     raw = _raw("none")
-    raw["moe"].update(aux_loss_coef=0.0, z_loss_coef=0.0)
+    raw["train"].update(aux_loss_coef=0.0, z_loss_coef=0.0)
     without = _step(raw)
     router = "layers.1.mlp.gate.weight"
     assert not torch.allclose(without["grads"][router], reference["grads"][router], atol=1e-7)
@@ -205,7 +207,7 @@ def _engine_losses():
             raw["deepspeed"] = {"zero_stage": stage}
             cfg = config_from_dict(raw)
             torch.manual_seed(0)
-            model = SmeltLM(cfg)
+            model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
             configure_activation_checkpointing(model, cfg)
             engine, *_ = initialize(cfg, model, 1)
             losses = []
@@ -213,9 +215,10 @@ def _engine_losses():
                 # the same batch every step: the loss must fall
                 ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(7))
                 out = engine(ids[:, :-1], labels=ids[:, 1:])
-                engine.backward(out.loss)
+                loss = total_loss(out, cfg.train)
+                engine.backward(loss)
                 engine.step()
-                losses.append(float(out.loss.detach()))
+                losses.append(float(loss.detach()))
             res[(stage, policy)] = losses
     return res
 

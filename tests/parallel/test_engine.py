@@ -80,9 +80,9 @@ def test_global_batch_consistency():
 
 def test_config_refuses_bad_backend_combinations():
     with pytest.raises(ConfigError, match="autoep"):
-        _cfg(moe={"backend": "deepspeed"}, deepspeed={"zero_stage": 3})
+        _cfg(moe_runtime={"backend": "deepspeed"}, deepspeed={"zero_stage": 3})
     with pytest.raises(ConfigError, match="moe.aux_loss_free_bias"):
-        _cfg(moe={"backend": "autoep", "aux_loss_free_bias": True})
+        _cfg(moe={"aux_loss_free_bias": True}, moe_runtime={"backend": "autoep"})
     with pytest.raises(ConfigError, match="deepspeed.offload_param"):
         _cfg(deepspeed={"zero_stage": 2, "offload_param": "cpu"})
     with pytest.raises(ConfigError, match="train.seq_len"):
@@ -91,7 +91,7 @@ def test_config_refuses_bad_backend_combinations():
 
 def test_param_groups_decay_and_shared_lr_scale():
     cfg = _cfg(loop={"position": "middle", "shared_lr_scale": 0.5})
-    model = SmeltLM(cfg)
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     groups = param_groups(model, cfg)
     names = {id(p): n for n, p in model.named_parameters()}
     seen = [names[id(p)] for g in groups for p in g["params"]]

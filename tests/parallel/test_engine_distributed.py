@@ -9,7 +9,6 @@ losses, 1e-4 on gradients.
 
 from __future__ import annotations
 
-import copy
 import gc
 
 import pytest
@@ -19,6 +18,7 @@ from smelt_ds.config.run import config_from_dict
 from smelt_ds.parallel.engine import lr_multiplier, param_groups
 from smelt_ds.model import SmeltLM
 from smelt_ds.testing import run_distributed
+from smelt_ds.train.objective import total_loss
 
 pytestmark = pytest.mark.distributed
 
@@ -47,14 +47,12 @@ def _batch(step: int, rank: int, micro: int, size: int) -> tuple[torch.Tensor, t
 
 
 def _engine(raw, world):
-    from smelt_ds.parallel.engine import configure_activation_checkpointing, initialize
+    """The engine exactly as training builds it (train.build: seeded with train.seed)."""
+    from smelt_ds.train.build import build
 
     cfg = config_from_dict(raw)
-    torch.manual_seed(0)
-    model = SmeltLM(cfg)
-    configure_activation_checkpointing(model, cfg)
-    engine, opt, sched, _ = initialize(cfg, model, world)
-    return cfg, engine, sched
+    built = build(cfg, world)
+    return cfg, built.engine, built.scheduler
 
 
 def _ds_losses(rank, world, raw, steps):
@@ -68,9 +66,10 @@ def _ds_losses(rank, world, raw, steps):
         for m in range(accum):
             x, y = _batch(step, rank, m, cfg.train.micro_batch_size)
             out = engine(x, labels=y)
-            engine.backward(out.loss)
+            loss = total_loss(out, cfg.train)
+            engine.backward(loss)
             engine.step()
-            tot += float(out.loss.detach()) / accum
+            tot += float(loss.detach()) / accum
         t = torch.tensor([tot])
         dist.all_reduce(t)
         losses.append(float(t) / world)
@@ -80,8 +79,8 @@ def _ds_losses(rank, world, raw, steps):
 
 def _reference_losses(raw, steps, world=WORLD):
     cfg = config_from_dict(raw)
-    torch.manual_seed(0)
-    model = SmeltLM(cfg)
+    torch.manual_seed(cfg.train.seed)  # the seed train.build uses
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     groups = param_groups(model, cfg)
     opt = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=cfg.train.betas, eps=cfg.train.eps)
     f = lr_multiplier(cfg)
@@ -94,7 +93,7 @@ def _reference_losses(raw, steps, world=WORLD):
         for r in range(world):
             for m in range(accum):
                 x, y = _batch(step, r, m, cfg.train.micro_batch_size)
-                loss = model(x, labels=y).loss / (world * accum)
+                loss = total_loss(model(x, labels=y), cfg.train) / (world * accum)
                 loss.backward()
                 tot += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
@@ -148,7 +147,7 @@ def _full_grads(rank, world, raw):
         x, y = _batch(0, rank, 0, micro * accum)
         x, y = x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]
         out = engine(x, labels=y)
-        engine.backward(out.loss)
+        engine.backward(total_loss(out, cfg.train))
         if m < accum - 1:
             engine.step()
     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
@@ -160,7 +159,7 @@ def test_gradient_accumulation_equals_larger_batch():
     """k=2 micro-batches of 2 give the gradients of one micro-batch of 4, under ZeRO-2 and ZeRO-3.
     The Switch aux loss is not additive over batches (it multiplies batch means), so its
     coefficient is 0 here; the LM loss and the z-loss are token means and are."""
-    common = {"moe": {"aux_loss_coef": 0.0}}
+    common = {"train": {"aux_loss_coef": 0.0}}
     raws = [_raw(stage, accum=accum, micro=micro, **common) for stage in (2, 3) for accum, micro in ((2, 2), (1, 4))]
     got = run_distributed(_many, WORLD, args=(_full_grads, raws))[0]
     for stage, (acc, big) in zip((2, 3), (got[0:2], got[2:4])):
@@ -178,7 +177,7 @@ def _zero3_release(rank, world, raw):
     for step in range(5):
         x, y = _batch(step, rank, 0, cfg.train.micro_batch_size)
         out = engine(x, labels=y)
-        engine.backward(out.loss)
+        engine.backward(total_loss(out, cfg.train))
         engine.step()
         gathered_after.append(sorted(n for n, p in engine.module.named_parameters()
                                      if n in looped and p.ds_status != ZeroParamStatus.NOT_AVAILABLE))

@@ -37,6 +37,7 @@ from smelt_ds.config.run import config_from_dict  # noqa: E402
 from smelt_ds.errors import ConfigError  # noqa: E402
 from smelt_ds.model import SmeltLM  # noqa: E402
 from smelt_ds.testing import run_distributed  # noqa: E402
+from smelt_ds.train.objective import total_loss  # noqa: E402
 
 VOCAB, SEQ, MICRO, WORLD, EP = 64, 16, 2, 2, 2
 CLIP = 0.05  # the reference norm is 1.445: the step is clipped by 0.0346
@@ -51,12 +52,13 @@ CASES = ([("deepspeed", s) for s in (0, 1, 2)] + [("autoep", s) for s in (0, 1, 
 
 
 def make_cfg(backend: str = "reference", stage: int = 0, ep: int = EP, grad_clip: float = CLIP, **deepspeed_kw):
-    moe = {"num_experts": 4, "top_k": 2, "expert_ffn_size": 16, "backend": backend}
+    moe = {"num_experts": 4, "top_k": 2, "expert_ffn_size": 16}
+    runtime: dict = {"backend": backend}
     if backend != "reference":
-        moe.update(ep_size=ep, drop_tokens=False)
+        runtime.update(ep_size=ep, drop_tokens=False)
     raw = {"name": "gn", "model": {"vocab_size": VOCAB, "hidden_size": 32, "num_layers": 4, "num_heads": 4,
                                    "num_kv_heads": 2, "max_seq_len": 32},
-           "moe": moe, "loop": {"position": "middle"},
+           "moe": moe, "moe_runtime": runtime, "loop": {"position": "middle"},
            "train": {"seq_len": SEQ, "micro_batch_size": MICRO, "gradient_accumulation_steps": 1,
                      "grad_clip": grad_clip, "precision": "fp32"},
            "deepspeed": {"zero_stage": stage, **deepspeed_kw}}
@@ -71,7 +73,7 @@ def shard(rank: int) -> torch.Tensor:
 
 def build(cfg, seed: int = 0) -> SmeltLM:
     torch.manual_seed(seed)
-    return SmeltLM(cfg)
+    return SmeltLM(cfg.model, cfg.moe, cfg.loop)
 
 
 def canonical(model, get, ep_rank: int = 0) -> dict:
@@ -132,11 +134,12 @@ def merge(per_rank: list[dict]) -> dict:
 def reference_step(clip: float = CLIP, lr: float = LR) -> dict:
     """Single process, reference backend: ``before``/``grads``/``after`` (canonical dicts), the
     global norm before clipping and the clip coefficient, for one SGD step on both shards."""
-    model = build(make_cfg())
+    cfg = make_cfg()
+    model = build(cfg)
     before = canonical(model, lambda p: p.data)
     for r in range(WORLD):
         ids = shard(r)
-        (model(ids[:, :-1], labels=ids[:, 1:]).loss / WORLD).backward()
+        (total_loss(model(ids[:, :-1], labels=ids[:, 1:]), cfg.train) / WORLD).backward()
     grads = canonical(model, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
     norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
     coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
@@ -147,7 +150,7 @@ def reference_step(clip: float = CLIP, lr: float = LR) -> dict:
 def ep_rank_of(cfg) -> int:
     from deepspeed.utils import groups
 
-    return groups._get_expert_parallel_rank(f"ep_size_{cfg.moe.ep_size}") if cfg.moe.backend != "reference" else 0
+    return groups._get_expert_parallel_rank(f"ep_size_{cfg.moe_runtime.ep_size}") if cfg.moe_runtime.backend != "reference" else 0
 
 
 def _cases_worker(rank: int, world: int, cases, expert_grad_scale: float = 1.0) -> dict:
@@ -184,7 +187,7 @@ def _cases_worker(rank: int, world: int, cases, expert_grad_scale: float = 1.0) 
         params = list(model.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
             before = canonical(model, lambda p: p.data, ep_rank)
-        engine.backward(out.loss)
+        engine.backward(total_loss(out, cfg.train))
         grads = canonical(model, full_grad, ep_rank)  # before clipping
         norm = _grad_norm_before_step(engine, cfg)
         engine.step()

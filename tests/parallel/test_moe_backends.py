@@ -18,23 +18,32 @@ import torch
 deepspeed = pytest.importorskip("deepspeed")
 
 from smelt_ds.parallel import moe_backends as mb  # noqa: E402
-from smelt_ds.config.run import config_from_dict  # noqa: E402
+from smelt_ds.config.run import MoERuntimeConfig, TrainConfig, config_from_dict  # noqa: E402
 from smelt_ds.errors import ConfigError  # noqa: E402
 from smelt_ds.model import SmeltLM  # noqa: E402
 from smelt_ds.testing import run_distributed  # noqa: E402
+from smelt_ds.train.objective import total_loss  # noqa: E402
 
 VOCAB, SEQ, MICRO, WORLD = 64, 16, 2, 2
 TIMEOUT_S = 240  # the first DeepSpeed start on a machine JIT-builds its CPU comm op (about a minute)
 LOSS_ATOL = 1e-5  # per-rank loss / aux / z, fp32, 3 AdamW steps; observed differences are 2.4e-7
 GRAD_ATOL = 1e-7  # expert / router gradients are ~1e-3; observed differences are below 1e-9
+TRAIN_CFG = TrainConfig(seq_len=SEQ, micro_batch_size=MICRO)  # aux / z coefficients: the defaults
 
 
 def tiny_cfg(model: dict | None = None, **moe):
+    """``moe`` keywords go to ``moe:`` (architecture) or ``moe_runtime:`` (backend, ep_size, ...)."""
+    runtime = {k: moe.pop(k) for k in list(moe) if k in MoERuntimeConfig.model_fields}
     raw = {"model": {"vocab_size": VOCAB, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
                      "max_seq_len": 32, **(model or {})},
-           "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 16, **moe},
+           "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 16, **moe}, "moe_runtime": runtime,
            "loop": {"position": "middle"}, "train": {"seq_len": SEQ, "micro_batch_size": MICRO}}
     return config_from_dict(raw)
+
+
+def objective(out) -> torch.Tensor:
+    """The training objective of these tests (default loss coefficients)."""
+    return total_loss(out, TRAIN_CFG)
 
 
 def shard_batches(steps: int, rank: int, world: int = WORLD) -> list[torch.Tensor]:
@@ -49,7 +58,7 @@ def shard_batches(steps: int, rank: int, world: int = WORLD) -> list[torch.Tenso
 
 def build(cfg, seed: int = 0) -> SmeltLM:
     torch.manual_seed(seed)
-    return SmeltLM(cfg)
+    return SmeltLM(cfg.model, cfg.moe, cfg.loop)
 
 
 def ds_config(stage: int, **extra) -> dict:
@@ -71,8 +80,8 @@ def reference_run(cfg, steps: int, lr: float = 1e-2, ckpt: bool = False) -> list
         for r in range(WORLD):
             ids = shards[r][s]
             o = model(ids[:, :-1], labels=ids[:, 1:])
-            (o.loss / WORLD).backward()
-            row.append((o.loss.item(), o.aux_loss.item(), o.z_loss.item()))
+            (objective(o) / WORLD).backward()
+            row.append((objective(o).item(), o.aux_loss.item(), o.z_loss.item()))
         opt.step()
         out.append(row)
     return out
@@ -87,8 +96,8 @@ def reference_grads(cfg) -> tuple[list[float], dict]:
     for r in range(WORLD):
         ids = shard_batches(1, r)[0]
         o = model(ids[:, :-1], labels=ids[:, 1:])
-        (o.loss / WORLD).backward()
-        losses.append(o.loss.item())
+        (objective(o) / WORLD).backward()
+        losses.append(objective(o).item())
     grads = {}
     for i, block in enumerate(model.layers):
         grads[(i, "router")] = block.mlp.gate.weight.grad
@@ -124,10 +133,10 @@ def test_deepspeed_conversion_matches_reference(top_k, norm, shared, dense):
     ids = shard_batches(1, 0)[0]
     a, b = ref(ids[:, :-1], labels=ids[:, 1:]), model(ids[:, :-1], labels=ids[:, 1:])
     torch.testing.assert_close(b.logits, a.logits, atol=1e-6, rtol=0)
-    for name in ("loss", "aux_loss", "z_loss"):
+    for name in ("lm_loss", "aux_loss", "z_loss"):
         torch.testing.assert_close(getattr(b, name), getattr(a, name), atol=1e-6, rtol=0)
-    a.loss.backward()
-    b.loss.backward()
+    objective(a).backward()
+    objective(b).backward()
     for i in range(dense, 4):
         ref_mlp, mlp = ref.layers[i].mlp, model.layers[i].mlp
         torch.testing.assert_close(mlp.gate.wg.weight.grad, ref_mlp.gate.weight.grad, atol=GRAD_ATOL, rtol=0)
@@ -157,7 +166,7 @@ def test_deepspeed_backend_capacity_statistics_and_decode():
     route = model.recorder.routes[(3, 0)]
     assert torch.equal(dispatched_TK >= 0, route.kept_TK)
     assert torch.equal(dispatched_TK[route.kept_TK], route.topk_idx_TK[route.kept_TK])
-    assert torch.isfinite(out.loss)
+    assert torch.isfinite(objective(out))
     # a 1-token decode step (T = batch < min_capacity) must not trip top1gating's assert
     for top_k, norm in ((1, False), (2, True)):
         dcfg = tiny_cfg(backend="deepspeed", top_k=top_k, norm_topk_prob=norm, min_capacity=4)
@@ -190,7 +199,7 @@ def test_autoep_conversion_matches_reference(score_func, shared, dense):
     ids = shard_batches(1, 0)[0]
     a, b = ref(ids[:, :-1], labels=ids[:, 1:]), model(ids[:, :-1], labels=ids[:, 1:])
     torch.testing.assert_close(b.logits, a.logits, atol=1e-6, rtol=0)
-    for name in ("loss", "aux_loss", "z_loss"):
+    for name in ("lm_loss", "aux_loss", "z_loss"):
         torch.testing.assert_close(getattr(b, name), getattr(a, name), atol=1e-6, rtol=0)
     assert model.recorder.router_stats() == ref.recorder.router_stats()
     assert b.aux_loss.requires_grad and b.z_loss.requires_grad
@@ -226,38 +235,34 @@ def test_split_params_into_moe_groups_keeps_group_options():
     assert mb.optimizer_param_groups(model, groups, tiny_cfg()) is groups  # reference backend
 
 
-def _invalid(cfg, section: str, **changes):
-    """A copy of ``cfg`` with ``section`` fields changed *without* validation (to reach the
-    backend checks past config.py's own)."""
-    return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=changes)})
-
-
 def test_config_errors_name_field_and_fix():
-    cfg = tiny_cfg(backend="deepspeed")
-    with pytest.raises(ConfigError, match=r"moe\.backend.*ZeRO stage 3.*autoep"):
-        mb.check_backend_compat(cfg, zero_stage=3)
-    raw_stage3 = _invalid(cfg, "deepspeed", config={"zero_optimization": {"stage": 3}})
-    with pytest.raises(ConfigError, match=r"autoep"):
-        mb.check_backend_compat(raw_stage3)  # stage taken from the passed-through DeepSpeed keys
-    with pytest.raises(ConfigError, match=r"autoep"):  # config validation refuses it too
-        config_from_dict({"moe": {"backend": "deepspeed"}, "deepspeed": {"zero_stage": 3}})
+    """Recipes a backend can never run are refused when they are loaded (config validators);
+    apply_backend reruns those rules for an explicit ZeRO stage and adds the runtime ones."""
+    with pytest.raises(ConfigError, match=r"moe_runtime\.backend.*ZeRO stage 3.*autoep"):
+        config_from_dict({"moe_runtime": {"backend": "deepspeed"}, "deepspeed": {"zero_stage": 3}})
+    with pytest.raises(ConfigError, match=r"moe_runtime\.backend.*ZeRO stage 3.*autoep"):  # passed-through keys
+        config_from_dict({"moe_runtime": {"backend": "deepspeed"},
+                          "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}})
     with pytest.raises(ConfigError, match=r"moe\.score_func.*softmax"):
-        mb.check_backend_compat(_invalid(cfg, "moe", score_func="sigmoid"), zero_stage=2)
+        tiny_cfg(backend="deepspeed", score_func="sigmoid")
     with pytest.raises(ConfigError, match=r"moe\.norm_topk_prob.*false"):
-        mb.check_backend_compat(_invalid(cfg, "moe", top_k=1), zero_stage=2)
-    with pytest.raises(ConfigError, match=r"moe\.ep_size.*divide.*\(3\)"):
-        mb.check_backend_compat(_invalid(cfg, "moe", ep_size=2), zero_stage=1, world_size=3)
-    mb.check_backend_compat(cfg, zero_stage=2, world_size=2)  # valid
+        tiny_cfg(backend="deepspeed", top_k=1)
+    cfg = tiny_cfg(backend="deepspeed")
+    with pytest.raises(ConfigError, match=r"moe_runtime\.backend.*ZeRO stage 3.*autoep"):
+        mb.check_backend_runtime(cfg, zero_stage=3)  # a DeepSpeed config other than the recipe's
+    with pytest.raises(ConfigError, match=r"moe_runtime\.ep_size.*divide.*\(3\)"):
+        mb.check_backend_runtime(tiny_cfg(backend="deepspeed", ep_size=2), zero_stage=1, world_size=3)
+    mb.check_backend_runtime(cfg, zero_stage=2, world_size=2)  # valid
 
 
 def test_use_tutel_without_tutel_is_a_config_error(monkeypatch):
     monkeypatch.setattr(mb, "tutel_available", lambda: False)
-    cfg = tiny_cfg(backend="deepspeed", use_tutel=True)
-    with pytest.raises(ConfigError, match=r"moe\.use_tutel.*`tutel`.*pip install"):
+    cfg = tiny_cfg(backend="deepspeed", use_tutel=True)  # loads: whether tutel is installed is a runtime fact
+    with pytest.raises(ConfigError, match=r"moe_runtime\.use_tutel.*`tutel`.*pip install"):
         mb.apply_backend(build(tiny_cfg()), cfg)
     for backend in ("autoep", "reference"):  # refused when the recipe is read, not silently ignored
-        with pytest.raises(ConfigError, match=rf"moe\.use_tutel.*only applies to moe.backend 'deepspeed' "
-                                              rf"\(this recipe: '{backend}'\)"):
+        with pytest.raises(ConfigError, match=rf"moe_runtime\.use_tutel.*only applies to moe_runtime.backend "
+                                              rf"'deepspeed' \(this recipe: '{backend}'\)"):
             tiny_cfg(backend=backend, use_tutel=True)
 
 
@@ -266,19 +271,17 @@ def test_tutel_is_not_installed_here():
     if mb.tutel_available():
         pytest.skip("tutel is installed")
     with pytest.raises(ConfigError, match=r"tutel"):
-        mb.check_backend_compat(tiny_cfg(backend="deepspeed", use_tutel=True), zero_stage=2)
+        mb.check_backend_runtime(tiny_cfg(backend="deepspeed", use_tutel=True), zero_stage=2)
 
 
 def test_autoep_rejects_what_autoep_rejects():
-    with pytest.raises(ConfigError, match=r"moe\.aux_loss_free_bias"):  # config validation
-        config_from_dict({"moe": {"backend": "autoep", "aux_loss_free_bias": True}})
-    cfg = tiny_cfg(backend="autoep")
-    with pytest.raises(ConfigError, match=r"moe\.aux_loss_free_bias.*load_balance_coeff"):
-        mb.check_backend_compat(_invalid(cfg, "moe", aux_loss_free_bias=True))
-    with pytest.raises(ConfigError, match=r"moe\.aux_loss_free_bias"):
-        mb.autoep_config_section(_invalid(cfg, "moe", aux_loss_free_bias=True))
+    with pytest.raises(ConfigError, match=r"moe\.aux_loss_free_bias.*'autoep'.*load_balance_coeff"):
+        config_from_dict({"moe": {"aux_loss_free_bias": True}, "moe_runtime": {"backend": "autoep"}})
+    with pytest.raises(ConfigError, match=r"moe\.aux_loss_free_bias.*'deepspeed'.*expert bias"):
+        config_from_dict({"moe": {"aux_loss_free_bias": True}, "moe_runtime": {"backend": "deepspeed"}})
     with pytest.raises(ConfigError, match=r"moe\.router_jitter"):
-        mb.check_backend_compat(tiny_cfg(backend="autoep", router_jitter=0.01))
+        tiny_cfg(backend="autoep", router_jitter=0.01)
+    cfg = tiny_cfg(backend="autoep")
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
 
     with pytest.raises(ValueError, match="load_balance_coeff"):  # what DeepSpeed itself does
@@ -287,8 +290,8 @@ def test_autoep_rejects_what_autoep_rejects():
 
 def test_num_experts_not_divisible_by_ep_size():
     for backend in ("deepspeed", "autoep"):
-        with pytest.raises(ConfigError, match=r"moe\.num_experts.*\(6\).*divisible.*moe\.ep_size.*\(4\)"):
-            config_from_dict({"moe": {"backend": backend, "num_experts": 6, "ep_size": 4}})
+        with pytest.raises(ConfigError, match=r"moe\.num_experts.*\(6\).*divisible.*moe_runtime\.ep_size.*\(4\)"):
+            config_from_dict({"moe": {"num_experts": 6}, "moe_runtime": {"backend": backend, "ep_size": 4}})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +315,7 @@ def _deepspeed_ep_worker(rank: int, world: int) -> dict:
             losses, grads, delta = [], {}, {}
             for step, ids in enumerate(shard_batches(3 if stage else 1, rank)):
                 out = engine(ids[:, :-1], labels=ids[:, 1:])
-                engine.backward(out.loss)
+                engine.backward(objective(out))
                 if stage == 0:
                     for i, b in enumerate(model.layers):
                         grads.update({(i, e): g for e, g in _expert_tensors(b.mlp, ep_rank, "grad").items()})
@@ -322,7 +325,7 @@ def _deepspeed_ep_worker(rank: int, world: int) -> dict:
                     for i, b in enumerate(model.layers):
                         after = _expert_tensors(b.mlp, ep_rank, "data")
                         delta.update({(i, e): after[e] - before[i][e] for e in after})
-                losses.append(out.loss.item())
+                losses.append(objective(out).item())
             res[(ep, stage)] = {"losses": losses, "grads": grads, "delta": delta}
     cfg = tiny_cfg(backend="deepspeed", ep_size=2, drop_tokens=False)
     model = mb.apply_backend(build(cfg), cfg, zero_stage=2)  # our check passes at stage 2 ...
@@ -364,8 +367,7 @@ def _autoep_worker(rank: int, world: int, steps: int) -> dict:
         cfg = tiny_cfg(backend="autoep", ep_size=2)
         model = mb.apply_backend(build(cfg), cfg, zero_stage=3)
         if ckpt:
-            model.blocks.checkpoint_fn = non_reentrant_checkpoint
-            model.blocks.checkpoint_policy = lambda visit: True
+            model.blocks.configure_checkpointing(lambda visit: True, non_reentrant_checkpoint)
         engine, *_ = deepspeed.initialize(
             model=model, config=ds_config(3, expert_parallel=mb.autoep_config_section(cfg)),
             model_parameters=[{"params": list(model.parameters()), "name": "all"}],
@@ -373,9 +375,9 @@ def _autoep_worker(rank: int, world: int, steps: int) -> dict:
         rows = []
         for ids in shard_batches(steps, rank):
             out = engine(ids[:, :-1], labels=ids[:, 1:])
-            engine.backward(out.loss)
+            engine.backward(objective(out))
             engine.step()
-            rows.append((out.loss.item(), out.aux_loss.item(), out.z_loss.item()))
+            rows.append((objective(out).item(), out.aux_loss.item(), out.z_loss.item()))
         layers = mb.autoep_layers(model)
         res[ckpt] = {"rows": rows, "layers": [(n, l.num_local_experts, l.ep_size) for n, l in layers],
                      "local_w1": tuple(getattr(layers[0][1].experts.w1, "ds_shape", layers[0][1].experts.w1.shape))}
@@ -409,7 +411,7 @@ def _empty_expert_worker(rank: int, world: int) -> dict:
     (layer 3: from any rank). Two optimizer steps must complete; the gradients of the first
     backward are returned in the reference layout (``test_grad_norm.canonical``; this rank's
     experts)."""
-    from test_grad_norm import canonical, ep_rank_of, full_grad
+    from tests.parallel.test_grad_norm import canonical, ep_rank_of, full_grad
 
     res = {}
     for backend, stage in (("deepspeed", 2), ("autoep", 3), ("autoep", 2)):
@@ -427,11 +429,11 @@ def _empty_expert_worker(rank: int, world: int) -> dict:
         losses, grads = [], None
         for ids in shard_batches(2, rank):
             out = engine(ids[:, :-1], labels=ids[:, 1:])
-            engine.backward(out.loss)
+            engine.backward(objective(out))
             if grads is None:
                 grads = canonical(model, full_grad, ep_rank_of(cfg))
             engine.step()
-            losses.append(out.loss.item())
+            losses.append(objective(out).item())
         stats = model.recorder.router_stats()
         res[(backend, stage)] = {"losses": losses, "layer1": stats[(1, 0)]["tokens_per_expert"],
                                  "layer3": stats[(3, 0)]["tokens_per_expert"], "grads": grads}
@@ -441,7 +443,7 @@ def _empty_expert_worker(rank: int, world: int) -> dict:
 def _empty_expert_reference_grads() -> dict:
     """Single process, reference backend, same weights and zeroed inputs per shard: the
     shard-averaged gradients of the first global batch (``test_grad_norm.canonical`` layout)."""
-    from test_grad_norm import canonical
+    from tests.parallel.test_grad_norm import canonical
 
     model = build(tiny_cfg())
     zero_now: set[int] = set()
@@ -452,7 +454,7 @@ def _empty_expert_reference_grads() -> dict:
         zero_now.clear()
         zero_now.update(_zero_moe_inputs(r))
         ids = shard_batches(1, r)[0]
-        (model(ids[:, :-1], labels=ids[:, 1:]).loss / WORLD).backward()
+        (objective(model(ids[:, :-1], labels=ids[:, 1:])) / WORLD).backward()
     return canonical(model, lambda p: p.grad)
 
 
@@ -461,7 +463,7 @@ def test_empty_expert_no_hang():
     """Finite losses, and the gradients of the first step equal the single-process reference's
     (atol GRAD_ATOL, rtol 1e-4); an expert that got no token from any rank has exactly zero
     gradients."""
-    from test_grad_norm import merge
+    from tests.parallel.test_grad_norm import merge
 
     r0, r1 = run_distributed(_empty_expert_worker, world_size=WORLD, timeout=TIMEOUT_S)
     ref = _empty_expert_reference_grads()

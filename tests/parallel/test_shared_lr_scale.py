@@ -29,6 +29,7 @@ pytest.importorskip("deepspeed")
 
 from smelt_ds.config.run import config_from_dict  # noqa: E402
 from smelt_ds.testing import run_distributed  # noqa: E402
+from smelt_ds.train.objective import total_loss  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -45,14 +46,15 @@ UPDATE_ATOL = 2.5e-7
 
 
 def _raw(backend: str, stage: int) -> dict:
-    moe = {"num_experts": 4, "top_k": 2, "expert_ffn_size": 16, "backend": backend}
+    moe = {"num_experts": 4, "top_k": 2, "expert_ffn_size": 16}
+    runtime: dict = {"backend": backend}
     if backend != "reference":
-        moe["ep_size"] = 2
+        runtime["ep_size"] = 2
     if backend == "deepspeed":
-        moe["drop_tokens"] = False
+        runtime["drop_tokens"] = False
     return {"name": "lr-scale", "model": {"vocab_size": 64, "hidden_size": 32, "num_layers": 4, "num_heads": 4,
                                           "num_kv_heads": 2, "max_seq_len": 32},
-            "moe": moe, "loop": {"position": "middle", "shared_lr_scale": SCALE},
+            "moe": moe, "moe_runtime": runtime, "loop": {"position": "middle", "shared_lr_scale": SCALE},
             "train": {"seq_len": SEQ, "micro_batch_size": MICRO, "lr": LR, "warmup_steps": 0,
                       "schedule": "constant", "max_steps": 10, "weight_decay": WD, "eps": EPS,
                       "grad_clip": 0.0},
@@ -76,20 +78,14 @@ def _fp32(p: torch.Tensor) -> torch.Tensor:
 def _one_step(backend: str, stage: int, rank: int, world: int) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
-    from smelt_ds.parallel.engine import initialize
-    from smelt_ds.model import SmeltLM
+    from smelt_ds.train.build import build
 
     cfg = config_from_dict(_raw(backend, stage))
-    torch.manual_seed(0)
-    model = SmeltLM(cfg)
-    if backend != "reference":
-        from smelt_ds.parallel.moe_backends import apply_backend
-
-        model = apply_backend(model, cfg)
-    engine, opt, _, _ = initialize(cfg, model, world)
+    built = build(cfg, world)  # model, backend, checkpointing, engine as training builds them
+    engine, opt = built.engine, built.engine.optimizer
     ids = torch.randint(0, 64, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(10 + rank))
     out = engine(ids[:, :-1], labels=ids[:, 1:])
-    engine.backward(out.loss)
+    engine.backward(total_loss(out, cfg.train))
     params = dict(engine.module.named_parameters())
     before = {n: _fp32(p) for n, p in params.items()}
     grads = {n: safe_get_full_grad(p).detach().float().clone() for n, p in params.items()}

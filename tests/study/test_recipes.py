@@ -58,7 +58,7 @@ def test_recipe_loads_and_validates_on_every_layout(entry):
         r = resolve(entry.path, name)
         assert r.layout.device_memory_gib == {"h100": 79.1, "h200": 139.7}[name]
         world = lay.nodes * lay.gpus_per_node
-        assert world % r.config.moe.ep_size == 0
+        assert world % r.config.moe_runtime.ep_size == 0
         assert r.config.train.global_batch_tokens % (r.config.train.micro_batch_size * 4096 * world) == 0
 
 
@@ -89,7 +89,7 @@ def test_looped_recipe_is_smelt_ds_match_of_its_baseline(entry):
     writes, and all three budgets are within 1% of the Baseline's."""
     base_raw = load_raw(entry.baseline_path)
     position = {"smelt": "middle"}.get(entry.variant, entry.variant)
-    ep = 2 if entry.size == "tiny" else base_raw["moe"]["ep_size"]
+    ep = 2 if entry.size == "tiny" else base_raw["moe_runtime"]["ep_size"]
     ranges = parse_ranges(TINY_RANGES[entry.variant]) if entry.size == "tiny" and entry.variant in TINY_RANGES \
         else None
     res = match_baseline(base_raw, position, ep_size=ep, ranges=ranges, tolerance=0.01,
@@ -200,8 +200,8 @@ def test_every_template_as_filled_for_the_recipe_parses_in_deepspeed(entry, monk
                 assert parsed.zero_config.offload_optimizer.device == "cpu"
             if template == "zero3_offload_param":
                 assert parsed.zero_config.offload_param.device == "cpu"
-            if cfg.moe.backend == "autoep":
-                assert d["expert_parallel"]["autoep_size"] == cfg.moe.ep_size
+            if cfg.moe_runtime.backend == "autoep":
+                assert d["expert_parallel"]["autoep_size"] == cfg.moe_runtime.ep_size
 
 
 def test_tiny_ablation_headers_name_their_match_command():

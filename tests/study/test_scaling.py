@@ -319,3 +319,25 @@ def test_huber_objective_gradient_equals_finite_differences():
     # and the Huber loss itself: 0.5 r^2 inside delta, delta (|r| - delta/2) outside, over delta^2
     huber = np.where(r <= delta, 0.5 * r ** 2, delta * (r - delta / 2))
     assert val == pytest.approx(huber.sum() / delta ** 2, rel=1e-12)
+
+
+def test_markdown_report_has_every_section_heading_in_order():
+    from smelt_ds.study.scaling import report_markdown
+
+    smelt = ScalingLaw(CHINCHILLA.E, 0.9 * CHINCHILLA.A, CHINCHILLA.alpha, CHINCHILLA.B, CHINCHILLA.beta)
+    pts = [RunPoint(f"{arch}/{i}-{j}", arch, float(law(n, d)), float(n), float(d), 6 * float(n), pos, f"s{i}", f"d{j}")
+           for arch, pos, law in (("baseline", "none", CHINCHILLA), ("smelt", "middle", smelt))
+           for i, n in enumerate(np.geomspace(1e7, 1e10, 3)) for j, d in enumerate(np.geomspace(1e9, 1e12, 3))]
+    res = analyse(pts, n_bootstrap=0, n_starts=4)
+    md = report_markdown(res, {"loss vs training FLOPs": "scaling_loss_vs_flops.png"})
+    headings = [line for line in md.splitlines() if line.startswith("#")]
+    assert headings == ["# Scaling laws per architecture", "## Runs", "## Fits", "## Compute-optimal frontier",
+                        "## Training FLOPs saved vs baseline",
+                        "## Paired runs: each architecture vs baseline at the same size and budget (no fit)",
+                        "## Envelope and IsoFLOP profiles", "## Figures"]
+    assert md.endswith("![loss vs training FLOPs](scaling_loss_vs_flops.png)\n")
+    # one architecture, no figures: the savings, paired and figure sections are left out, the rest stay in order
+    md1 = report_markdown(analyse(pts[:9], n_bootstrap=0, n_starts=4), {})
+    assert [line for line in md1.splitlines() if line.startswith("#")] == [
+        "# Scaling laws per architecture", "## Runs", "## Fits", "## Compute-optimal frontier",
+        "## Envelope and IsoFLOP profiles"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -136,13 +137,20 @@ def test_cli_dry_run_and_steps_scale(tmp_path, capsys):
     assert "sweep file" in capsys.readouterr().err
 
 
-def test_render_slurm_array_and_k8s_jobs(tmp_path):
+def test_render_slurm_array_and_k8s_jobs(tmp_path, monkeypatch):
+    from smelt_ds.study import sweep
+
     path = _sweep(tmp_path, launch={"max_parallel": 3, "partition": "gpu"})
     plan = plan_sweep(load_sweep(path), path)
     arrays = render_slurm(plan)
     assert [a.name for a in arrays] == ["array-1x1.sbatch"]  # CPU recipes: one process each
     text = arrays[0].read_text()
     assert "#SBATCH --array=0-11%3" in text and "#SBATCH --partition=gpu" in text
+    # the array script is launchers/slurm/sweep_array.sbatch with every {{FIELD}} filled
+    template = (ROOT / "launchers" / "slurm" / "sweep_array.sbatch").read_text()
+    assert sweep.ARRAY_TEMPLATE.read_text() == template and "{{" not in text
+    filled = re.fullmatch(re.sub(r"\\\{\\\{[A-Z0-9_]+\\\}\\\}", lambda _: "(.*?)", re.escape(template)), text, re.S)
+    assert filled is not None and "t" in filled.groups() and "sweep-t" in filled.groups()
     subprocess.run(["bash", "-n", str(arrays[0])], check=True)
     scripts = sorted((plan.output_dir / "launch" / "slurm" / "runs").glob("*.sbatch"))
     assert len(scripts) == 12
@@ -158,6 +166,13 @@ def test_render_slurm_array_and_k8s_jobs(tmp_path):
         args = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"][0]
         assert args.startswith("test -f ") and "summary.json && exit 0; exec " in args
         assert r.recipe_path.name in args
+    # a field the sweep does not fill is refused, naming the template and the field
+    bad = tmp_path / "sweep_array.sbatch"
+    bad.write_text(template + "# {{NOT_A_FIELD}}\n")
+    monkeypatch.setattr(sweep, "ARRAY_TEMPLATE", bad)
+    with pytest.raises(ConfigError, match=r"sweep_array.sbatch has fields \['NOT_A_FIELD'\] that smelt-ds sweep "
+                                          r"--render slurm does not fill"):
+        render_slurm(plan)
 
 
 def test_cluster_sweep_smelt_equals_the_shipped_matched_recipes():

@@ -40,14 +40,15 @@ CELLS = [("reference", 0, 1), ("reference", 2, 1), ("reference", 3, 1),
 
 def _raw(run_dir: Path, cache: Path, backend: str, zero: int, ep: int) -> dict:
     moe = {"num_experts": E, "top_k": 2, "expert_ffn_size": 32, "shared_expert_ffn_size": 16}
+    runtime: dict = {}
     if backend != "reference":
-        moe.update(backend=backend, ep_size=ep)
+        runtime.update(backend=backend, ep_size=ep)
     if backend == "deepspeed":
-        moe.update(drop_tokens=False)  # dropless, so the logits equal the reference layout's
+        runtime.update(drop_tokens=False)  # dropless, so the logits equal the reference layout's
     return {"name": f"{backend}-z{zero}-ep{ep}",
             "model": {"vocab_size": 512, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
                       "max_seq_len": 64, "first_k_dense": 1, "dense_ffn_size": 48},
-            "moe": moe, "loop": {"position": "middle"},
+            "moe": moe, "moe_runtime": runtime, "loop": {"position": "middle"},
             "data": {"builtin_max_bytes": 150_000, "tokenizer": {"vocab_size": 512}, "cache_dir": str(cache)},
             "deepspeed": {"zero_stage": zero},
             "train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 2, "warmup_steps": 1, "log_every": 1,
@@ -60,11 +61,11 @@ def _targets(raw: dict, export: Path) -> dict[str, dict]:
     out = {}
     for backend, zero in (("reference", 3), ("deepspeed", 2), ("autoep", 3)):
         t = json.loads(json.dumps(raw))
-        t["moe"] = {k: v for k, v in t["moe"].items() if k not in ("backend", "ep_size", "drop_tokens")}
+        t["moe_runtime"] = {}
         if backend != "reference":
-            t["moe"].update(backend=backend, ep_size=2)
+            t["moe_runtime"].update(backend=backend, ep_size=2)
         if backend == "deepspeed":
-            t["moe"]["drop_tokens"] = False
+            t["moe_runtime"]["drop_tokens"] = False
         t["deepspeed"] = {"zero_stage": zero}
         t["train"] = {**t["train"], "init_from": str(export), "run_dir": str(export.parent / f"from-{backend}")}
         out[backend] = t
@@ -137,12 +138,12 @@ def _cell_worker(rank: int, world: int, raw: dict, export: str) -> dict:
     live.engine.eval()
     with torch.no_grad():
         logits = live.engine(ids).logits.float()
-    experts = _live_experts(live.model, cfg.moe.backend)
+    experts = _live_experts(live.model, cfg.moe_runtime.backend)
     losses = {}
     for name, t in _targets(raw, Path(export)).items():
         built = build(config_from_dict(t), world)
         with torch.no_grad():
-            losses[name] = float(built.engine(ids, labels=labels).loss)
+            losses[name] = float(built.engine(ids, labels=labels).lm_loss)
     return {"logits": logits, "experts": experts, "losses": losses}
 
 
@@ -185,7 +186,7 @@ def test_export_eval_generate_init_from(tmp_path, cache, backend, zero, ep, caps
     assert sorted(live) == sorted(_export_experts(model))
     assert live == _export_experts(model)
     for name, loss in ranks[0]["losses"].items():  # (d)
-        assert loss == pytest.approx(float(out.loss), rel=1e-5), name
+        assert loss == pytest.approx(float(out.lm_loss), rel=1e-5), name
     # (c) the user's commands on the export
     assert _cli("eval", export, "-o", tmp_path / "eval", "--batches", "1", "--micro-batch", "2", "--episodes", "2",
                 "--shots", "0,1", "--tasks", "kv_recall", "--no-plots") == 0

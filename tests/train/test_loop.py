@@ -15,6 +15,7 @@ import torch
 
 from smelt_ds.config.run import config_from_dict
 from smelt_ds.testing import run_distributed, scaled_timeout
+from smelt_ds.train.objective import total_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -206,10 +207,10 @@ def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     # so its first loss equals the exported model's loss on the same first batch
     first = build_data(cfg, 0, 1).train.next_batch()
     with torch.no_grad():
-        expect = float(model.train()(first.input_ids, labels=first.labels).loss)
+        expect = float(total_loss(model.train()(first.input_ids, labels=first.labels), cfg.train))
     one_step = {"max_steps": 1, "warmup_steps": 0, "save_every": 1, "eval_every": 1}
-    fresh = _raw(tmp_path / "fresh", cache, train=one_step, moe={"backend": "autoep"})
-    init = _raw(tmp_path / "init", cache, train={**one_step, "init_from": str(out)}, moe={"backend": "autoep"})
+    fresh = _raw(tmp_path / "fresh", cache, train=one_step, moe_runtime={"backend": "autoep"})
+    init = _raw(tmp_path / "init", cache, train={**one_step, "init_from": str(out)}, moe_runtime={"backend": "autoep"})
     loss_fresh = run_distributed(_train, 1, args=(fresh,), timeout=300)[0]["losses"][0]
     loss_init = run_distributed(_train, 1, args=(init,), timeout=300)[0]["losses"][0]
     assert loss_init == pytest.approx(expect, rel=1e-5)
@@ -250,12 +251,12 @@ def test_init_from_rejects_other_shapes(tmp_path):
     small = config_from_dict(_raw(tmp_path, tmp_path))
     wide = config_from_dict(_raw(tmp_path, tmp_path, model={"hidden_size": 48}))
     (tmp_path / "exp").mkdir()
-    torch.save(SmeltLM(small).state_dict(), tmp_path / "exp" / "model.pt")
+    torch.save(SmeltLM(small.model, small.moe, small.loop).state_dict(), tmp_path / "exp" / "model.pt")
     (tmp_path / "exp" / "config.yaml").write_text("name: t\n")
-    model = SmeltLM(small)
+    model = SmeltLM(small.model, small.moe, small.loop)
     load_initial_weights(model, tmp_path / "exp")   # same shapes: loads
     with pytest.raises(ConfigError, match=r"`train.init_from`: .*model.pt does not fit .*\(512, 32\) vs \(512, 48\)"):
-        load_initial_weights(SmeltLM(wide), tmp_path / "exp")
+        load_initial_weights(SmeltLM(wide.model, wide.moe, wide.loop), tmp_path / "exp")
     with pytest.raises(ConfigError, match=r"`train.init_from` \(.*nowhere.*\) is not an export directory"):
         load_initial_weights(model, tmp_path / "nowhere")
     data = (tmp_path / "exp" / "model.pt").read_bytes()
@@ -268,7 +269,7 @@ def test_init_from_rejects_other_shapes(tmp_path):
 def test_resume_equals_uninterrupted_autoep_zero3(tmp_path, cache):
     """AutoEP with ZeRO-3 and autoep_size 2: each rank holds its own experts, so a resume that
     restored another rank's experts (or the wrong shard) would change the losses."""
-    _resume_case(tmp_path, cache, {"moe": {"backend": "autoep", "ep_size": 2}, "deepspeed": {"zero_stage": 3}},
+    _resume_case(tmp_path, cache, {"moe_runtime": {"backend": "autoep", "ep_size": 2}, "deepspeed": {"zero_stage": 3}},
                  world=2)
 
 
@@ -306,7 +307,7 @@ def test_resume_at_another_scale_is_refused_before_anything_is_written(tmp_path,
     from smelt_ds.train.guards import check_run_dir
 
     raw = _raw(tmp_path, cache, train={"max_steps": 2, "eval_every": 2, "save_every": 2},
-               moe={"backend": "autoep", "ep_size": 2}, deepspeed={"zero_stage": 2})
+               moe_runtime={"backend": "autoep", "ep_size": 2}, deepspeed={"zero_stage": 2})
     run_distributed(_train, 2, args=(raw,), timeout=300)
     run_dir = Path(raw["train"]["run_dir"])
     step2 = ckpt.latest_complete(run_dir)
@@ -316,9 +317,9 @@ def test_resume_at_another_scale_is_refused_before_anything_is_written(tmp_path,
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     longer = {**raw, "train": {**raw["train"], "max_steps": 4}}
     # one rank instead of two (and so expert-parallel size 1): the real journey, in a fresh process
-    one_rank = {**longer, "moe": {**raw["moe"], "ep_size": 1}}
+    one_rank = {**longer, "moe_runtime": {**raw["moe_runtime"], "ep_size": 1}}
     with pytest.raises(DistributedTestError, match=r"another layout \(ranks \(data-parallel x expert-parallel\) 2 "
-                                                   r"in the checkpoint vs 1 now; moe.ep_size \(expert-parallel size\) "
+                                                   r"in the checkpoint vs 1 now; moe_runtime.ep_size \(expert-parallel size\) "
                                                    r"2 in the checkpoint vs 1 now\).*smelt-ds export .*train.init_from"):
         run_distributed(_train, 1, args=(one_rank, "auto"), timeout=300)
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before   # nothing written
@@ -328,9 +329,8 @@ def test_resume_at_another_scale_is_refused_before_anything_is_written(tmp_path,
         check_run_dir(run_dir, config_from_dict({**longer, "deepspeed": {"zero_stage": 3}}), "auto", 2)
     with pytest.raises(ConfigError, match=r"ranks \(data-parallel x expert-parallel\) 2 in the checkpoint vs 4 now"):
         check_run_dir(run_dir, cfg, str(step2), 4)
-    with pytest.raises(ConfigError, match=r"moe.backend 'autoep' in the checkpoint vs 'reference' now"):
-        check_run_dir(run_dir, config_from_dict({**longer, "moe": {k: v for k, v in raw["moe"].items()
-                                                                  if k not in ("backend", "ep_size")}}), "auto", 2)
+    with pytest.raises(ConfigError, match=r"moe_runtime.backend 'autoep' in the checkpoint vs 'reference' now"):
+        check_run_dir(run_dir, config_from_dict({**longer, "moe_runtime": {}}), "auto", 2)
 
 
 def test_logged_lr_is_the_lr_each_step_used(tmp_path, cache):
