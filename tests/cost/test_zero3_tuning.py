@@ -116,19 +116,16 @@ def _gather_bytes() -> int:
 
 
 def _comms_worker(rank, world, raws):
-    from smelt_ds.model import SmeltLM
+    from smelt_ds.train.build import build
     from smelt_ds.train.objective import total_loss
-    from smelt_ds.parallel import engine
 
     orig = zero_config.load_template
     zero_config.load_template = lambda name: _small_template(orig(name))
     res = []
     for raw in raws:
         cfg = config_from_dict(raw)
-        torch.manual_seed(0)
-        model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
-        engine.configure_activation_checkpointing(model, cfg)
-        eng, _, _, ds = engine.initialize(cfg, model, world)
+        built = build(cfg, world)  # model, checkpointing and engine as training builds them
+        eng, ds = built.engine, built.ds_config
         per_step = []
         for step in range(4):  # DeepSpeed records its trace in steps 1-2; step 3 on use it
             _gather_bytes()
