@@ -3,7 +3,7 @@
 A recipe is a YAML file whose top-level keys are the sections of :class:`RunConfig`
 (``model``, ``moe``, ``moe_runtime``, ``loop``, ``data``, ``train``, ``deepspeed``, ``eval``,
 ``cluster``). YAML keys equal field names; unknown keys are rejected with the list of bad keys and
-the allowed ones; keys that moved out of ``moe:`` (issue 14) are refused with their new place
+the allowed ones; keys that moved out of ``moe:`` (runtime knobs, loss coefficients) are refused with their new place
 (:data:`MOVED_MOE_KEYS`). Precedence: ``--set a.b=v`` on the command line > YAML > defaults.
 
 Every violation raises :class:`smelt_ds.errors.ConfigError` whose message names the field path,
@@ -108,7 +108,7 @@ class MoERuntimeConfig(StrictModel):
     use_tutel: bool = Field(False, description="deepspeed backend: tutel kernels (optional package)")
 
 
-#: Keys that left ``moe:`` in issue 14, and the section that holds them now.
+#: Keys that used to be in ``moe:`` (older recipes), and the section that holds them now.
 MOVED_MOE_KEYS: dict[str, str] = {
     **{k: "moe_runtime" for k in ("backend", "ep_size", "capacity_factor", "eval_capacity_factor",
                                   "min_capacity", "drop_tokens", "use_tutel")},
@@ -306,7 +306,7 @@ class RunConfig(StrictModel):
 
 
 def check_moved_keys(raw: Any) -> None:
-    """Refuse a recipe in the layout before issue 14: ``moe.<key>`` for a key of
+    """Refuse a recipe in the older layout: ``moe.<key>`` for a key of
     :data:`MOVED_MOE_KEYS`. One ConfigError names every moved key, its new place and the YAML
     to write (``--set moe.ep_size=2`` overrides land here too)."""
     moe = raw.get("moe") if isinstance(raw, dict) else None
@@ -318,7 +318,7 @@ def check_moved_keys(raw: Any) -> None:
     lines = []
     for k in moved:
         new, v = MOVED_MOE_KEYS[k], _flow_yaml(moe[k])
-        lines.append(f"`moe.{k}` moved to `{new}.{k}` (issue 14): write `{new}: {{{k}: {v}}}` "
+        lines.append(f"`moe.{k}` moved to `{new}.{k}`: write `{new}: {{{k}: {v}}}` "
                      f"(or --set {new}.{k}={v})")
     raise ConfigError("recipe uses the old `moe:` layout:\n  " + "\n  ".join(lines))
 
@@ -371,7 +371,8 @@ def check_moe_backend(moe: MoEConfig, rt: MoERuntimeConfig, zero_stage: int) -> 
     only (TopKGate), no ``aux_loss_free_bias`` (no expert bias in TopKGate), ``norm_topk_prob``
     equal to DeepSpeed's fixed choice (top-1: raw softmax weight; top-k >= 2: renormalised).
     ``autoep``: no ``aux_loss_free_bias`` (AutoEP rejects ``load_balance_coeff``), no
-    ``router_jitter`` (AutoEP's router has none). ``use_tutel`` only with ``deepspeed``.
+    ``router_jitter`` (AutoEP's router has none). ``use_tutel`` and a capacity other than the
+    defaults (``capacity_factor``, ``eval_capacity_factor``, ``min_capacity``) only with ``deepspeed``.
     """
     b = rt.backend
     if b == "reference" and rt.ep_size != 1:
@@ -381,6 +382,13 @@ def check_moe_backend(moe: MoEConfig, rt: MoERuntimeConfig, zero_stage: int) -> 
         fail("moe_runtime.use_tutel", True, f"only applies to moe_runtime.backend 'deepspeed' (this recipe: {b!r})",
               "set moe_runtime.backend to 'deepspeed' (tutel kernels for DeepSpeed-MoE) or moe_runtime.use_tutel "
               "to false")
+    if b != "deepspeed":  # reference and AutoEP are dropless: a capacity would claim what does not run
+        defaults = MoERuntimeConfig()
+        for name in ("capacity_factor", "eval_capacity_factor", "min_capacity"):
+            if getattr(rt, name) != getattr(defaults, name):
+                fail(f"moe_runtime.{name}", getattr(rt, name), f"only applies to moe_runtime.backend 'deepspeed' "
+                     f"(backend {b!r} routes every token: no capacity, nothing dropped)",
+                     f"remove moe_runtime.{name} or set moe_runtime.backend to 'deepspeed'")
     if b == "reference":
         return
     if moe.num_experts % rt.ep_size:
@@ -537,6 +545,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[st
         if not all(parts):
             raise ConfigError(f"--set {item!r}: empty key path; write it like model.hidden_size=128")
         parsed = yaml.safe_load(value) if value.strip() else None
+        if len(parts) >= 2 and parts[0] == "moe" and parts[1] in MOVED_MOE_KEYS:
+            new_key = f"{MOVED_MOE_KEYS[parts[1]]}.{'.'.join(parts[1:])}"
+            raise ConfigError(f"--set {item!r}: `{key.strip()}` moved to `{new_key}`; write "
+                              f"--set {new_key}={value.strip()}")
         node: Any = out
         for depth, p in enumerate(parts):
             last = depth == len(parts) - 1

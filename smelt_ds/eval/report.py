@@ -131,6 +131,10 @@ def to_markdown(rows: list[dict], names: list[str]) -> str:
         cells = [r["metric"], r["unit"], *[_fmt(r["values"][n], r["unit"]) for n in names],
                  *[_fmt_delta(r["delta"][n], r["unit"]) for n in names[1:]]]
         lines.append("| " + " | ".join(cells) + " |")
+    if any(v is None for r in rows for v in r["values"].values()):
+        lines += ["", "`–`: no value. For an in-context task: its episodes with that many examples do not fit "
+                      "the context window (`model.max_seq_len`), so none was scored; otherwise the measurement "
+                      "does not apply to that run."]
     return "\n".join(lines)
 
 

@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny/smelt.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe field (YAML value), e.g. --set train.max_steps=20")
+                   help="override a recipe field (YAML value), e.g. --set train.max_steps=200")
     p.add_argument("--resume", default="none",
                    help="'auto' continues from the latest complete checkpoint of the run directory, "
                         "'none' starts fresh, or a checkpoint directory")

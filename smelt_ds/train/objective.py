@@ -28,6 +28,6 @@ def total_loss(out: Any, train_cfg: Any) -> torch.Tensor:
     if out.lm_loss is None:
         raise ValueError("total_loss needs an LMOutput computed with labels (out.lm_loss is None)")
     loss = out.lm_loss
-    if out.aux_loss is not None:  # same arithmetic order as before issue 14 (golden loss curves)
+    if out.aux_loss is not None:  # this order of operations is what the golden loss curves hold
         loss = loss + train_cfg.aux_loss_coef * out.aux_loss + train_cfg.z_loss_coef * out.z_loss
     return loss

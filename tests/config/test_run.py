@@ -321,15 +321,15 @@ def test_yaml_merge_keys_and_distinct_nested_keys_are_accepted(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# issue 14: the MoE section holds the architecture only
+# the MoE section holds the architecture only; runtime knobs and loss coefficients live elsewhere
 # --------------------------------------------------------------------------------------------
 
 
 def test_runtime_knobs_and_loss_coefficients_have_their_own_sections():
     cfg = config_from_dict({"moe": {"num_experts": 4, "top_k": 2},
-                            "moe_runtime": {"backend": "autoep", "ep_size": 2, "capacity_factor": 1.5},
+                            "moe_runtime": {"backend": "deepspeed", "ep_size": 2, "capacity_factor": 1.5},
                             "train": {"aux_loss_coef": 0.02, "z_loss_coef": 0.0}})
-    assert (cfg.moe_runtime.backend, cfg.moe_runtime.ep_size, cfg.moe_runtime.capacity_factor) == ("autoep", 2, 1.5)
+    assert (cfg.moe_runtime.backend, cfg.moe_runtime.ep_size, cfg.moe_runtime.capacity_factor) == ("deepspeed", 2, 1.5)
     assert (cfg.train.aux_loss_coef, cfg.train.z_loss_coef) == (0.02, 0.0)
     d = RunConfig()
     assert (d.train.aux_loss_coef, d.train.z_loss_coef) == (0.01, 0.001)
@@ -339,12 +339,12 @@ def test_runtime_knobs_and_loss_coefficients_have_their_own_sections():
 
 
 @pytest.mark.parametrize("moe,new", [
-    ({"backend": "autoep"}, ["`moe.backend` moved to `moe_runtime.backend` (issue 14): write "
+    ({"backend": "autoep"}, ["`moe.backend` moved to `moe_runtime.backend`: write "
                              "`moe_runtime: {backend: autoep}`"]),
     ({"aux_loss_coef": 0.01, "z_loss_coef": 0.0, "ep_size": 2},
-     ["`moe.aux_loss_coef` moved to `train.aux_loss_coef` (issue 14): write `train: {aux_loss_coef: 0.01}`",
-      "`moe.z_loss_coef` moved to `train.z_loss_coef` (issue 14): write `train: {z_loss_coef: 0.0}`",
-      "`moe.ep_size` moved to `moe_runtime.ep_size` (issue 14): write `moe_runtime: {ep_size: 2}`"]),
+     ["`moe.aux_loss_coef` moved to `train.aux_loss_coef`: write `train: {aux_loss_coef: 0.01}`",
+      "`moe.z_loss_coef` moved to `train.z_loss_coef`: write `train: {z_loss_coef: 0.0}`",
+      "`moe.ep_size` moved to `moe_runtime.ep_size`: write `moe_runtime: {ep_size: 2}`"]),
     ({"use_tutel": True, "drop_tokens": False, "capacity_factor": 1.25, "eval_capacity_factor": 2.0,
       "min_capacity": 0, "num_experts": 8},
      [f"`moe.{k}` moved to `moe_runtime.{k}`" for k in ("use_tutel", "drop_tokens", "capacity_factor",
@@ -360,11 +360,12 @@ def test_old_moe_layout_is_refused_naming_each_moved_key(tmp_path, moe, new):
         assert line in msg
 
 
-def test_old_moe_key_given_with_set_is_refused_too(tmp_path):
+def test_old_moe_key_given_with_set_is_refused_naming_the_override(tmp_path):
     path = write(tmp_path, {"moe": {"top_k": 2}})
-    with pytest.raises(ConfigError, match=r"`moe\.ep_size` moved to `moe_runtime\.ep_size` \(issue 14\): write "
-                                          r"`moe_runtime: \{ep_size: 2\}` \(or --set moe_runtime\.ep_size=2\)"):
+    with pytest.raises(ConfigError) as info:
         load_config(path, ["moe.ep_size=2"])
+    assert str(info.value) == ("--set 'moe.ep_size=2': `moe.ep_size` moved to `moe_runtime.ep_size`; write "
+                               "--set moe_runtime.ep_size=2")  # the override, not the recipe file, is named
     assert load_config(path, ["moe_runtime.ep_size=2", "moe_runtime.backend=autoep"]).moe_runtime.ep_size == 2
 
 
@@ -398,3 +399,13 @@ def test_budget_refuses_a_recipe_that_can_never_train(tmp_path, capsys):
     assert main(["budget", str(path)]) == 2
     err = capsys.readouterr().err
     assert "`moe_runtime.backend` ('deepspeed') does not support ZeRO stage 3" in err and "autoep" in err
+
+
+@pytest.mark.parametrize("backend", ["reference", "autoep"])
+@pytest.mark.parametrize("field,value", [("capacity_factor", 1.25), ("eval_capacity_factor", 2.0), ("min_capacity", 0)])
+def test_a_capacity_is_refused_where_the_backend_routes_every_token(backend, field, value):
+    rt = {"backend": backend, field: value, **({"ep_size": 2} if backend == "autoep" else {})}
+    assert (f"`moe_runtime.{field}` ({value!r}) only applies to moe_runtime.backend 'deepspeed'"
+            in bad({"moe_runtime": rt}))
+    assert getattr(config_from_dict({"moe_runtime": {"backend": "deepspeed", field: value}}).moe_runtime,
+                   field) == value
