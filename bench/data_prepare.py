@@ -26,7 +26,8 @@ from pathlib import Path
 import datasets
 from tokenizers import Tokenizer
 
-from smelt_ds.data import DataConfig, build_tokenizer, prepare_from_config
+from smelt_ds.config.data import DataConfig
+from smelt_ds.data.prepare import build_tokenizer, prepare_from_config
 from smelt_ds.data.builtin import builtin_corpus_dir
 
 

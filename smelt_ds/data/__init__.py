@@ -2,23 +2,15 @@
 
 The training engine calls::
 
-    prepared = prepare_from_config(cfg.data)                      # build or reuse, rank 0 only
-    check_compatible(prepared, cfg.model.vocab_size)               # tokenizer vs model
+    prepared = prepare_from_config(cfg.data)                      # data.prepare; build or reuse, rank 0 only
+    check_compatible(prepared, cfg.model.vocab_size)               # data.loader; tokenizer vs model
     train = TrainLoader(prepared, cfg.train.seq_len, cfg.train.micro_batch_size, seed=cfg.data.seed)
     valid = validation_loaders(prepared, cfg.train.seq_len, cfg.train.micro_batch_size)
 
-The ``data:`` section itself (:class:`DataConfig`) is part of the config package
-(:mod:`smelt_ds.config.data`), so reading a recipe never imports ``datasets``.
+Modules: :mod:`~smelt_ds.data.builtin` (the built-in corpus), :mod:`~smelt_ds.data.sources`
+(files, Hugging Face datasets), :mod:`~smelt_ds.data.tokenizer`, :mod:`~smelt_ds.data.prepare`,
+:mod:`~smelt_ds.data.loader`, :mod:`~smelt_ds.data.cache`, :mod:`~smelt_ds.data.distributed`,
+:mod:`~smelt_ds.data.cli`. The ``data:`` section itself (``DataConfig``) is
+:mod:`smelt_ds.config.data`. This package imports nothing itself, so that reading a tokenizer
+(``data.tokenizer``) does not import ``datasets``.
 """
-
-from __future__ import annotations
-
-from smelt_ds.config.data import DataConfig, SourceConfig, TokenizerConfig
-from smelt_ds.data.builtin import build_builtin_corpus, builtin_corpus_dir
-from smelt_ds.data.loader import TrainLoader, ValidationLoader, check_compatible, validation_loaders
-from smelt_ds.data.prepare import PreparedData, build_tokenizer, prepare_from_config, token_dtype
-from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
-
-__all__ = ["DataConfig", "SourceConfig", "TokenizerConfig", "PreparedData", "prepare_from_config", "build_tokenizer",
-           "token_dtype", "TrainLoader", "ValidationLoader", "validation_loaders", "check_compatible",
-           "build_builtin_corpus", "builtin_corpus_dir", "train_tokenizer", "tokenizer_hash", "load_tokenizer"]

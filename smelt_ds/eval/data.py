@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from smelt_ds.config.data import DataConfig
-from smelt_ds.data import check_compatible, prepare_from_config
-from smelt_ds.data.loader import ValidationLoader
+from smelt_ds.data.loader import ValidationLoader, check_compatible
+from smelt_ds.data.prepare import prepare_from_config
 from smelt_ds.errors import ConfigError
 
 if TYPE_CHECKING:

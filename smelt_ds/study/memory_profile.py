@@ -19,10 +19,10 @@ from smelt_ds.config.run import RunConfig, config_from_dict, config_to_dict
 from smelt_ds.cost.memory import POLICIES, activation_bytes, estimate, model_states, param_counts
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
+from smelt_ds.parallel.distributed import init_distributed
 from smelt_ds.parallel.engine import configure_activation_checkpointing
 from smelt_ds.train.build import build
 from smelt_ds.train.objective import total_loss
-from smelt_ds.parallel.distributed import init_distributed
 
 __all__ = ["SavedTensorCounter", "Measurement", "measure"]
 

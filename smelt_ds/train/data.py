@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from smelt_ds.config.run import RunConfig
-from smelt_ds.data import prepare_from_config
 from smelt_ds.data.loader import TrainLoader, validation_loaders
+from smelt_ds.data.prepare import prepare_from_config
 
 __all__ = ["Batch", "TrainData", "build_data", "unigram_entropy"]
 

@@ -36,7 +36,6 @@ from smelt_ds.train.build import Built, build
 from smelt_ds.train.checkpoint import CheckpointWriteError
 from smelt_ds.train.data import build_data
 from smelt_ds.train.guards import check_run_dir, lock_run_dir, remove_if_only_lock
-from smelt_ds.train.objective import total_loss
 from smelt_ds.train.metrics import (
     MetricsWriter,
     MicroStats,
@@ -46,6 +45,7 @@ from smelt_ds.train.metrics import (
     routing_metrics,
     write_summary,
 )
+from smelt_ds.train.objective import total_loss
 from smelt_ds.train.provenance import init_from_tokenizer, record_run_tokenizer
 
 __all__ = ["main", "train", "build", "Built", "parse_args", "RunResult"]

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from smelt_ds.config.run import config_from_dict
-from smelt_ds.parallel.engine import build_ds_config
-from smelt_ds.testing import run_distributed
 from smelt_ds.cost import zero_config
 from smelt_ds.cost.zero3_tuning import KEYS, plan_zero3, reuse_distance_needed, trace, visit_numel
 from smelt_ds.cost.zero_config import write_zero3_tuning, zero_section
+from smelt_ds.parallel.engine import build_ds_config
+from smelt_ds.testing import run_distributed
 
 P_LAYER, P_SPAN = 9408, 18816
 SMALL = {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0, "stage3_prefetch_bucket_size": 0}

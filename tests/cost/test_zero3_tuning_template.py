@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from smelt_ds.config.run import config_from_dict, load_config
+from smelt_ds.cost.zero3_tuning import KEYS, plan_zero3, reuse_distance_needed, visit_numel
 from smelt_ds.parallel.engine import build_ds_config, load_template
 from smelt_ds.testing import run_distributed
-from smelt_ds.cost.zero3_tuning import KEYS, plan_zero3, reuse_distance_needed, visit_numel
 
 P_LAYER, P_SPAN = 9408, 18816
 GIB = 2 ** 30
@@ -115,8 +115,8 @@ def _gather_bytes() -> int:
 
 
 def _worker(rank, world, raws):
-    from smelt_ds.parallel import engine
     from smelt_ds.model import SmeltLM
+    from smelt_ds.parallel import engine
     from smelt_ds.train.objective import total_loss
 
     res = []

@@ -22,7 +22,8 @@ def session_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def builtin_prepared(session_cache):
     """The default recipe's data (built-in corpus) with a 512-token vocabulary, prepared once."""
-    from smelt_ds.data import DataConfig, prepare_from_config
+    from smelt_ds.config.data import DataConfig
+    from smelt_ds.data.prepare import prepare_from_config
 
     cfg = DataConfig(tokenizer={"vocab_size": 512})
     return prepare_from_config(cfg, session_cache)
@@ -31,8 +32,7 @@ def builtin_prepared(session_cache):
 @pytest.fixture(scope="session")
 def two_domains(tmp_path_factory):
     """WikiText-2 + Tiny Shakespeare slices prepared as two domains (skips if the corpora are absent)."""
+    from smelt_ds.data.prepare import prepare_from_config
     from tests.data.data_test_utils import two_domain_config
-
-    from smelt_ds.data import prepare_from_config
 
     return prepare_from_config(two_domain_config(tmp_path_factory.mktemp("two")))

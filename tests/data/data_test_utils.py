@@ -98,7 +98,7 @@ def shakespeare_documents() -> list[str]:
 
 def two_domain_config(tmp_path: Path, **extra):
     """WikiText-2 (domain wiki) and Tiny Shakespeare (domain shakespeare), 400-token vocabulary."""
-    from smelt_ds.data import DataConfig
+    from smelt_ds.config.data import DataConfig
 
     return DataConfig(sources=[
         {"path": str(require(WIKITEXT)), "sample_by": "line", "domain": "wiki", "max_documents": WIKI_DOCS},

@@ -11,10 +11,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tests.data.data_test_utils import encode_documents, prose, split_at_eot, write_jsonl
 
-from smelt_ds.data import DataConfig, PreparedData, TrainLoader, prepare_from_config
+from smelt_ds.config.data import DataConfig
+from smelt_ds.data.loader import TrainLoader
+from smelt_ds.data.prepare import PreparedData, prepare_from_config
 from smelt_ds.errors import ConfigError
+from tests.data.data_test_utils import encode_documents, prose, split_at_eot, write_jsonl
 
 
 def config(tmp_path, sources, **extra) -> DataConfig:
@@ -339,7 +341,7 @@ def test_a_killed_prepare_leaves_nothing_behind_after_the_next_run(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal
         import smelt_ds.data.prepare as prep
-        from smelt_ds.data import DataConfig
+        from smelt_ds.config.data import DataConfig
         def killed(tmp, *args):
             (tmp / "train").mkdir()
             (tmp / "train" / "partial.bin").write_bytes(b"0" * 1000)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-
 from pydoc_data.topics import topics
 
 from smelt_ds.cli import main

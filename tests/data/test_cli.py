@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from tests.data.data_test_utils import prose, write_jsonl
-
 from smelt_ds.cli import main
-from smelt_ds.data import PreparedData
+from smelt_ds.data.prepare import PreparedData
+from tests.data.data_test_utils import prose, write_jsonl
 
 
 def test_prepare_then_reuse_then_verify(tmp_path, capsys):

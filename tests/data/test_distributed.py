@@ -10,10 +10,11 @@ import textwrap
 import time
 
 import pytest
-from tests.data.data_test_utils import prose, write_jsonl
 
-from smelt_ds.data import DataConfig, PreparedData
+from smelt_ds.config.data import DataConfig
+from smelt_ds.data.prepare import PreparedData
 from smelt_ds.testing import run_distributed, scaled_timeout
+from tests.data.data_test_utils import prose, write_jsonl
 
 pytestmark = pytest.mark.distributed
 
@@ -50,7 +51,7 @@ def test_gloo_rank0_prepares_rank1_waits(tmp_path):
 _SCRIPT = textwrap.dedent("""
     import json, sys
     import smelt_ds.data.prepare as prep
-    from smelt_ds.data import DataConfig
+    from smelt_ds.config.data import DataConfig
     calls = []
     real = prep.tokenise
     prep.tokenise = lambda *a, **k: calls.append(1) or real(*a, **k)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from smelt_ds.data import PreparedData, TrainLoader, ValidationLoader, check_compatible, validation_loaders
+from smelt_ds.data.loader import TrainLoader, ValidationLoader, check_compatible, validation_loaders
+from smelt_ds.data.prepare import PreparedData
 from smelt_ds.errors import ConfigError
 
 S, B = 32, 4

@@ -11,12 +11,21 @@ import textwrap
 import numpy as np
 import pytest
 
-from smelt_ds.data import DataConfig, PreparedData, prepare_from_config, token_dtype
+from smelt_ds.config.data import DataConfig
+from smelt_ds.data.prepare import PreparedData, prepare_from_config, token_dtype
 from smelt_ds.errors import ConfigError
 from smelt_ds.testing import scaled_timeout
-
-from tests.data.data_test_utils import (assign_documents, builtin_documents, encode_documents, prose, shakespeare_documents,
-                             split_at_eot, two_domain_config, wiki_documents, write_jsonl)
+from tests.data.data_test_utils import (
+    assign_documents,
+    builtin_documents,
+    encode_documents,
+    prose,
+    shakespeare_documents,
+    split_at_eot,
+    two_domain_config,
+    wiki_documents,
+    write_jsonl,
+)
 
 
 def _stream(prepared: PreparedData, split: str, source: int) -> np.ndarray:
@@ -183,7 +192,8 @@ def test_num_proc_2_with_tokenizers_parallelism_true_finishes(tmp_path):
     script = textwrap.dedent(f"""
         import json, sys
         import numpy as np
-        from smelt_ds.data import DataConfig, prepare_from_config
+        from smelt_ds.config.data import DataConfig
+        from smelt_ds.data.prepare import prepare_from_config
         from smelt_ds.data.tokenizer import train_tokenizer
         from smelt_ds.config.data import TokenizerConfig
         docs = [json.loads(l)["text"] for l in open({str(tmp_path / 'd.jsonl')!r})]
@@ -307,7 +317,7 @@ def test_a_long_single_line_document_is_tokenised_in_bounded_memory(tmp_path):
     script = textwrap.dedent(f"""
         import json, resource
         import smelt_ds.data.prepare as prep
-        from smelt_ds.data import DataConfig
+        from smelt_ds.config.data import DataConfig
         cfg = DataConfig(sources=[{{"path": {str(tmp_path / 'one.txt')!r}, "sample_by": "line"}}],
                          validation_share=0.0, tokenizer={{"vocab_size": 300}}, tokenize_chunk_bytes=65536,
                          cache_dir={str(tmp_path / 'c')!r})

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.data.data_test_utils import prose, write_jsonl
 
 from smelt_ds.cli import main
-from smelt_ds.data import DataConfig, build_tokenizer, load_tokenizer, tokenizer_hash, train_tokenizer
-from smelt_ds.config.data import TokenizerConfig
+from smelt_ds.config.data import DataConfig, TokenizerConfig
+from smelt_ds.data.prepare import build_tokenizer
+from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
 from smelt_ds.errors import ConfigError
+from tests.data.data_test_utils import prose, write_jsonl
 
 
 def test_training_is_deterministic_with_specials_first():
@@ -69,7 +70,7 @@ def test_tokenizer_file_errors(tmp_path):
 
 
 def test_tokenizer_without_the_end_of_text_token(tmp_path):
-    from smelt_ds.data import prepare_from_config
+    from smelt_ds.data.prepare import prepare_from_config
 
     tok = train_tokenizer([prose(100)], TokenizerConfig(vocab_size=300, eot_token="<eos>", pad_token="<pad>"))
     tok.save(str(tmp_path / "t.json"))

@@ -27,9 +27,8 @@ def eval_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smelt_cfg(eval_cache):
-    from tests.eval.eval_test_utils import tiny_raw
-
     from smelt_ds.config.run import config_from_dict
+    from tests.eval.eval_test_utils import tiny_raw
 
     return config_from_dict(tiny_raw(eval_cache))
 
@@ -46,10 +45,9 @@ def eval_data(smelt_cfg):
 def random_exports(tmp_path_factory, eval_cache, eval_data):
     """Random-weight exports ``{"baseline": dir, "smelt": dir}`` (init_std 0.2 so that attention
     and routing are far from uniform)."""
-    from tests.eval.eval_test_utils import baseline_raw, export_model, tiny_raw
-
     from smelt_ds.config.run import config_from_dict
     from smelt_ds.model import SmeltLM
+    from tests.eval.eval_test_utils import baseline_raw, export_model, tiny_raw
 
     root = tmp_path_factory.mktemp("exports")
     out = {}
@@ -64,9 +62,8 @@ def random_exports(tmp_path_factory, eval_cache, eval_data):
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, eval_cache, eval_data) -> Path:
     """A tiny SMELT run directory trained for 20 steps (checkpoint at step 20)."""
-    from tests.eval.eval_test_utils import tiny_raw, train_worker
-
     from smelt_ds.testing import run_distributed
+    from tests.eval.eval_test_utils import tiny_raw, train_worker
 
     raw = tiny_raw(eval_cache, tmp_path_factory.mktemp("trained") / "run")
     return Path(run_distributed(train_worker, 1, args=(raw,), timeout=300)[0])

@@ -115,12 +115,11 @@ def test_resume_with_data_of_another_tokenizer_is_refused(tmp_path, trained_run)
 def test_init_from_trains_on_with_the_exports_tokenizer(trained_run, corpus, tmp_path, eval_cache):
     """A new run from an export on other data keeps the export's tokenizer (config.yaml says so);
     another tokenizer needs train.init_from_any_tokenizer."""
-    from tests.eval.eval_test_utils import tiny_raw
-
     from smelt_ds.config.run import config_from_dict
     from smelt_ds.errors import ConfigError
     from smelt_ds.eval.runs import resolve_export
     from smelt_ds.train.provenance import init_from_tokenizer
+    from tests.eval.eval_test_utils import tiny_raw
 
     export = resolve_export(trained_run)
     raw = tiny_raw(eval_cache, tmp_path / "run")

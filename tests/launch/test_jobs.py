@@ -21,7 +21,8 @@ import yaml
 
 from smelt_ds.cli import main as cli_main
 from smelt_ds.errors import ConfigError
-from smelt_ds.launch.jobs import JobOptions, expand_nodelist, main as launch_main, parse_hostfile, plan_job, render
+from smelt_ds.launch.jobs import JobOptions, expand_nodelist, parse_hostfile, plan_job, render
+from smelt_ds.launch.jobs import main as launch_main
 from smelt_ds.study.recipes import shipped_recipes
 from smelt_ds.testing import scaled_timeout
 

@@ -324,9 +324,9 @@ def _tied_step(policy: str, score_func: str = "softmax"):
     every token's scores tie exactly (softmax 1/E, sigmoid 1/2). Returns the loss, all gradients
     and the experts chosen by every router call (forward visits, then recomputes)."""
     from smelt_ds.config.run import config_from_dict
-    from smelt_ds.parallel.engine import configure_activation_checkpointing
     from smelt_ds.model import SmeltLM
     from smelt_ds.model.moe import TopKRouter
+    from smelt_ds.parallel.engine import configure_activation_checkpointing
 
     cfg = config_from_dict(_tied_raw(policy, score_func))
     torch.manual_seed(0)

@@ -15,10 +15,14 @@ import pytest
 import torch
 
 from smelt_ds.config.run import config_from_dict
-from smelt_ds.parallel.engine import check_activation_checkpointing, checkpointed_visits, configure_activation_checkpointing
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM, Visit
 from smelt_ds.model.moe import TopKRouter
+from smelt_ds.parallel.engine import (
+    check_activation_checkpointing,
+    checkpointed_visits,
+    configure_activation_checkpointing,
+)
 from smelt_ds.testing import run_distributed
 from smelt_ds.train.objective import total_loss
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from smelt_ds.config.run import config_from_dict
-from smelt_ds.parallel.engine import lr_multiplier, param_groups
 from smelt_ds.model import SmeltLM
+from smelt_ds.parallel.engine import lr_multiplier, param_groups
 from smelt_ds.testing import run_distributed
 from smelt_ds.train.objective import total_loss
 

@@ -17,10 +17,10 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from smelt_ds.parallel import moe_backends as mb  # noqa: E402
 from smelt_ds.config.run import MoERuntimeConfig, TrainConfig, config_from_dict  # noqa: E402
 from smelt_ds.errors import ConfigError  # noqa: E402
 from smelt_ds.model import SmeltLM  # noqa: E402
+from smelt_ds.parallel import moe_backends as mb  # noqa: E402
 from smelt_ds.testing import run_distributed  # noqa: E402
 from smelt_ds.train.objective import total_loss  # noqa: E402
 
@@ -178,8 +178,11 @@ def test_deepspeed_backend_capacity_statistics_and_decode():
 def test_autoep_conversion_matches_reference(score_func, shared, dense):
     """AutoEP's own detection + replacement (ep_size 1, no process group) on our model."""
     from deepspeed.module_inject.auto_ep import AutoEP
-    from deepspeed.module_inject.auto_ep_config import (parse_autoep_config, validate_autoep_config,
-                                                        validate_autoep_post_detection)
+    from deepspeed.module_inject.auto_ep_config import (
+        parse_autoep_config,
+        validate_autoep_config,
+        validate_autoep_post_detection,
+    )
 
     cfg = tiny_cfg({"first_k_dense": dense}, backend="autoep", score_func=score_func, shared_expert_ffn_size=shared)
     ref = build(cfg)

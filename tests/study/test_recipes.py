@@ -7,19 +7,30 @@ from __future__ import annotations
 import copy
 import re
 
+import deepspeed.runtime.config as ds_runtime_config
 import pytest
 import yaml
-import deepspeed.runtime.config as ds_runtime_config
 from deepspeed.runtime.config import DeepSpeedConfig
 
+from smelt_ds.config.run import load_config
 from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.cost.cli import parse_ranges
-from smelt_ds.config.run import load_config
-from smelt_ds.parallel.engine import build_ds_config, template_name
-from smelt_ds.errors import ConfigError
 from smelt_ds.cost.memory import GiB, estimate
-from smelt_ds.study.recipes import (DOCS_TABLE, MIN_HEADROOM, SIZES, VARIANTS, derive_variants, load_raw, recipe_rows,
-                              recipes_table, resolve, shipped_recipes, write_variants)
+from smelt_ds.errors import ConfigError
+from smelt_ds.parallel.engine import build_ds_config, template_name
+from smelt_ds.study.recipes import (
+    DOCS_TABLE,
+    MIN_HEADROOM,
+    SIZES,
+    VARIANTS,
+    derive_variants,
+    load_raw,
+    recipe_rows,
+    recipes_table,
+    resolve,
+    shipped_recipes,
+    write_variants,
+)
 
 ENTRIES = shipped_recipes()
 CLUSTER_SIZES = ("s", "m", "l", "xl")

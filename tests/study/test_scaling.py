@@ -9,9 +9,21 @@ import numpy as np
 import pytest
 
 from smelt_ds.errors import ConfigError
-from smelt_ds.study.scaling import (FlopsModel, RunPoint, ScalingLaw, analyse, bootstrap, compute_for_loss,
-                              compute_savings, envelope, fit_flops_model, fit_law, frontier, isoflop_profiles,
-                              paired_comparison)
+from smelt_ds.study.scaling import (
+    FlopsModel,
+    RunPoint,
+    ScalingLaw,
+    analyse,
+    bootstrap,
+    compute_for_loss,
+    compute_savings,
+    envelope,
+    fit_flops_model,
+    fit_law,
+    frontier,
+    isoflop_profiles,
+    paired_comparison,
+)
 
 # Chinchilla's Approach-3 estimate (Hoffmann et al. 2022, Eq. 10) as the known law
 CHINCHILLA = ScalingLaw(E=1.69, A=406.4, alpha=0.34, B=410.7, beta=0.28)
@@ -145,8 +157,8 @@ def test_flops_model_recovers_its_terms_and_reports_residuals():
 
 
 def test_flops_model_fits_real_budgets_of_a_width_family():
-    from smelt_ds.cost.budget import compute_budget
     from smelt_ds.config.run import config_from_dict
+    from smelt_ds.cost.budget import compute_budget
 
     cfgs = [config_from_dict({"model": {"hidden_size": h, "vocab_size": 4096, "max_seq_len": 128},
                               "moe": {"num_experts": 14, "top_k": 4, "expert_ffn_size": 3 * h // 4},

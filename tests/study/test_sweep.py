@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.config.run import config_from_dict, load_config
+from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.errors import ConfigError
 from smelt_ds.study.sweep import load_sweep, materialize, plan_sweep, render_k8s, render_slurm, run_status
 
@@ -85,8 +85,8 @@ def test_materialize_writes_loadable_recipes_and_labels(tmp_path):
 
 
 def test_status_and_conflicting_run_directories(tmp_path):
-    from smelt_ds.train import checkpoint as ckpt
     from smelt_ds.config.run import dump_config
+    from smelt_ds.train import checkpoint as ckpt
 
     path = _sweep(tmp_path)
     plan = plan_sweep(load_sweep(path), path)

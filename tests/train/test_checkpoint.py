@@ -110,10 +110,10 @@ def _flip(path: Path, n: int = 64) -> None:
 
 @pytest.mark.distributed
 def test_damaged_newest_checkpoint_is_named_kept_and_skipped(trained, tmp_path):
-    from smelt_ds.train import checkpoint as ckpt
     from smelt_ds.errors import ConfigError
-    from smelt_ds.train.export import export_checkpoint
     from smelt_ds.testing import DistributedTestError
+    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.train.export import export_checkpoint
 
     raw, src, _ = trained
     run_dir = _copy_run(src, tmp_path / "run")
@@ -146,8 +146,8 @@ def test_damaged_newest_checkpoint_is_named_kept_and_skipped(trained, tmp_path):
 
 def test_checkpoint_without_digests_that_deepspeed_cannot_read_names_it(trained, tmp_path):
     """Checkpoints of older smelt-ds have no digests: a truncated model file is still named."""
-    from smelt_ds.train import checkpoint as ckpt
     from smelt_ds.testing import DistributedTestError
+    from smelt_ds.train import checkpoint as ckpt
 
     raw, src, _ = trained
     run_dir = _copy_run(src, tmp_path / "run")

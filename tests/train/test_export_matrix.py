@@ -122,8 +122,8 @@ def _cell_worker(rank: int, world: int, raw: dict, export: str) -> dict:
     import torch.distributed as dist
 
     from smelt_ds.train import checkpoint as ckpt
-    from smelt_ds.train.export import export_checkpoint
     from smelt_ds.train.build import build
+    from smelt_ds.train.export import export_checkpoint
     from smelt_ds.train.loop import train
 
     cfg = config_from_dict(raw)

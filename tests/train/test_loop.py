@@ -130,8 +130,8 @@ def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
 
 
 def test_run_directory_summary_export_and_init_from(tmp_path, cache):
-    from smelt_ds.train.export import export_checkpoint, load_exported
     from smelt_ds.model import SmeltLM
+    from smelt_ds.train.export import export_checkpoint, load_exported
 
     raw = _raw(tmp_path, cache, train={"max_steps": 4, "save_every": 4, "eval_every": 4})
     res = run_distributed(_train, 1, args=(raw,), timeout=300)[0]
@@ -245,8 +245,8 @@ def test_resumed_metrics_hold_each_step_once(tmp_path):
 
 def test_init_from_rejects_other_shapes(tmp_path):
     from smelt_ds.errors import ConfigError
-    from smelt_ds.train.export import load_initial_weights
     from smelt_ds.model import SmeltLM
+    from smelt_ds.train.export import load_initial_weights
 
     small = config_from_dict(_raw(tmp_path, tmp_path))
     wide = config_from_dict(_raw(tmp_path, tmp_path, model={"hidden_size": 48}))
@@ -301,9 +301,9 @@ def test_resume_at_another_scale_is_refused_before_anything_is_written(tmp_path,
     resume with another number of ranks, ZeRO stage, backend or expert-parallel size is refused
     before the run directory changes, naming what differs and the supported path (export, then
     train.init_from)."""
-    from smelt_ds.train import checkpoint as ckpt
     from smelt_ds.errors import ConfigError
     from smelt_ds.testing import DistributedTestError
+    from smelt_ds.train import checkpoint as ckpt
     from smelt_ds.train.guards import check_run_dir
 
     raw = _raw(tmp_path, cache, train={"max_steps": 2, "eval_every": 2, "save_every": 2},

@@ -64,8 +64,8 @@ def _raw(run_dir: Path, cache: Path) -> dict:
 
 @pytest.mark.distributed
 def test_training_into_a_locked_run_directory_is_refused_before_writing(tmp_path):
-    from smelt_ds.train.run_lock import RunLock
     from smelt_ds.testing import DistributedTestError
+    from smelt_ds.train.run_lock import RunLock
 
     run_dir = tmp_path / "run"
     raw = _raw(run_dir, tmp_path / "cache")
