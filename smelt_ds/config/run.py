@@ -45,6 +45,7 @@ __all__ = [
     "config_from_dict",
     "apply_overrides",
     "dump_config",
+    "loop_with_repeats",
 ]
 
 
@@ -680,3 +681,43 @@ def dump_config(cfg: RunConfig, path: str | Path | None = None) -> str:
     if path is not None:
         Path(path).write_text(text)
     return text
+
+
+def loop_with_repeats(loop: LoopConfig, num_layers: int, repeats: int | None = None,
+                   exit_after: int | None = None) -> LoopConfig:
+    """The ``loop`` section of a test-time loop count: the trained loop ranges with other repeats.
+
+    ``repeats`` R sets every loop range's repeat count to R (R = 1: the looped layers run once,
+    as in an unlooped model of the same unique layers; R = 3: a third visit). ``exit_after`` P is an
+    early exit at a loop boundary: every range stops after at most P passes (P = 1: after the
+    first pass of the looped block, then the layers above it). Both may be given (``exit_after``
+    then caps ``repeats``); neither returns ``loop`` unchanged. The result is ``position: custom``
+    with explicit ``ranges`` (same ``order`` and ``input_injection``), so
+    ``build_schedule``, ``SmeltLM.set_loop`` and ``cost.budget.compute_budget`` (via
+    ``cfg.model_copy(update={"loop": ...})``) all follow the plan actually run. Weights do not depend on
+    the loop: unique layers are the same for every repeat count.
+
+    Test-time loop counts follow the looped-LM literature (Ouro's ``total_ut_steps``, Huginn's
+    ``num_steps``; early exit at loop boundaries, arXiv 2605.09165).
+
+    Raises ConfigError for R or P < 1, or for a loop section without loop ranges (a Baseline:
+    there is nothing to repeat; pass no loop option for it).
+    """
+    for flag, v in (("--loop-repeats", repeats), ("--exit-after", exit_after)):
+        if v is not None and v < 1:
+            raise ConfigError(f"`{flag}` ({v}) must be >= 1: 1 runs the looped layers once, "
+                              "2 twice (the SMELT default)")
+    if repeats is None and exit_after is None:
+        return loop
+    spans = build_schedule(loop, num_layers).spans
+    if not spans:
+        raise ConfigError(f"`loop.position` ({loop.position!r}) has no loop range: a test-time loop count "
+                          "(`--loop-repeats` / `--exit-after`) applies to looped runs only; evaluate this "
+                          "run without it")
+    ranges = []
+    for s in spans:
+        r = s.repeats if repeats is None else repeats
+        if exit_after is not None:
+            r = min(r, exit_after)
+        ranges.append(LoopRange(start=s.start, end=s.end, repeats=r))
+    return loop.model_copy(update={"position": "custom", "ranges": ranges})

@@ -195,6 +195,20 @@ class SmeltLM(nn.Module):
         return {n for n, _ in self.named_parameters()
                 if n.startswith("layers.") and self.schedule.is_looped(int(n.split(".")[1]))}
 
+    def set_loop(self, loop_cfg: LoopConfig) -> LoopConfig:
+        """Run another visit plan with the same weights (a test-time loop count, see
+        :func:`smelt_ds.config.run.loop_with_repeats`); returns the loop section it replaced.
+
+        Parameters are untouched (they belong to the unique layers, not to the plan); the per-visit
+        KV cache of a later ``forward``/``generate`` has one slot per visit of the new plan.
+        Raises ConfigError when ``loop_cfg`` is invalid for ``model.num_layers``."""
+        schedule = build_schedule(loop_cfg, self.model_cfg.num_layers)
+        old, self.loop_cfg = self.loop_cfg, loop_cfg
+        self.schedule = schedule
+        self.blocks.schedule = schedule
+        self.blocks.input_injection = loop_cfg.input_injection
+        return old
+
     # -- forward ------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, probs_hook: AttnProbsHook | None = None,
