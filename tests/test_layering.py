@@ -18,7 +18,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "smelt_ds"
 
 LAYERS = {
-    "base": ["errors", "resources", "testing"],
+    "base": ["errors", "files", "resources", "testing"],
     "config": ["config"],
     "model": ["model"],
     "cost": ["cost"],

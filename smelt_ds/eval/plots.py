@@ -12,6 +12,8 @@ import math
 import re
 from pathlib import Path
 
+from smelt_ds.files import write_atomic
+
 __all__ = ["DPI", "plot_eval", "plot_analysis", "safe_name"]
 
 DPI = 100
@@ -34,8 +36,10 @@ def _colors(n: int) -> list:
 
 def _save(fig, path: Path) -> list[int]:
     w, h = fig.get_size_inches()
-    fig.savefig(path, dpi=DPI)
-    _plt().close(fig)
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=DPI, format="png"))
+    finally:
+        _plt().close(fig)
     return [round(w * DPI), round(h * DPI)]
 
 

@@ -7,9 +7,10 @@ with ``delta[run] = values[run] - values[first]`` (absent values give None).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+
+from smelt_ds.files import write_json_atomic, write_text_atomic
 
 __all__ = ["eval_table", "analysis_table", "to_markdown", "details_markdown", "write_report"]
 
@@ -165,22 +166,12 @@ def details_markdown(result: dict) -> list[str]:
     return out
 
 
-def _json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 def write_report(result: dict, rows: list[dict], out_dir: Path, stem: str) -> tuple[Path, Path]:
     """Write ``<stem>.json`` (the whole result plus ``table``) and ``<stem>.md``. Returns both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [r["name"] for r in result["runs"]]
     jpath, mpath = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    jpath.write_text(json.dumps(_json_safe({**result, "table": rows}), indent=1))
+    write_json_atomic(jpath, {**result, "table": rows})
     md = [f"# smelt-ds {result['kind']}: " + " vs ".join(names), "",
           "Runs: " + "; ".join(f"{r['name']} ({r['unique_layers']} unique layers, {r['visits']} visits, "
                                f"{r['num_experts']} experts, {r['non_embedding_params']:,} non-embedding params)"
@@ -190,5 +181,5 @@ def write_report(result: dict, rows: list[dict], out_dir: Path, stem: str) -> tu
     md += ["", to_markdown(rows, names), ""]
     if result["kind"] == "analysis":
         md += details_markdown(result)
-    mpath.write_text("\n".join(md))
+    write_text_atomic(mpath, "\n".join(md))
     return jpath, mpath
