@@ -21,7 +21,7 @@ from smelt_ds.study import cli as study_cli
 from smelt_ds.train import cli as train_cli
 
 #: package -> the module that registers its commands, in the order ``smelt-ds --help`` lists them
-#: (cost: budget, match; data: data; train: train, export; eval: eval, analyze, generate;
+#: (cost: budget, match; data: data; train: train, export; eval: eval, analyze, generate, lm-eval;
 #: study: memory, recipes, sweep, scaling; launch: render-job)
 COMMANDS = {
     "cost": cost_cli,

@@ -19,7 +19,7 @@ def _commands_of(module) -> list[str]:
 def test_each_package_owns_its_commands_and_no_command_is_registered_twice():
     per_package = {name: _commands_of(module) for name, module in cli.COMMANDS.items()}
     assert per_package == {"cost": ["budget", "match"], "data": ["data"], "train": ["train", "export"],
-                           "eval": ["eval", "analyze", "generate"],
+                           "eval": ["eval", "analyze", "generate", "lm-eval"],
                            "study": ["memory", "recipes", "sweep", "scaling"], "launch": ["render-job"]}
     every = [c for cmds in per_package.values() for c in cmds]
     assert len(every) == len(set(every))

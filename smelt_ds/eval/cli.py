@@ -1,8 +1,14 @@
-"""``smelt-ds eval``, ``smelt-ds analyze`` and ``smelt-ds generate``.
+"""``smelt-ds eval``, ``smelt-ds analyze``, ``smelt-ds generate`` and ``smelt-ds lm-eval``.
 
     smelt-ds eval RUN [RUN ...] [-o DIR]       # per-domain loss, bits/byte, loss by position, ICL curves
+    smelt-ds eval RUN [RUN ...] --harness TASKS [--num-fewshot K[,K...]] [--include-path DIR]
+                                               # lm-evaluation-harness tasks, side by side + stratified
+    smelt-ds eval RUN [RUN ...] --loop-repeats R[,R...] [--exit-after P]   # loss per test-time loop count
+    smelt-ds eval RUN [RUN ...] --humaneval [--allow-code-execution]       # HumanEval pass@k, solution loss
+    smelt-ds eval build-tasks OUT              # write the offline harness tasks (YAML + JSONL)
     smelt-ds analyze RUN [RUN ...] [-o DIR]    # attention sink, routing, logit lens per (layer, visit)
     smelt-ds generate RUN --prompt TEXT        # greedy and/or sampled decoding, tokens/s
+    smelt-ds lm-eval run --model smelt-ds --model_args pretrained=RUN --tasks ...   # lm-eval's own CLI
 
 RUN is a run directory (its newest complete checkpoint is exported once to RUN/exports/), a
 checkpoint directory or an export directory. The first RUN is the reference (the Baseline):
@@ -13,17 +19,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
+from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
+from smelt_ds.eval import harness
 from smelt_ds.eval.data import corpus_config, open_eval_data
 from smelt_ds.eval.generation import encode_prompt, generate_text
+from smelt_ds.eval.humaneval import add_humaneval_arguments, humaneval_markdown, humaneval_settings, run_humaneval
 from smelt_ds.eval.icl import TASK_NAMES, check_task_names, parse_shots
+from smelt_ds.eval.looptime import has_loop, loop_repeats_markdown, loss_by_repeats, parse_repeats
 from smelt_ds.eval.loss import parse_buckets
+from smelt_ds.eval.offline_tasks import add_build_tasks_arguments, run_build_tasks
 from smelt_ds.eval.plots import plot_analysis, plot_eval, safe_name
 from smelt_ds.eval.report import analysis_table, eval_table, to_markdown, write_report
-from smelt_ds.eval.runs import load_run, load_runs
+from smelt_ds.eval.runs import LoadedRun, load_run, load_runs
+from smelt_ds.eval.stratified import plot_stratified, stratified_markdown, stratify, write_stratified
 from smelt_ds.eval.suite import AnalysisSettings, EvalSettings, analyze_runs, evaluate_runs
+from smelt_ds.files import write_json_atomic, write_text_atomic
+
+LM_EVAL_NOTE = ("lm-eval 0.4.13 looks models up only in its own MODEL_MAPPING (it has no plugin entry point, and "
+                "--include_path imports task code only after the model is looked up), so a plain `lm_eval --model "
+                "smelt-ds` cannot find this model: run lm-eval through `smelt-ds lm-eval ...` or `python -m "
+                "smelt_ds.eval.harness ...`, which register it first and pass every argument on unchanged.")
+
+
+class _EvalParser(argparse.ArgumentParser):
+    """The ``eval`` parser: ``smelt-ds eval build-tasks OUT ...`` is parsed by its own parser
+    (RUN positionals and the build-tasks options cannot share one parser)."""
+
+    build_tasks: argparse.ArgumentParser
+
+    def parse_known_args(self, args=None, namespace=None):
+        if args and args[0] == "build-tasks":
+            return self.build_tasks.parse_known_args(args[1:], namespace)
+        return super().parse_known_args(args, namespace)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -41,11 +72,54 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="tokenise with data.tokenizer.path even when it is not the tokenizer the run was trained with")
 
 
+def _add_build_tasks_parser(e: _EvalParser) -> None:
+    b = argparse.ArgumentParser(prog=f"{e.prog} build-tasks",
+                                description="Write the offline lm-evaluation-harness tasks (task YAML files reading "
+                                            "local JSONL via dataset_kwargs.data_files, and the group "
+                                            "smelt_offline) built deterministically from the validation documents "
+                                            "of a recipe's data and the HumanEval problems. Evaluate them with "
+                                            "`smelt-ds eval RUN --harness smelt_offline --include-path OUT`.")
+    add_build_tasks_arguments(b)
+    b.set_defaults(func=run_build_tasks)
+    e.build_tasks = b
+
+
+def _add_harness_arguments(e: argparse.ArgumentParser) -> None:
+    h = e.add_argument_group("lm-evaluation-harness", "run harness tasks instead of the loss / in-context pass; "
+                             "writes harness/<run>[_r<R>]_k<K>/results.json (the harness's own JSON) and "
+                             "samples_<task>.jsonl, harness.json + harness.md, and with several runs or k the "
+                             "stratified report (stratified.json/.md + PNGs)")
+    h.add_argument("--harness", default=None, metavar="TASKS",
+                   help="comma-separated harness tasks, groups or tags, e.g. smelt_offline (see `smelt-ds eval "
+                        "build-tasks`) or hellaswag when its data are reachable")
+    h.add_argument("--num-fewshot", default=None, metavar="K[,K...]",
+                   help="numbers of in-context examples, each evaluated (default: the tasks' own)")
+    h.add_argument("--include-path", default=None, metavar="DIR", help="directory of extra task YAML files")
+    h.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N examples of each task")
+    h.add_argument("--harness-batch-size", type=int, default=8, metavar="N",
+                   help="rows per forward of the harness model (default 8)")
+    t = e.add_argument_group("test-time loop count", "run looped runs with other repeats of their loop ranges "
+                             "(same weights; a Baseline is evaluated once, its row says 'no loop'); without "
+                             "--harness: a loss table per repeat count (loop_repeats.json/.md)")
+    t.add_argument("--loop-repeats", default=None, metavar="R[,R...]",
+                   help="repeat counts of every loop range, e.g. 1,2,3 (1: the looped layers run once)")
+    t.add_argument("--exit-after", type=int, default=None, metavar="P",
+                   help="early exit: every loop range stops after at most P passes, then the layers above it")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    e = sub.add_parser("eval", help="validation loss per domain and position, bits/byte, in-context curves",
+    e = sub.add_parser("eval", help="validation loss, in-context curves, harness tasks, HumanEval, loop counts",
                        description="Evaluate runs side by side: loss (nats/token) and bits per byte per domain, "
                                    "loss by token position, in-context learning curves (loss and accuracy on "
-                                   "answer tokens vs k examples). Writes eval.json, eval.md and PNG plots.")
+                                   "answer tokens vs k examples). Writes eval.json, eval.md and PNG plots. "
+                                   "With --harness, --humaneval or --loop-repeats/--exit-after those passes run "
+                                   "instead. `smelt-ds eval build-tasks OUT` (see its --help) writes the offline "
+                                   "harness tasks.",
+                       epilog="lm-eval's own command line: `smelt-ds lm-eval run --model smelt-ds --model_args "
+                              "pretrained=RUN --tasks TASKS --include_path DIR`. " + LM_EVAL_NOTE)
+    e.__class__ = _EvalParser  # argparse builds the sub-parser; this adds the build-tasks dispatch
+    assert isinstance(e, _EvalParser)
+    _add_build_tasks_parser(e)
     _add_common(e)
     e.add_argument("--batches", type=int, default=None,
                    help="validation micro-batches per domain (default 32; with --corpus: every window)")
@@ -60,7 +134,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--episodes", type=int, default=64, help="episodes per task and k (default 64)")
     e.add_argument("--tasks", default=None, help="comma-separated in-context tasks: kv_recall,pattern,word_case,"
                                                  "complete (default: all)")
-    e.add_argument("--seed", type=int, default=0, help="seed of the in-context episodes")
+    e.add_argument("--seed", type=int, default=0, help="seed of the in-context episodes and of the harness "
+                                                       "(Python, NumPy, torch, few-shot sampling, sampled generation)")
+    _add_harness_arguments(e)
+    add_humaneval_arguments(e)
     e.set_defaults(func=run_eval)
 
     a = sub.add_parser("analyze", help="attention sink, routing and logit lens per (layer, visit)",
@@ -91,6 +168,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--allow-other-tokenizer", action="store_true",
                    help="tokenise with data.tokenizer.path even when it is not the tokenizer the run was trained with")
     g.set_defaults(func=run_generate)
+
+    lm = sub.add_parser("lm-eval", prefix_chars="+", add_help=False,  # every argument belongs to lm-eval
+                        help="lm-evaluation-harness's own command line with the smelt-ds model registered",
+                        description="Run lm-eval's command line with the model `smelt-ds` registered; every "
+                                    "argument is passed on unchanged, e.g. `smelt-ds lm-eval run --model smelt-ds "
+                                    "--model_args pretrained=RUN --batch_size 8 --tasks smelt_offline --include_path "
+                                    "TASKS_DIR --output_path OUT` (lm-eval passes its --batch_size and --device to "
+                                    "the model; do not repeat them in --model_args). Model arguments: pretrained (run, checkpoint or "
+                                    "export directory), batch_size, max_length, max_gen_toks, device, dtype "
+                                    "(float32 | bfloat16), loop_repeats, exit_after, allow_other_tokenizer, seed. "
+                                    + LM_EVAL_NOTE)
+    lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval arguments")
+    lm.set_defaults(func=run_lm_eval_command)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,7 +224,15 @@ def _finish(result, rows, out: Path, stem: str, plot, no_plots: bool) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    """The default loss / in-context pass, or the harness, HumanEval and test-time loop passes
+    when asked (see the module docstring)."""
+    loop_opts = args.loop_repeats is not None or args.exit_after is not None
+    if args.harness is not None or args.humaneval or loop_opts:
+        return _run_special(args, loop_opts)
+    return _run_default(args)
 
+
+def _run_default(args: argparse.Namespace) -> int:
     _positive(batches=args.batches, micro_batch=args.micro_batch, episodes=args.episodes, seq_len=args.seq_len)
     batches = args.batches if args.batches is not None else (None if args.corpus else 32)
     check_task_names(tuple(_csv(args.tasks) or TASK_NAMES))  # before the (long) loss pass
@@ -186,3 +284,153 @@ def run_generate(args: argparse.Namespace) -> int:
         print(args.prompt + r.text)
         print(f"--- {r.new_tokens} new tokens in {r.seconds:.3f} s: {r.tokens_per_s:.1f} tokens/s")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# harness, HumanEval and test-time loop passes
+# ---------------------------------------------------------------------------------------------
+
+
+def _parse_fewshot(text: str | None) -> list[int | None]:
+    """``"0,1,4"`` -> ``[0, 1, 4]``; None -> ``[None]`` (the tasks' own k). Raises ConfigError."""
+    if text is None:
+        return [None]
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"`--num-fewshot` ({text!r}) must be comma-separated integers >= 0, e.g. 0,1,4") from None
+    if not ks or min(ks) < 0:
+        raise ConfigError(f"`--num-fewshot` ({text!r}) must list numbers of examples >= 0, e.g. 0,1,4")
+    if len(set(ks)) != len(ks):
+        raise ConfigError(f"`--num-fewshot` ({text!r}) names a k twice: list each once")
+    return list(ks)
+
+
+def _plans(run: LoadedRun, repeats: list[int] | None, exit_after: int | None,
+           loop_opts: bool) -> list[tuple[int | None, int | None, str]]:
+    """``(repeats, exit_after, label)`` of every test-time plan a run is evaluated with. A run
+    without loop ranges (a Baseline) has one, its own, labelled ``no loop``: a loop count does not
+    apply to it (loop_with_repeats would refuse it)."""
+    if not loop_opts:
+        return [(None, None, "")]
+    if not has_loop(run):
+        return [(None, None, "no loop")]
+    out: list[tuple[int | None, int | None, str]] = []
+    for R in (list(repeats) if repeats else [None]):
+        label = ("trained" if R is None else f"R={R}") + ("" if exit_after is None else f", exit after {exit_after}")
+        out.append((R, exit_after, label))
+    return out
+
+
+def _harness_dir(run: LoadedRun, R: int | None, P: int | None, k: int | None) -> str:
+    return (safe_name(run.name) + ("" if R is None else f"_r{R}") + ("" if P is None else f"_e{P}")
+            + ("_kdefault" if k is None else f"_k{k}"))
+
+
+def _write_harness_results(results: dict, out: Path) -> Path:
+    """The harness's results JSON (its own serializer) and one JSONL file of samples per task."""
+    from lm_eval.utils import handle_non_serializable
+
+    out.mkdir(parents=True, exist_ok=True)
+    samples = results.get("samples", {})
+    plain = {k: v for k, v in results.items() if k != "samples"}
+    path = write_text_atomic(out / "results.json", json.dumps(plain, indent=2, default=handle_non_serializable,
+                                                              ensure_ascii=False) + "\n")
+    for task, rows in samples.items():
+        write_text_atomic(out / f"samples_{safe_name(task)}.jsonl", "".join(
+            json.dumps(r, default=handle_non_serializable, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, loop_opts: bool) -> dict:
+    tasks = _csv(args.harness) or []
+    if not tasks:
+        raise ConfigError(f"`--harness` ({args.harness!r}) names no task: pass comma-separated task names, e.g. "
+                          "--harness smelt_offline")
+    ks = _parse_fewshot(args.num_fewshot)
+    _positive(limit=args.limit, harness_batch_size=args.harness_batch_size)
+    repeats = parse_repeats(args.loop_repeats)
+    if loop_opts and not any(has_loop(r) for r in runs):
+        raise ConfigError("no run has a loop range: `--loop-repeats` / `--exit-after` apply to looped runs "
+                          f"(runs: {', '.join(r.name for r in runs)})")
+    entries, records = [], []
+    for run in runs:
+        tok, eot = harness.run_tokenizer(run)
+        for R, P, label in _plans(run, repeats, args.exit_after, loop_opts):
+            lm = harness.SmeltHarnessLM.from_model(run.model, tok, eot, batch_size=args.harness_batch_size,
+                                                   loop_repeats=R, exit_after=P, export=run.export_dir,
+                                                   seed=args.seed)
+            column = run.name if not label else f"{run.name} ({label})"
+            budget = compute_budget(run.cfg.model_copy(update={"loop": lm.loop_cfg}))  # of the plan run
+            lengths = harness.own_lengths(lm, tasks, args.include_path, args.limit)
+            for k in ks:
+                res = harness.run_harness(lm, tasks, args.include_path, k, args.limit, log_samples=True,
+                                          seed=args.seed)
+                path = _write_harness_results(res, out / "harness" / _harness_dir(run, R, P, k))
+                entries.append({"column": column, "run": run.name, "label": label or None, "repeats": R,
+                                "exit_after": P, "visits": len(lm.visit_plan), "num_fewshot": k,
+                                "flops_per_token": budget.forward_flops_per_token,
+                                "kv_cache_bytes_per_token": budget.kv_cache_bytes_per_token,
+                                "results": res, "results_file": str(path.relative_to(out))})
+                records += harness.harness_records(res, column, k, lengths)
+                summary = ", ".join(f"{t} {m} {c['value']:.4f}" for t, ms in harness.metric_table(res).items()
+                                    for m, c in ms.items())
+                print(f"[{column}] k={'task default' if k is None else k}: {summary}")
+    report = harness.harness_report(entries)
+    write_json_atomic(out / "harness.json", report)
+    md = harness.harness_markdown(report)
+    write_text_atomic(out / "harness.md", md)
+    print(md)
+    written = ["harness.json", "harness.md"]
+    if len(report["columns"]) > 1 or len(ks) > 1:
+        strat = stratify(records, report["baseline"], seed=args.seed)
+        if not args.no_plots:
+            strat["figures"] = [p.name for p in plot_stratified(strat, out)]
+        write_stratified(strat, out)
+        print(stratified_markdown(strat))
+        written += ["stratified.json", "stratified.md"] + strat.get("figures", [])
+    print(f"\nwrote harness/*/results.json, {', '.join(written)} to {out}")
+    return report
+
+
+def _loop_loss_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path) -> dict:
+    _positive(batches=args.batches, micro_batch=args.micro_batch, seq_len=args.seq_len)
+    batches = args.batches if args.batches is not None else (None if args.corpus else 32)
+    result = loss_by_repeats(runs, parse_repeats(args.loop_repeats), args.exit_after, seq_len=args.seq_len,
+                             micro_batch_size=args.micro_batch, batches=batches)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "loop_repeats.json", result)
+    md = loop_repeats_markdown(result)
+    write_text_atomic(out / "loop_repeats.md", md + "\n")
+    print(md)
+    print(f"\nwrote loop_repeats.json, loop_repeats.md to {out}")
+    return result
+
+
+def _run_special(args: argparse.Namespace, loop_opts: bool) -> int:
+    if args.humaneval:
+        humaneval_settings(args)  # refuse bad HumanEval options before loading anything
+    if args.harness is not None:
+        _parse_fewshot(args.num_fewshot)
+    if loop_opts:
+        parse_repeats(args.loop_repeats)
+    runs = _load(args)
+    out = _out_dir(args, runs)
+    if args.harness is not None:
+        _harness_pass(runs, args, out, loop_opts)
+    elif loop_opts:
+        _loop_loss_pass(runs, args, out)
+    if args.humaneval:
+        print(humaneval_markdown(run_humaneval(runs, args, out)))
+        print(f"\nwrote humaneval.json, humaneval.md to {out}")
+    return 0
+
+
+def run_lm_eval_command(args: argparse.Namespace) -> int:
+    """``smelt-ds lm-eval ARGS``: lm-eval's command line with ``ARGS`` unchanged (see
+    :func:`smelt_ds.eval.harness.run_lm_eval`)."""
+    argv = list(args.lm_eval_args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("smelt-ds lm-eval: lm-evaluation-harness's command line with --model smelt-ds registered.\n"
+              + LM_EVAL_NOTE + "\n", file=sys.stderr)
+    return harness.run_lm_eval(argv)

@@ -416,6 +416,11 @@ def code_complete_examples(texts: list[str], max_examples: int, seed: int, in_tr
 # harness task configs
 # ---------------------------------------------------------------------------------------------
 
+class FunctionRef(str):
+    """A ``!function module.name`` reference in a task YAML (lm-eval imports ``module`` when the
+    task is loaded; ``smelt_ds`` is importable wherever these tasks run)."""
+
+
 _METRICS: dict[str, list[dict]] = {
     "loglikelihood": [{"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
                       {"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
@@ -436,7 +441,8 @@ _TASK_FIELDS: dict[str, dict[str, Any]] = {
     NEXTLINE: {"output_type": "multiple_choice", "doc_to_text": "context", "doc_to_choice": "choices",
                "doc_to_target": "gold", "target_delimiter": "\n"},
     HUMANEVAL: {"output_type": "loglikelihood", "doc_to_text": "prompt", "doc_to_target": "canonical_solution",
-                "target_delimiter": ""},
+                "target_delimiter": "",
+                "process_results": FunctionRef("smelt_ds.eval.offline_tasks.humaneval_ll_results")},
     ROLLING: {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "text"},
     COMPLETE: {"output_type": "generate_until", "doc_to_text": "prompt", "doc_to_target": "target",
                "target_delimiter": "", "fewshot_config": {"doc_to_target": "next_line"},
@@ -454,13 +460,34 @@ _DESCRIPTIONS = {
 }
 
 
+def humaneval_ll_results(doc: dict, results: list) -> dict[str, Any]:
+    """``process_results`` of ``smelt_humaneval_ll``: per problem ``bits_per_byte`` as the pair
+    ``(log-likelihood (nats), UTF-8 bytes scored)``, aggregated by lm-eval's ``bits_per_byte``
+    (-sum ll / (sum bytes * ln 2): byte-weighted, tokenizer-independent), and ``acc``
+    (the whole solution is the greedy continuation). The bytes scored are the canonical solution
+    plus the prompt's trailing whitespace, which the harness moves into the continuation
+    (``TemplateLM._encode_pair``). The harness's ``perplexity`` (exp of minus the mean per-problem
+    log-likelihood, hundreds of nats for a whole solution) overflows a float for small models."""
+    ll, is_greedy = results[0]
+    prompt = doc["prompt"]
+    scored = prompt[len(prompt.rstrip()):] + doc["canonical_solution"]
+    return {"bits_per_byte": (float(ll), len(scored.encode("utf-8"))), "acc": int(is_greedy)}
+
+
+_TASK_METRICS: dict[str, list[dict]] = {
+    HUMANEVAL: [{"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
+                {"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+}
+
+
 def task_config(task: str, data_file: Path) -> dict[str, Any]:
     """The harness task config (YAML mapping) of ``task`` reading the JSONL ``data_file`` (absolute)
     through the ``json`` builder of ``datasets``: split ``test``, few-shot from ``test`` (the
     evaluated document left out by the harness's sampler)."""
     return {"task": task, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data_file)}},
             "test_split": "test", "fewshot_split": "test", **_TASK_FIELDS[task],
-            "fewshot_delimiter": "\n\n", "metric_list": _METRICS[_TASK_FIELDS[task]["output_type"]],
+            "fewshot_delimiter": "\n\n",
+            "metric_list": _TASK_METRICS.get(task, _METRICS[_TASK_FIELDS[task]["output_type"]]),
             "metadata": {"version": float(FORMAT_VERSION), "description": _DESCRIPTIONS[task]}}
 
 
@@ -475,6 +502,7 @@ def _yaml_text(obj: dict[str, Any]) -> str:
         return dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"' if "\n" in value else None)
 
     Dumper.add_representer(str, text)
+    Dumper.add_representer(FunctionRef, lambda d, v: d.represent_scalar("!function", str(v)))
     return yaml.dump(obj, Dumper=Dumper, sort_keys=False, allow_unicode=True, width=4096)
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from smelt_ds.config.run import RunConfig, load_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.train import checkpoint as ckpt
-from smelt_ds.train.export import export_checkpoint, load_exported
+from smelt_ds.train.export import REFERENCE_OVERRIDES, export_checkpoint, load_exported
 from smelt_ds.train.provenance import RUN_TOKENIZER, with_tokenizer
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def load_run(path: str | Path, overrides: list[str] | None = None, name: str | N
     export_dir = resolve_export(path)
     model = load_exported(export_dir)
     cfg = load_config(export_dir / "config.yaml",
-                      ["moe_runtime.backend=reference", "moe_runtime.ep_size=1", "deepspeed.zero_stage=0", *(overrides or [])])
+                      [*REFERENCE_OVERRIDES, *(overrides or [])])
     if (export_dir / RUN_TOKENIZER).is_file():
         cfg = with_tokenizer(cfg, export_dir / RUN_TOKENIZER, allow_other_tokenizer,
                              "pass --allow-other-tokenizer to score the model with it anyway")

@@ -23,7 +23,14 @@ from smelt_ds.train import checkpoint as ckpt
 from smelt_ds.train.provenance import RUN_TOKENIZER
 from smelt_ds.train.reference_weights import REFERENCE_DIR, has_reference_shards, merge_reference_shards
 
-__all__ = ["consolidated_state_dict", "export_checkpoint", "load_exported", "load_initial_weights"]
+__all__ = ["REFERENCE_OVERRIDES", "consolidated_state_dict", "export_checkpoint", "load_exported", "load_initial_weights"]
+
+
+#: ``--set`` overrides under which an export's recipe loads as one CPU reference-backend model, whatever
+#: it trained with: no expert parallelism, no ZeRO, and no in-loop harness evals (their include path may
+#: be gone on the machine that reads the export).
+REFERENCE_OVERRIDES = ["moe_runtime.backend=reference", "moe_runtime.ep_size=1", "deepspeed.zero_stage=0",
+                       "eval.harness_tasks=[]", "eval.harness_interval=null", "eval.harness_include_path=null"]
 
 
 def _resolve(path: str | Path) -> tuple[Path, Path]:
@@ -132,7 +139,7 @@ def load_exported(path: str | Path):
     if not (path / "model.pt").is_file() or not (path / "config.yaml").is_file():
         raise ConfigError(f"{str(path)!r} is not an export directory (needs model.pt and config.yaml): "
                           "create one with `smelt-ds export RUN_DIR -o OUT`")
-    cfg = load_config(path / "config.yaml", ["moe_runtime.backend=reference", "moe_runtime.ep_size=1", "deepspeed.zero_stage=0"])
+    cfg = load_config(path / "config.yaml", REFERENCE_OVERRIDES)
     model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     state = _load_weights(path / "model.pt", "")
     missing, unexpected = model.load_state_dict(state, strict=False)

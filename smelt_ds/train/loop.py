@@ -36,6 +36,7 @@ from smelt_ds.train.build import Built, build
 from smelt_ds.train.checkpoint import CheckpointWriteError
 from smelt_ds.train.data import build_data
 from smelt_ds.train.guards import check_run_dir, lock_run_dir, remove_if_only_lock
+from smelt_ds.train.harness_eval import check_harness_tasks, harness_due, run_harness_eval
 from smelt_ds.train.metrics import (
     MetricsWriter,
     MicroStats,
@@ -160,6 +161,8 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int) -> R
     optimizer step at a time with logging, validation and checkpoints until ``train.max_steps``
     or a stop (signal, ``train.exit_after_steps``)."""
     torch.manual_seed(cfg.train.seed)
+    if cfg.eval.harness_tasks:  # unknown task names fail now, not at the first in-loop evaluation
+        on_rank0(rank, lambda: check_harness_tasks(cfg))
     data = build_data(cfg, rank, world)
     built = build(cfg, world)  # before anything is written: a recipe the engine refuses leaves no trace
     on_rank0(rank, lambda: record_run_tokenizer(out_dir, data.prepared, resuming=resume != "none"))
@@ -185,6 +188,8 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int) -> R
             if fit.step % cfg.train.eval_every == 0 or fit.step == cfg.train.max_steps:
                 fit.result.val = evaluate(built.engine, data, cfg)
                 fit.writer.write(fit.step, {f"val/{k}": v for k, v in fit.result.val.items()})
+            if harness_due(cfg, fit.step):  # lm-eval tasks on rank 0's gathered copy of the model
+                run_harness_eval(built.engine, cfg, data.prepared, fit.step, fit.tokens_seen, fit.writer)
             if _save_or_stop(fit, sync_flag(term.requested)):
                 break
     fit.progress.close()

@@ -24,7 +24,8 @@ placement AutoEP records on each expert parameter). Expert ``i`` of layer ``l`` 
 transformers' Qwen3-MoE) and ``down_proj [E, H, F]``. Cost: 4 bytes per parameter per checkpoint
 on disk (a bf16 + AdamW DeepSpeed checkpoint takes about 16).
 
-:func:`merge_reference_shards` (used by ``smelt-ds export``) checks that the shards are complete:
+:func:`merge_reference_shards` (used by ``smelt-ds export``; :func:`merge_shards` for shards held
+in memory, as the in-loop harness evaluation gathers them) checks that the shards are complete:
 one per rank of the run, every tensor of the reference model exactly once with its shape, every
 expert index of every layer exactly once.
 """
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -41,7 +42,7 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
 
 __all__ = ["REFERENCE_DIR", "FORMAT", "gather_reference_shard", "shard_path", "merge_reference_shards",
-           "reference_name", "has_reference_shards"]
+           "merge_shards", "reference_name", "has_reference_shards"]
 
 REFERENCE_DIR = "reference"
 FORMAT = 1
@@ -223,38 +224,67 @@ def merge_reference_shards(ckpt_dir: str | Path, cfg, world_size: int) -> dict[s
             missing or written twice, a wrong shape, or a missing or duplicated expert index.
     """
     ckpt_dir = Path(ckpt_dir)
-    expected = _expected_state(cfg)
-    state: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
+    shards, labels = [], []
     for r in range(world_size):
         path = shard_path(ckpt_dir, r)
         if not path.is_file():
             raise ConfigError(f"{ckpt_dir}: reference weights of rank {r} are missing ({path}); the checkpoint "
                               f"was written by {world_size} ranks: export an earlier, complete checkpoint")
-        shard = _load_shard(path)
+        shards.append(_load_shard(path))
+        labels.append(str(path))
+    return merge_shards(shards, cfg, ckpt_dir, labels)
+
+
+def merge_shards(shards: Sequence[dict[str, Any]], cfg, where: str | Path,
+                 labels: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """Merge the shards of every rank (:func:`gather_reference_shard`'s output, in memory) into the
+    reference-layout fp32 state dict, checked for completeness.
+
+    Args:
+        shards: one shard per rank, in rank order: ``{"format", "rank", "dense": {name: tensor},
+            "experts": {name: {global_expert_index: tensor}}}``.
+        cfg: the run's :class:`smelt_ds.config.run.RunConfig` (the expected names and shapes).
+        where: what the shards are (a checkpoint directory, "the live engine"), for messages.
+        labels: a name per shard for messages (its file); default ``"<where> rank r"``.
+
+    Returns:
+        ``{name: tensor}`` with exactly the keys of the reference :class:`SmeltLM`'s state dict;
+        expert tensors stacked over the expert index: ``gate_up_proj [E, 2F, H]``, ``down_proj [E, H, F]``.
+
+    Raises:
+        ConfigError: a shard of another format, a tensor missing or written twice, a wrong shape,
+            or a missing or duplicated expert index.
+    """
+    expected = _expected_state(cfg)
+    labels = list(labels) if labels is not None else [f"{where} rank {r}" for r in range(len(shards))]
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for label, shard in zip(labels, shards):
+        if not isinstance(shard, dict) or shard.get("format") != FORMAT:
+            raise ConfigError(f"{label} is not a smelt-ds reference-weights shard of format {FORMAT}")
         for name, t in shard["dense"].items():
             if name in state:
-                raise ConfigError(f"{path}: tensor {name} was already written by another rank")
+                raise ConfigError(f"{label}: tensor {name} was already written by another rank")
             state[name] = t
         for name, by_index in shard["experts"].items():
             into = experts.setdefault(name, {})
             for e, t in by_index.items():
                 if e in into:
-                    raise ConfigError(f"{path}: expert {e} of {name} was already written by another rank "
+                    raise ConfigError(f"{label}: expert {e} of {name} was already written by another rank "
                                       "(two expert-parallel ranks claim the same expert)")
                 into[e] = t
     for name, by_index in experts.items():
         n = expected[name][0] if name in expected else len(by_index)
         missing = sorted(set(range(n)) - set(by_index))
         if missing or set(by_index) - set(range(n)):
-            raise ConfigError(f"{ckpt_dir}: {name} has experts {sorted(by_index)} of 0..{n - 1} (missing "
+            raise ConfigError(f"{where}: {name} has experts {sorted(by_index)} of 0..{n - 1} (missing "
                               f"{missing[:8]}): a rank's shard is incomplete; export an earlier checkpoint")
         state[name] = torch.stack([by_index[e] for e in range(n)])
-    _check_against(state, expected, ckpt_dir)
+    _check_against(state, expected, where)
     return state
 
 
-def _check_against(state: dict[str, torch.Tensor], expected: dict[str, torch.Size], where: Path) -> None:
+def _check_against(state: dict[str, torch.Tensor], expected: dict[str, torch.Size], where: str | Path) -> None:
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(s)}" for k, s in expected.items()
