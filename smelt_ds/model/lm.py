@@ -242,11 +242,15 @@ class SmeltLM(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, eos_token_id: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None,
+                 stop: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
         """Decode with the per-visit KV cache. ``input_ids`` ``(B, S)`` -> ``(B, S + new)``.
 
         ``temperature == 0`` is greedy; otherwise sample from softmax(logits / temperature)
         restricted to the smallest set of tokens with cumulative probability >= ``top_p``.
+        Decoding ends after ``max_new_tokens``, when every row has produced ``eos_token_id``, or
+        when ``stop(new_ids)`` (the new tokens so far, ``(B, n)``) returns True, e.g. once every
+        row holds a stop string; the tokens up to that step are the same as without ``stop``.
         Raises ValueError when the result would exceed ``model.max_seq_len``.
         """
         total = input_ids.shape[1] + max_new_tokens
@@ -266,6 +270,8 @@ class SmeltLM(nn.Module):
                 done |= nxt == eos_token_id
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             if eos_token_id is not None and bool(done.all()):
+                break
+            if stop is not None and stop(ids[:, input_ids.shape[1]:]):
                 break
             logits = self(nxt[:, None], kv_cache=cache).logits[:, -1]
         self.train(was_training)

@@ -199,6 +199,28 @@ def test_destructive_calls_fail_and_leave_files_alone(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "victim.txt"]
 
 
+@pytest.mark.skipif(not sandbox.isolation().readonly_fs,
+                    reason="no mount namespace here (unshare --mount): writes outside the sample are not blocked")
+def test_writes_outside_the_sample_directory_fail(tmp_path):
+    """open(path, "w"/"a") is not covered by reliability_guard: the read-only mount namespace stops it
+    everywhere but the sample's own directory (also in /tmp, where run directories often are)."""
+    victim = tmp_path / "run" / "metrics.jsonl"
+    victim.parent.mkdir()
+    victim.write_text("keep me\n")
+    programs = [f"open({str(victim)!r}, 'w').write('gone')\n",
+                f"open({str(victim)!r}, 'a').write('more')\n",
+                f"open({str(tmp_path / 'new.txt')!r}, 'w')\n",
+                "open('/tmp/smelt-sandbox-escape.txt', 'w')\n"]
+    for program, r in zip(programs, sandbox.run_many(programs, timeout_s=10, workers=2)):
+        assert r.status == "failed" and "Read-only file system" in r.error, (program, r)
+        assert r.filesystem.startswith("read-only")
+    assert victim.read_text() == "keep me\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert not Path("/tmp/smelt-sandbox-escape.txt").exists()
+    ok = sandbox.run_sandboxed("open('here.txt', 'w').write('x')\nassert open('here.txt').read() == 'x'\n")
+    assert ok.status == "passed", ok  # the sample's own directory stays writable
+
+
 def test_fresh_working_directory_removed_afterwards(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     program = ("import os\nassert os.listdir('.') == [], os.listdir('.')\n"

@@ -175,6 +175,21 @@ def test_generate_sampling_seeded_and_top_p(tiny_cfg):
     assert max(nucleus_sizes) > 1  # the check is not just greedy
 
 
+def test_generate_stop_callback_ends_early_with_the_same_tokens(tiny_cfg):
+    model = build_lm(tiny_cfg()).eval()
+    ids = torch.randint(0, V, (2, 5))
+    full = model.generate(ids, 12)
+    seen = []
+
+    def stop(new):
+        seen.append(new.shape[1])
+        return new.shape[1] == 4  # e.g. every row now holds a stop string
+
+    short = model.generate(ids, 12, stop=stop)
+    assert seen == [1, 2, 3, 4] and short.shape == (2, 5 + 4)
+    assert torch.equal(short, full[:, :9])  # stopping changes no token before it
+
+
 def test_generate_eos_and_length_limit(tiny_cfg):
     model = build_lm(tiny_cfg()).eval()
     prompt = torch.randint(0, V, (2, 3))
