@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from smelt_ds.cost.budget import compute_budget
+from smelt_ds.config.run import loop_with_repeats
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval import harness
 from smelt_ds.eval.data import corpus_config, open_eval_data
@@ -167,6 +168,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe field")
     g.add_argument("--allow-other-tokenizer", action="store_true",
                    help="tokenise with data.tokenizer.path even when it is not the tokenizer the run was trained with")
+    g.add_argument("--loop-repeats", type=int, default=None, metavar="R",
+                   help="test-time loop count: run every loop range R times (1: the looped layers once)")
+    g.add_argument("--exit-after", type=int, default=None, metavar="P",
+                   help="early exit: every loop range stops after at most P passes")
     g.set_defaults(func=run_generate)
 
     lm = sub.add_parser("lm-eval", prefix_chars="+", add_help=False,  # every argument belongs to lm-eval
@@ -264,6 +269,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"`--temperature` ({args.temperature}) must be > 0 for sampled decoding: "
                           "use --mode greedy for temperature 0")
     run = load_run(args.run, args.set, allow_other_tokenizer=args.allow_other_tokenizer)
+    if args.loop_repeats is not None or args.exit_after is not None:
+        run.model.set_loop(loop_with_repeats(run.cfg.loop, run.cfg.model.num_layers, args.loop_repeats,
+                                             args.exit_after))
     data = open_eval_data(run.cfg)
     ids = encode_prompt(data.tokenizer, args.prompt, data.eot_id)
     eos = None if args.no_stop else data.eot_id
@@ -276,8 +284,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{k: v for k, v in vars(r).items()} for r in results], indent=1))
         return 0
-    print(f"{run.name}: {run.model.schedule.effective_depth} visits, prompt {len(ids)} tokens "
-          "(end-of-text + prompt), per-visit KV cache")
+    plan = run.model.schedule
+    print(f"{run.name}: {plan.effective_depth} visits {plan.layers()}, prompt {len(ids)} tokens "
+          f"(end-of-text + prompt), per-visit KV cache ({plan.effective_depth} slots)")
     for r in results:
         print(f"--- {r.mode}" + ("" if r.mode == "greedy" else f" (temperature {args.temperature}, top-p {args.top_p}, "
                                                                 f"seed {args.seed})"))

@@ -121,6 +121,36 @@ def test_generate_greedy_matches_full_recompute(trained_run, capsys):
     assert f"def main({got.text}" in text
 
 
+def test_generate_with_a_test_time_loop_count(random_exports, capsys):
+    """--loop-repeats 3: the printed plan has 8 visits and the text is the greedy decode of a model
+    whose plan was set to 3 repeats (reference: the same weights with set_loop, full recompute)."""
+    from smelt_ds.config.run import loop_with_repeats
+    from smelt_ds.eval.data import open_eval_data
+    from smelt_ds.eval.generation import encode_prompt
+    from smelt_ds.eval.runs import load_run
+
+    args = ("generate", random_exports["smelt"], "--prompt", "def f(", "--max-new-tokens", "6", "--no-stop",
+            "--mode", "greedy", "--json")
+    assert _cli(*args, "--loop-repeats", "3") == 0
+    got = json.loads(capsys.readouterr().out)[0]["ids"]
+    assert _cli(*args) == 0
+    trained = json.loads(capsys.readouterr().out)[0]["ids"]
+    run = load_run(random_exports["smelt"])
+    run.model.set_loop(loop_with_repeats(run.cfg.loop, run.cfg.model.num_layers, repeats=3))
+    data = open_eval_data(run.cfg)
+    want = encode_prompt(data.tokenizer, "def f(", data.eot_id)
+    with torch.no_grad():
+        for _ in range(6):
+            want.append(int(run.model(torch.tensor([want])).logits[0, -1].argmax()))
+    assert got == want and got != trained
+    assert _cli("generate", random_exports["smelt"], "--prompt", "x", "--max-new-tokens", "2", "--mode", "greedy",
+                "--exit-after", "1") == 0
+    out = capsys.readouterr().out
+    assert "4 visits [0, 1, 2, 3]" in out and "per-visit KV cache (4 slots)" in out
+    assert _cli("generate", random_exports["baseline"], "--prompt", "x", "--loop-repeats", "2") == 2
+    assert "no loop range" in capsys.readouterr().err
+
+
 def test_bad_input_is_one_clear_error(tmp_path, random_exports, capsys):
     assert _cli("eval", tmp_path / "nope") == 2
     assert "does not exist" in capsys.readouterr().err
