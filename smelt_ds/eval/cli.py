@@ -363,6 +363,7 @@ def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, lo
         raise ConfigError("no run has a loop range: `--loop-repeats` / `--exit-after` apply to looped runs "
                           f"(runs: {', '.join(r.name for r in runs)})")
     entries, records = [], []
+    seen: set[tuple] = set()
     for run in runs:
         tok, eot = harness.run_tokenizer(run)
         for R, P, label in _plans(run, repeats, args.exit_after, loop_opts):
@@ -381,7 +382,11 @@ def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, lo
                                 "flops_per_token": budget.forward_flops_per_token,
                                 "kv_cache_bytes_per_token": budget.kv_cache_bytes_per_token,
                                 "results": res, "results_file": str(path.relative_to(out))})
-                records += harness.harness_records(res, column, k, lengths)
+                for rec in harness.harness_records(res, column, k, lengths):
+                    key = (rec["run"], rec["task"], rec["num_fewshot"], rec["doc_id"], rec["metric"])
+                    if key not in seen:  # a task fixed at k=0 (rolling) runs the same at every requested k
+                        seen.add(key)
+                        records.append(rec)
                 summary = ", ".join(f"{t} {m} {c['value']:.4f}" for t, ms in harness.metric_table(res).items()
                                     for m, c in ms.items())
                 print(f"[{column}] k={'task default' if k is None else k}: {summary}")

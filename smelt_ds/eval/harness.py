@@ -742,7 +742,8 @@ def harness_records(results: dict, run_name: str, num_fewshot: int | None,
     log-likelihood: it becomes ``nll`` (nats over the target, lower is better). Rolling tasks'
     ``(log-likelihood, words|bytes)`` pairs become ``loss`` = -ll / length_tokens (nats/token)
     and ``bits_per_byte`` = -ll / (bytes * ln 2). ``length_tokens`` comes from ``lengths``
-    (:func:`own_lengths`); a loglikelihood task with a ``bits_per_byte`` pair (``smelt_humaneval_ll``)
+    (:func:`own_lengths`); ``num_fewshot`` is the k that ran (the result's ``n-shot``), the
+    requested one only where the result lacks it; a loglikelihood task with a ``bits_per_byte`` pair (``smelt_humaneval_ll``)
     gives ``bits_per_byte`` only; ``num_fewshot`` None takes each task's k from the result's ``n-shot``.
     Raises ConfigError without samples."""
     if "samples" not in results:
@@ -755,7 +756,8 @@ def harness_records(results: dict, run_name: str, num_fewshot: int | None,
                 raise ConfigError(f"no length for example {doc_id} of task {task!r}: compute `lengths` with "
                                   "own_lengths() for the same tasks and limit")
             n = lengths[(task, doc_id)]
-            k = results.get("n-shot", {}).get(task, 0) if num_fewshot is None else num_fewshot
+            # the k that ran: a task whose YAML fixes num_fewshot 0 (rolling) ignores the requested k
+            k = results.get("n-shot", {}).get(task, 0 if num_fewshot is None else num_fewshot)
             base = {"run": run_name, "task": task, "num_fewshot": int(k), "doc_id": doc_id,
                     "length_tokens": n}
             for metric, value in _example_values(s, n):

@@ -443,7 +443,8 @@ _TASK_FIELDS: dict[str, dict[str, Any]] = {
     HUMANEVAL: {"output_type": "loglikelihood", "doc_to_text": "prompt", "doc_to_target": "canonical_solution",
                 "target_delimiter": "",
                 "process_results": FunctionRef("smelt_ds.eval.offline_tasks.humaneval_ll_results")},
-    ROLLING: {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "text"},
+    ROLLING: {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "text",
+              "num_fewshot": 0},  # few-shot does not apply; lm-eval then ignores a requested k
     COMPLETE: {"output_type": "generate_until", "doc_to_text": "prompt", "doc_to_target": "target",
                "target_delimiter": "", "fewshot_config": {"doc_to_target": "next_line"},
                "generation_kwargs": {"until": ["\n"], "max_gen_toks": 32, "do_sample": False},

@@ -406,6 +406,9 @@ def test_own_lengths_and_records(setup):
     assert loss == {d: -ll / lengths[("t_roll", d)] for d, ll in by_doc.items()}  # nats/token
     nll = {r["doc_id"]: r["value"] for r in harness_records(k0, "smelt", 0, lengths) if r["metric"] == "nll"}
     assert nll == {s["doc_id"]: -s["resps"][0][0][0] for s in k0["samples"]["t_ll"]}
+    # records carry the k that ran: a task whose YAML fixes num_fewshot 0 ignores a requested k
+    k1["n-shot"]["t_mc"] = 0  # as the harness reports such a task
+    assert {r["num_fewshot"] for r in harness_records(k1, "smelt", 1, lengths)} == {0}
 
 
 def test_named_filters_keep_their_name():

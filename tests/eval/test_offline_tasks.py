@@ -431,3 +431,16 @@ def test_harness_loads_in_a_fresh_offline_process(built, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {t: [m["output_type"], m["examples"]] for t, m in manifest["tasks"].items()}
+
+
+def test_rolling_task_ignores_a_requested_k(built, offline_datasets):
+    """`--num-fewshot 16` over the group must not fail on the rolling task (fewer documents than
+    16 + 1): its YAML fixes num_fewshot 0, which lm-eval keeps whatever k is requested."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.dummy import DummyLM
+    from lm_eval.tasks import TaskManager
+
+    out, _ = built
+    res = simple_evaluate(model=DummyLM(), tasks=[ot.ROLLING], num_fewshot=ot.MAX_SHOTS, limit=2,
+                          task_manager=TaskManager(include_path=str(out), include_defaults=False))
+    assert res["n-shot"][ot.ROLLING] == 0
