@@ -404,7 +404,8 @@ def humaneval_markdown(result: dict) -> str:
                   "minus that are left-truncated (last column). pass@k: unbiased estimator of Chen et al. 2021 "
                   "(eq. 1), mean over problems. Small models pass (almost) nothing: compare the loss.",
                   f"Sandbox: one process per sample, {s['timeout_s']:g} s timeout, {s['memory_mb']} MiB; network: "
-                  f"{result['sandbox']['network']}; processes: {result['sandbox']['processes']}.", ""]
+                  f"{result['sandbox']['network']}; processes: {result['sandbox']['processes']}; file system: "
+                  f"{result['sandbox'].get('filesystem', 'unknown')}.", ""]
     else:
         lines += ["Loss only (--humaneval-loss-only): no completion was generated or executed.", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
