@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from smelt_ds.eval.humaneval import add_humaneval_arguments, humaneval_markdown,
 from smelt_ds.eval.icl import TASK_NAMES, check_task_names, parse_shots
 from smelt_ds.eval.looptime import has_loop, loop_repeats_markdown, loss_by_repeats, parse_repeats
 from smelt_ds.eval.loss import parse_buckets
-from smelt_ds.eval.offline_tasks import add_build_tasks_arguments, run_build_tasks
+from smelt_ds.eval.offline_tasks import MANIFEST_FILE, MARKER_FILE, add_build_tasks_arguments, run_build_tasks
 from smelt_ds.eval.plots import plot_analysis, plot_eval, safe_name
 from smelt_ds.eval.report import analysis_table, eval_table, to_markdown, write_report
 from smelt_ds.eval.runs import LoadedRun, load_run, load_runs
@@ -232,9 +233,27 @@ def run_eval(args: argparse.Namespace) -> int:
     """The default loss / in-context pass, or the harness, HumanEval and test-time loop passes
     when asked (see the module docstring)."""
     loop_opts = args.loop_repeats is not None or args.exit_after is not None
+    _check_pass_flags(args)
     if args.harness is not None or args.humaneval or loop_opts:
         return _run_special(args, loop_opts)
     return _run_default(args)
+
+
+_HARNESS_FLAGS = {"num_fewshot": None, "include_path": None, "limit": None, "harness_batch_size": 8}
+_HUMANEVAL_FLAGS = {"samples": 1, "temperature": None, "top_p": 0.95, "max_new_tokens": 128, "humaneval_limit": None,
+                    "allow_code_execution": False, "humaneval_loss_only": False, "timeout": 10.0,
+                    "memory_mb": 1024, "workers": None}
+
+
+def _check_pass_flags(args: argparse.Namespace) -> None:
+    """A flag of the harness or HumanEval pass given without that pass is refused (it would be
+    ignored silently)."""
+    for switch, flags in (("--harness TASKS", _HARNESS_FLAGS), ("--humaneval", _HUMANEVAL_FLAGS)):
+        on = args.harness is not None if switch.startswith("--harness") else args.humaneval
+        given = [f"--{k.replace('_', '-')}" for k, default in flags.items() if getattr(args, k, default) != default]
+        if given and not on:
+            raise ConfigError(f"{', '.join(given)} belong(s) to the {switch.split()[0]} pass, which was not asked "
+                              f"for: add {switch} or drop the flag(s)")
 
 
 def _run_default(args: argparse.Namespace) -> int:
@@ -351,6 +370,38 @@ def _write_harness_results(results: dict, out: Path) -> Path:
     return path
 
 
+def _check_offline_tasks(include_path: str | None, tasks: list[str], ks: list[int | None]) -> None:
+    """For a ``smelt-ds eval build-tasks`` directory: refuse a partial build (marker, no manifest)
+    and a k above a task's ``max_fewshot`` (the harness would fail drawing k + 1 examples)."""
+    if include_path is None:
+        return
+    d = Path(include_path)
+    if not (d / MARKER_FILE).is_file():
+        return
+    manifest = d / MANIFEST_FILE
+    if not manifest.is_file():
+        raise ConfigError(f"`--include-path` ({include_path}) is a partial `smelt-ds eval build-tasks` output (no "
+                          f"{MANIFEST_FILE}): rebuild it with `smelt-ds eval build-tasks {include_path}`")
+    info = json.loads(manifest.read_text())
+    named = set(tasks)
+    chosen = info["tasks"] if named & {info["group"]["name"]} else {t: v for t, v in info["tasks"].items() if t in named}
+    for task, t in chosen.items():
+        too_many = [k for k in ks if k is not None and t["max_fewshot"] and k > t["max_fewshot"]]
+        if too_many:
+            raise ConfigError(f"`--num-fewshot` {too_many[0]} exceeds {task}'s {t['max_fewshot']} (it has "
+                              f"{t['examples']} examples; few-shot examples are drawn from them with the evaluated "
+                              f"one left out): pass k <= {t['max_fewshot']}")
+
+
+def _clear_old_outputs(out: Path) -> None:
+    """Remove a previous harness pass's outputs in ``out`` (its harness/ folder, stratified report and
+    PNGs), so that files of another run set are never read as this one's."""
+    if (out / "harness").is_dir():
+        shutil.rmtree(out / "harness")
+    for f in [*out.glob("stratified*.png"), out / "stratified.json", out / "stratified.md"]:
+        f.unlink(missing_ok=True)
+
+
 def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, loop_opts: bool) -> dict:
     tasks = _csv(args.harness) or []
     if not tasks:
@@ -358,6 +409,8 @@ def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, lo
                           "--harness smelt_offline")
     ks = _parse_fewshot(args.num_fewshot)
     _positive(limit=args.limit, harness_batch_size=args.harness_batch_size)
+    _check_offline_tasks(args.include_path, tasks, ks)
+    _clear_old_outputs(out)
     repeats = parse_repeats(args.loop_repeats)
     if loop_opts and not any(has_loop(r) for r in runs):
         raise ConfigError("no run has a loop range: `--loop-repeats` / `--exit-after` apply to looped runs "
@@ -376,6 +429,10 @@ def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, lo
             for k in ks:
                 res = harness.run_harness(lm, tasks, args.include_path, k, args.limit, log_samples=True,
                                           seed=args.seed)
+                res.setdefault("config", {}).update(
+                    model="smelt-ds", model_args={"pretrained": str(run.export_dir), "batch_size": args.harness_batch_size,
+                                                  "loop_repeats": R, "exit_after": P},
+                    smelt_ds_seeds={"random": args.seed, "numpy": args.seed, "torch": args.seed, "fewshot": args.seed})
                 path = _write_harness_results(res, out / "harness" / _harness_dir(run, R, P, k))
                 entries.append({"column": column, "run": run.name, "label": label or None, "repeats": R,
                                 "exit_after": P, "visits": len(lm.visit_plan), "num_fewshot": k,

@@ -223,6 +223,22 @@ class SmeltHarnessLM(TemplateLM):
 
     backend = "causal"
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "SmeltHarnessLM":
+        """lm-eval's command line: ``--model_args`` merged with the values it passes itself
+        (``batch_size``, ``max_batch_size``, ``device``); a key given in ``--model_args`` wins
+        instead of raising TypeError ("multiple values for keyword argument")."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None
+                            ) -> "SmeltHarnessLM":
+        """As :meth:`create_from_arg_string`, from a dict (what lm-eval 0.4.13's CLI passes)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
     def __init__(self, pretrained: str | None = None, batch_size: int | str = 8, max_length: int | str | None = None,
                  device: str | None = None, dtype: str | None = None, loop_repeats: int | str | None = None,
                  exit_after: int | str | None = None, allow_other_tokenizer: bool | str = False,
@@ -861,7 +877,10 @@ def harness_markdown(report: dict) -> str:
                     "bytes/token")
         lines.append(f"- **{c['name']}**: run {c['run']}, {c['visits']} visits" + cost
                      + (f", {c['label']}" if c.get("label") else ""))
-    lines += ["", f"Value ± the harness's standard error; Δ = column minus {base} (the Baseline).", ""]
+    lines += ["", f"Value ± the harness's standard error; Δ = column minus {base} (the first run). The harness "
+              "bootstraps the stderr of perplexity-type metrics (heavy-tailed: read it as rough), and reports "
+              "none for bits per byte. k is the requested number of in-context examples; a task whose YAML fixes "
+              "k = 0 (the rolling one) runs the same at every k.", ""]
     head = ["task", "metric", "k"] + names + [f"Δ {n}" for n in others]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in report["table"]:

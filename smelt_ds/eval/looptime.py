@@ -159,8 +159,11 @@ def loop_repeats_markdown(result: dict[str, Any]) -> str:
                  f"{row['flops_per_token']:,.0f}"] + [f"{row['loss'][d]:.4f}" for d in domains]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append(f"Loss: token-weighted mean over {result['batches']} micro-batches of {result['micro_batch_size']} "
-                 f"validation windows of {result['seq_len']} tokens per domain (`all`: token-weighted over "
-                 "domains). The trained plan is the row whose visits equal training's; a Baseline has no loop "
-                 "to repeat.")
+    tokens = result["rows"][0]["tokens"] if result["rows"] else {}
+    lines.append(f"Loss: token-weighted mean over up to {result['batches']} micro-batches of "
+                 f"{result['micro_batch_size']} validation windows of {result['seq_len']} tokens per domain ("
+                 + ", ".join(f"{d} {n:,} tokens" for d, n in tokens.items() if d != "all")
+                 + "; `all`: token-weighted over domains), the same windows in every row. The trained plan is the "
+                 "row whose visits equal training's; a Baseline has no loop to repeat. Other repeat counts change "
+                 "the FLOPs per token (column): compare them with the Baseline knowing the budgets no longer match.")
     return "\n".join(lines)

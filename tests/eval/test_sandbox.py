@@ -210,13 +210,15 @@ def test_writes_outside_the_sample_directory_fail(tmp_path):
     programs = [f"open({str(victim)!r}, 'w').write('gone')\n",
                 f"open({str(victim)!r}, 'a').write('more')\n",
                 f"open({str(tmp_path / 'new.txt')!r}, 'w')\n",
-                "open('/tmp/smelt-sandbox-escape.txt', 'w')\n"]
+                "open('/tmp/smelt-sandbox-escape.txt', 'w')\n",
+                "open('/dev/shm/smelt-sandbox-escape.txt', 'w')\n"]
     for program, r in zip(programs, sandbox.run_many(programs, timeout_s=10, workers=2)):
         assert r.status == "failed" and "Read-only file system" in r.error, (program, r)
         assert r.filesystem.startswith("read-only")
     assert victim.read_text() == "keep me\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert not Path("/tmp/smelt-sandbox-escape.txt").exists()
+    assert not Path("/dev/shm/smelt-sandbox-escape.txt").exists()
     ok = sandbox.run_sandboxed("open('here.txt', 'w').write('x')\nassert open('here.txt').read() == 'x'\n")
     assert ok.status == "passed", ok  # the sample's own directory stays writable
 
