@@ -11,7 +11,8 @@ cell checks, against the live engine that DeepSpeed itself restores from the sam
 (b) the SHA-256 of every expert's weights (gate, up and down matrices of expert ``e`` of layer
     ``l``, gathered from the rank that holds it) equals that of expert ``e`` of layer ``l`` in
     the export;
-(c) ``smelt-ds eval`` and ``smelt-ds generate`` run on the export;
+(c) ``smelt-ds eval`` and ``smelt-ds generate`` run on the export, and so do ``smelt-ds eval --harness``
+    (its numbers equal a direct harness evaluation of the exported model) and ``--humaneval``;
 (d) ``train.init_from`` of the export into each backend gives the exported model's loss on the
     same batch (rel 1e-5): the first step of a run started from it.
 
@@ -207,3 +208,26 @@ def test_export_eval_generate_init_from(tmp_path, cache, backend, zero, ep, caps
     assert _cli("generate", export, "--prompt", "def f(", "--max-new-tokens", "5", "--mode", "greedy", "--json") == 0
     gen = json.loads(capsys.readouterr().out)
     assert gen
+    # (c) the downstream evaluation of issue 15 on the same export: a harness task and the
+    # HumanEval canonical-solution loss, equal to a direct evaluation of the exported model
+    from smelt_ds.eval.harness import evaluate_model, run_tokenizer
+    from smelt_ds.eval.runs import load_run
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "m_ll.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"c": "def add(a, b):\n    return", "t": " a + b"}, {"c": "import os\nimport", "t": " sys"})))
+    (tasks / "m_ll.yaml").write_text(json.dumps({
+        "task": "m_ll", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(tasks / "m_ll.jsonl")}},
+        "test_split": "test", "output_type": "loglikelihood", "doc_to_text": "{{c}}", "doc_to_target": "{{t}}",
+        "target_delimiter": "", "metric_list": [{"metric": "perplexity"}, {"metric": "acc"}]}))
+    assert _cli("eval", export, "--harness", "m_ll", "--include-path", tasks, "-o", tmp_path / "h") == 0
+    got = json.loads((tmp_path / "h" / "harness.json").read_text())
+    run = load_run(export)
+    tok, eot = run_tokenizer(run)
+    direct = evaluate_model(run.model, tok, eot, ["m_ll"], str(tasks))
+    assert json.dumps(got).count(repr(direct["results"]["m_ll"]["perplexity,none"])) >= 1
+    assert _cli("eval", export, "--humaneval", "--humaneval-loss-only", "--humaneval-limit", "2",
+                "-o", tmp_path / "he") == 0
+    he = json.loads((tmp_path / "he" / "humaneval.json").read_text())
+    assert he["problems"] == 2
