@@ -23,7 +23,7 @@ LAYERS = {
     "model": ["model"],
     "cost": ["cost"],
     "parallel": ["parallel"],
-    "run": ["data", "train", "eval"],
+    "run": ["data", "train", "eval", "interop"],
     "study": ["study", "launch"],
     "cli": ["cli"],
 }

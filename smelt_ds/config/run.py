@@ -67,6 +67,8 @@ class ModelConfig(StrictModel):
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
     norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
     tie_embeddings: bool = Field(False, description="share token embedding and output head weights")
+    qk_norm: bool = Field(False, description="per-head RMSNorm of queries and keys before RoPE (Qwen3's QK-norm, "
+                                             "arXiv 2505.09388); needed to export as or import from qwen3_moe")
     first_k_dense: int = Field(0, ge=0, description="the first k unique layers use a dense SwiGLU FFN")
     dense_ffn_size: int = Field(256, gt=0, description="intermediate size of the dense SwiGLU FFN")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on attention probs and residual branches")

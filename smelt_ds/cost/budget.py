@@ -13,7 +13,8 @@ Budgets (DESIGN §1):
    ``K * 6 H F``, shared expert ``6 H Fs + 2 H``, or dense SwiGLU ``6 H Fd``. Plus the output
    head ``2 H V`` once per token (equal for both architectures; the embedding lookup is free).
 2. **Non-embedding parameters**: every unique layer's parameters (all experts counted) plus the
-   final norm; the token embedding and the output head are excluded (once, when tied).
+   final norm (with ``model.qk_norm``, also the per-head QK-norm weights, ``2 D`` per layer); the
+   token embedding and the output head are excluded (once, when tied).
    Active parameters count only the top-k experts of each MoE layer.
 3. **KV cache bytes per token**: every visit of an attention layer keeps its own K and V:
    ``visits * 2 * Nkv * D * bytes_per_element``.
@@ -72,7 +73,8 @@ def layer_params(cfg: RunConfig, layer: int) -> dict[str, int]:
     (all routed experts), ``active_experts`` (top-k of them), ``shared``, ``dense``."""
     H, Nq, Nkv, D = _attn_dims(cfg)
     moe = cfg.moe
-    out = {"attention": 2 * H * Nq * D + 2 * H * Nkv * D, "norms": 2 * H,
+    qk_norm = 2 * D if cfg.model.qk_norm else 0  # q_norm and k_norm weights, (D,) each
+    out = {"attention": 2 * H * Nq * D + 2 * H * Nkv * D, "norms": 2 * H + qk_norm,
            "router": 0, "experts": 0, "active_experts": 0, "shared": 0, "dense": 0}
     if layer < cfg.model.first_k_dense:
         out["dense"] = 3 * H * cfg.model.dense_ffn_size

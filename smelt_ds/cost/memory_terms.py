@@ -304,6 +304,8 @@ def visit_activation_terms(cfg: RunConfig, layer: int, micro_batch: int, seq_len
       input) plus the fp32 log-sum-exp ``4 T Nq``. The math kernel (CPU with attention dropout)
       saves q, K, V, the output copy and three ``B Nq S^2`` tensors (softmax, dropout mask,
       dropped probabilities) instead. 16-bit runs add the RoPE tables cast per call.
+    * ``qk_norm`` (``model.qk_norm``): the RMSNorms of q and k per head, rows ``T Nq`` and ``T Nkv``
+      of width D (:func:`_norm_internal`).
     * ``dropout`` (``model.dropout`` > 0): the two residual-branch dropout masks: 1 byte per
       element on CUDA (bool mask), ``a`` on CPU (scaled noise tensor).
     * MoE layers: ``router`` fp32 logits and scores ``8 T E`` (+ ``4 T`` for the sigmoid scores'
@@ -325,6 +327,8 @@ def visit_activation_terms(cfg: RunConfig, layer: int, micro_batch: int, seq_len
     math_attention = device == "cpu" and m.dropout > 0
     attn = 4 * a * T * Nq * D + (3 * a * B * Nq * S * S if math_attention else 4 * T * Nq)
     out["attention"] = attn + (4 * a * S * D if a != 4 else 0)
+    if m.qk_norm:  # two RMSNorms over D per head (rows T * Nq and T * Nkv); RoPE saves only its tables
+        out["qk_norm"] = _norm_internal(T * Nq, D, a) + _norm_internal(T * m.num_kv_heads, D, a)
     if m.dropout > 0:
         out["dropout"] = 2 * T * H * (a if device == "cpu" else 1)
     if not is_moe:

@@ -97,7 +97,9 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
-    """GQA causal self-attention through ``F.scaled_dot_product_attention``.
+    """GQA causal self-attention through ``F.scaled_dot_product_attention``; with ``qk_norm`` the
+    queries and keys of every head are RMS-normalised (``q_norm``, ``k_norm``: weights ``(D,)``)
+    before RoPE, as in Qwen3 (arXiv 2505.09388) and transformers' ``Qwen3MoeAttention``.
 
     ``forward(x, cos, sin, visit, kv_cache=None, probs_hook=None)``: ``x`` ``(B, S, H)`` ->
     ``(B, S, H)``. With ``probs_hook`` the attention is computed explicitly (same math) and the
@@ -105,13 +107,16 @@ class CausalSelfAttention(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, qk_norm: bool = False, norm_eps: float = 1e-6):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        # QK-norm (Qwen3): RMSNorm over each head's D features of q and k, before RoPE
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.dropout = dropout
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, visit: Visit,
@@ -120,6 +125,8 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x_BSH).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos_SD, sin_SD), apply_rotary(k, cos_SD, sin_SD)
         if kv_cache is not None:
             k, v = kv_cache.update(visit, k, v)

@@ -106,7 +106,7 @@ class Block(nn.Module):
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(m.hidden_size, m.norm_eps)
         self.self_attn = CausalSelfAttention(m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim,
-                                             m.dropout)
+                                             m.dropout, m.qk_norm, m.norm_eps)
         self.post_attention_layernorm = RMSNorm(m.hidden_size, m.norm_eps)
         self.is_moe = layer_idx >= m.first_k_dense
         self.mlp = MoE.from_config(m.hidden_size, moe) if self.is_moe else SwiGLU(m.hidden_size, m.dense_ffn_size)
@@ -176,7 +176,7 @@ class SmeltLM(nn.Module):
         """Normal(0, model.init_std) for every matrix, ones for norms, zeros for the router bias."""
         std = self.model_cfg.init_std
         for name, p in self.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "norm.weight":
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std)

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SHAPES = {
     "baseline": {"model": {"num_layers": 6}, "loop": {"position": "none"}},
-    "middle_gqa": {"model": {"num_layers": 8, "num_kv_heads": 2}, "loop": {"position": "middle"}},
+    "middle_gqa_qknorm": {"model": {"num_layers": 8, "num_kv_heads": 2, "qk_norm": True},
+                          "loop": {"position": "middle"}},
     "dense_shared_tied": {"model": {"num_layers": 6, "first_k_dense": 2, "tie_embeddings": True},
                           "moe": {"shared_expert_ffn_size": 48}, "loop": {"position": "top"}},
     "layer_order_asym": {"model": {"num_layers": 8, "head_dim": 8},

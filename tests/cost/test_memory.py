@@ -177,9 +177,9 @@ def test_measured_model_state_storage(measured):
 
 def test_every_optional_feature_is_in_the_formula():
     """Dropout (CPU: math attention kernel and scaled-noise masks), router jitter, sigmoid scores,
-    a shared expert, a dense first layer, GQA, an expert size that falls back to the per-expert
+    a shared expert, a dense first layer, GQA, QK-norm, an expert size that falls back to the per-expert
     loop, layer order and input injection."""
-    cfg = _variant(SMELT, model={"dropout": 0.1, "first_k_dense": 1, "num_kv_heads": 2},
+    cfg = _variant(SMELT, model={"dropout": 0.1, "first_k_dense": 1, "num_kv_heads": 2, "qk_norm": True},
                    moe={"router_jitter": 0.1, "shared_expert_ffn_size": 48, "score_func": "sigmoid",
                         "expert_ffn_size": 90},
                    loop={"order": "layer", "input_injection": "none"})

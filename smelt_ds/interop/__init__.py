@@ -1,0 +1,4 @@
+"""Hugging Face transformers format: export SMELT and Baselines, import transformers MoE checkpoints.
+
+State-dict adapters tested by parity (DESIGN §7): a converted model's logits equal the source's.
+"""
