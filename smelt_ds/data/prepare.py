@@ -118,7 +118,12 @@ def _encode_batch(batch: dict[str, list], indices: list[int], tokenizer: Tokeniz
     says why this tokenizer's ids could change when cut: then a longer document is refused.
     """
     tokenizer.encode_special_tokens = True  # a literal "<|endoftext|>" in a document is plain text
-    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    batch_encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+
+    def encode(texts: list[str]):
+        # the document's own ids: a post-processor's BOS/EOS (an HF tokenizer.json's template) would
+        # add special tokens per call; documents are separated by end-of-text alone
+        return batch_encode(texts, add_special_tokens=False)
     texts = batch["text"]
     sizes = [utf8_len(t) for t in texts]
     if sum(sizes) <= max_bytes:  # the common case: one call, as before

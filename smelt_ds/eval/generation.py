@@ -35,7 +35,7 @@ class GenerationResult:
 def encode_prompt(tokenizer, prompt: str, eot_id: int) -> list[int]:
     """``[end-of-text] + ids(prompt)``: the document separator the model was trained after, so the
     prompt reads as the start of a document."""
-    return [eot_id] + list(tokenizer.encode(prompt).ids)
+    return [eot_id] + list(tokenizer.encode(prompt, add_special_tokens=False).ids)
 
 
 @torch.no_grad()

@@ -74,7 +74,7 @@ def _rng(seed: int, name: str, e: int) -> np.random.Generator:
 
 
 def _ids(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.encode(text).ids)
+    return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def word_token_ids(tokenizer) -> list[int]:

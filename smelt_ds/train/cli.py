@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from smelt_ds.errors import ConfigError
+from smelt_ds.interop.cli import add_export_arguments, run_export_hf
 from smelt_ds.train.export import export_checkpoint
 from smelt_ds.train.loop import add_train_arguments, launcher_command, run_and_report
 
@@ -21,11 +23,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_train)
 
-    e = sub.add_parser("export", help="consolidate a checkpoint into fp32 weights + the resolved recipe",
+    e = sub.add_parser("export", help="consolidate a checkpoint into fp32 weights + the resolved recipe, or a "
+                                      "Hugging Face model (--format hf)",
                        description="Write model.pt (fp32 state dict in the reference layout) and config.yaml, "
-                                   "loadable by SmeltLM on one CPU process (smelt_ds.train.export.load_exported).")
-    e.add_argument("run_dir", help="run directory (or a checkpoints/stepNNNNNNNN directory)")
+                                   "loadable by SmeltLM on one CPU process (smelt_ds.train.export.load_exported); "
+                                   "with --format hf a transformers model directory (config.json, safetensors, "
+                                   "tokenizer, model card), checked by parity with the source model.",
+                       epilog="examples:\n  smelt-ds export runs/tiny-smelt -o exports/tiny-smelt\n"
+                              "  smelt-ds export runs/tiny-smelt --format hf -o hf/tiny-smelt",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("run_dir", help="run directory, a checkpoints/stepNNNNNNNN directory, or (--format hf) an "
+                                   "export directory")
     e.add_argument("-o", "--output", required=True, help="output directory")
+    add_export_arguments(e)
     e.set_defaults(func=run_export)
 
 
@@ -40,7 +50,12 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-
+    if args.format == "hf":
+        return run_export_hf(args)
+    hf_only = [flag for flag, on in (("--hf-arch", args.hf_arch != "auto"), ("--no-check", args.no_check),
+                                     ("--max-shard-size", args.max_shard_size != "5GB")) if on]
+    if hf_only:
+        raise ConfigError(f"{', '.join(hf_only)} apply to --format hf only: add --format hf, or drop them")
     out = export_checkpoint(args.run_dir, args.output)
     print(f"wrote {out}")
     return 0

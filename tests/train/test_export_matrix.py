@@ -14,9 +14,11 @@ cell checks, against the live engine that DeepSpeed itself restores from the sam
 (c) ``smelt-ds eval`` and ``smelt-ds generate`` run on the export, and so do ``smelt-ds eval --harness``
     (its numbers equal a direct harness evaluation of the exported model) and ``--humaneval``;
 (d) ``train.init_from`` of the export into each backend gives the exported model's loss on the
-    same batch (rel 1e-5): the first step of a run started from it.
+    same batch (rel 1e-5): the first step of a run started from it;
+(e) ``smelt-ds export --format hf`` of the run loads with ``AutoModelForCausalLM`` and its logits
+    equal the live engine's (same tolerance as (a)).
 
-(c) and (d) read only the export, which (a) and (b) check in every cell: they run in the most
+(c), (d) and (e) read only the export, which (a) and (b) check in every cell: they run in the most
 sharded cell of each source backend (``USER_PATH_CELLS``).
 """
 
@@ -199,6 +201,17 @@ def test_export_eval_generate_init_from(tmp_path, cache, backend, zero, ep, caps
         assert loss == pytest.approx(float(out.lm_loss), rel=1e-5), name
     if not user_paths:
         return
+    # (e) the Hugging Face export of the run (issue 16): transformers' model equals the live engine
+    from transformers import AutoModelForCausalLM
+
+    from smelt_ds.interop.export import export_hf
+
+    hf_dir = export_hf(tmp_path / "run", tmp_path / "hf").out
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True, dtype=torch.float32)
+    with torch.no_grad():
+        hf_logits = hf(input_ids=ids).logits.float()
+    for r in ranks:
+        torch.testing.assert_close(hf_logits, r["logits"], atol=2e-5, rtol=1e-4)
     # (c) the user's commands on the export
     assert _cli("eval", export, "-o", tmp_path / "eval", "--batches", "1", "--micro-batch", "2", "--episodes", "2",
                 "--shots", "0,1", "--tasks", "kv_recall", "--no-plots") == 0

@@ -1,0 +1,274 @@
+"""``smelt-ds export RUN --format hf -o OUT``: a run in the Hugging Face transformers format.
+
+OUT holds ``config.json``, ``model.safetensors`` (sharded with ``model.safetensors.index.json``
+above ``max_shard_size``), ``generation_config.json``, the tokenizer (``tokenizer.json`` +
+``tokenizer_config.json``, a fast tokenizer that loads with ``AutoTokenizer``), a model card
+``README.md`` and ``smelt_ds_export.json`` (provenance and the parity check). A Baseline whose
+options map onto a transformers architecture (:func:`smelt_ds.interop.known_archs.match_hf_architecture`)
+is written as that architecture and loads with no custom code; every other model, every looped one
+among them, is ``model_type: smelt`` with the standalone ``configuration_smelt.py`` and
+``modeling_smelt.py`` beside the weights (``trust_remote_code=True``).
+
+Every export is proven by parity before it is complete: the written directory is loaded with
+``AutoModelForCausalLM.from_pretrained`` and its logits on a fixed batch must equal the source
+model's (fp32). Files are written to ``<OUT>_partial`` and renamed into place after the check, so a
+partial or unchecked export is never taken for a complete one; OUT may only be empty or an earlier
+export of either format.
+
+The tokenizer adds the end-of-text token in front of a text by default (its BOS token): a request
+then reads as a document start, as in training (documents are separated by end-of-text), in
+``smelt-ds generate`` and in the ``smelt-ds`` harness model. ``add_special_tokens=False`` gives the
+ids of smelt-ds's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from smelt_ds.config.run import RunConfig, load_config
+from smelt_ds.cost.budget import compute_budget
+from smelt_ds.data.tokenizer import load_tokenizer, special_ids
+from smelt_ds.errors import ConfigError
+from smelt_ds.eval.runs import resolve_export
+from smelt_ds.files import write_json_atomic, write_text_atomic
+from smelt_ds.interop import known_archs, smelt_format
+from smelt_ds.train.export import EXPORT_FILES, REFERENCE_OVERRIDES, load_exported
+from smelt_ds.train.provenance import RUN_TOKENIZER
+
+__all__ = ["HF_MARKER", "HFExport", "export_hf", "hf_tokenizer", "PARITY_ATOL", "PARITY_RTOL"]
+
+#: written last into every HF export: what it was made from and the parity check's result
+HF_MARKER = "smelt_ds_export.json"
+#: files an HF export may hold (besides weight shards); an output directory holding anything else
+#: is refused
+_HF_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "README.md", "configuration_smelt.py", "modeling_smelt.py",
+             "model.safetensors.index.json", HF_MARKER}
+#: parity of the written directory's logits with the source model's (fp32, same batch)
+PARITY_ATOL, PARITY_RTOL = 1e-4, 1e-4
+
+
+@dataclass
+class HFExport:
+    """Result of :func:`export_hf`: ``out`` directory, ``model_type`` written (``smelt`` or a
+    transformers architecture), ``reasons`` it is not a known architecture (empty when it is),
+    ``max_abs_diff`` of the parity check (logits), ``source`` smelt-ds export directory."""
+
+    out: Path
+    model_type: str
+    reasons: list[str]
+    max_abs_diff: float
+    source: Path
+
+
+def _is_own_output(names: set[str]) -> bool:
+    """Whether a directory's entries are those of an earlier export (either format)."""
+    rest = {n for n in names if not (n.startswith("model") and n.endswith(".safetensors"))}
+    return rest <= _HF_FILES or rest <= EXPORT_FILES
+
+
+def _check_output(out: Path) -> None:
+    if out.is_file() or out.is_symlink():
+        raise ConfigError(f"export output {str(out)!r} is a file: pass a directory path (-o DIR)")
+    if out.is_dir():
+        names = {p.name for p in out.iterdir()}
+        if names and not (_is_own_output(names) and (HF_MARKER in names or "model.pt" in names)):
+            raise ConfigError(f"export output {str(out)!r} exists and holds other files "
+                              f"({', '.join(sorted(names)[:4])}): refusing to replace it; pass a new or empty "
+                              "directory, or an earlier export to overwrite")
+
+
+def hf_tokenizer(tokenizer_file: Path, cfg: RunConfig):
+    """A ``transformers`` fast tokenizer of the run's ``tokenizer.json``: end-of-text is BOS and EOS,
+    padding is the recipe's pad token, BOS is added in front of every text (a template
+    post-processor) unless ``add_special_tokens=False``. Raises ConfigError naming the file when
+    the recipe's special tokens are not in it."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = load_tokenizer(tokenizer_file, str(tokenizer_file))
+    eot_id, pad_id = special_ids(tok, cfg.data.tokenizer, f"{tokenizer_file}: data.tokenizer")
+    eot, pad = cfg.data.tokenizer.eot_token, cfg.data.tokenizer.pad_token
+    tok.post_processor = processors.TemplateProcessing(single=f"{eot} $A", pair=f"{eot} $A {eot} $B",
+                                                       special_tokens=[(eot, eot_id)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eot, eos_token=eot, pad_token=pad,
+                                   model_max_length=cfg.model.max_seq_len, clean_up_tokenization_spaces=False)
+    return fast, eot_id, pad_id
+
+
+def _parity_batch(cfg: RunConfig) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    S = min(24, cfg.model.max_seq_len)
+    return torch.randint(0, cfg.model.vocab_size, (2, S), generator=g)
+
+
+def _check_parity(out: Path, model, cfg: RunConfig, remote_code: bool) -> float:
+    """Load ``out`` with ``AutoModelForCausalLM`` and compare its logits with ``model``'s. Returns
+    the max |difference|; raises ConfigError when it exceeds the tolerance or a weight is missing."""
+    from transformers import AutoModelForCausalLM
+
+    loaded: Any = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=remote_code, dtype=torch.float32,
+                                                       output_loading_info=True)
+    hf, info = loaded
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
+        raise ConfigError(f"export check: {out} does not load completely ({bad}): the conversion is wrong; "
+                          "please report it")
+    ids = _parity_batch(cfg)
+    with torch.no_grad():
+        want = model(ids).logits.float()
+        got = hf(input_ids=ids).logits.float()
+    diff = float((got - want).abs().max())
+    if not torch.allclose(got, want, atol=PARITY_ATOL, rtol=PARITY_RTOL):
+        raise ConfigError(f"export check: the logits of {out} differ from the source model's by up to {diff:.3g} "
+                          f"(tolerance atol {PARITY_ATOL}, rtol {PARITY_RTOL}): the conversion is wrong; "
+                          "please report it (the directory is left for inspection)")
+    return diff
+
+
+def _fmt_int(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{int(n):,}"
+
+
+def model_card(cfg: RunConfig, model_type: str, reasons: list[str], source: dict[str, Any]) -> str:
+    """The README.md of an HF export: architecture, visit plan, the three budgets (per-token
+    FLOPs, non-embedding parameters, KV cache per token), training data and how to load it."""
+    b = compute_budget(cfg)
+    m, moe, sched = cfg.model, cfg.moe, cfg.schedule
+    looped = any(s.repeats > 1 for s in sched.spans)
+    remote = model_type == "smelt"
+    load = ("AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)" if remote
+            else "AutoModelForCausalLM.from_pretrained(path)")
+    sources = ", ".join(s.label() for s in cfg.data.sources)
+    lines = [
+        "---", "library_name: transformers", "pipeline_tag: text-generation",
+        f"tags: [smelt-ds, mixture-of-experts, {'looped-transformer' if looped else 'baseline'}]", "---", "",
+        f"# {cfg.name}", "",
+        f"A {'SMELT (looped sparse MoE)' if looped else 'Baseline (unlooped sparse MoE)'} decoder trained with "
+        f"smelt-ds, exported as `model_type: {model_type}`"
+        + (" with its modeling code (`configuration_smelt.py`, `modeling_smelt.py`; needs `trust_remote_code=True`)."
+           if remote else ", loadable by transformers with no custom code."), "",
+        "## Architecture", "",
+        "| | |", "|---|---|",
+        f"| unique layers | {m.num_layers} |", f"| visits per forward (effective depth) | {len(sched.plan)} |",
+        f"| visit plan (unique layer per visit) | {' '.join(str(v.layer) for v in sched.plan)} |",
+        f"| loop ranges [start, end) x repeats | {', '.join(f'[{s.start}, {s.end}) x{s.repeats}' for s in sched.spans) or 'none'} |",
+        f"| hidden size / heads / KV heads / head dim | {m.hidden_size} / {m.num_heads} / {m.num_kv_heads} / "
+        f"{m.resolved_head_dim} |",
+        f"| experts / top-k / expert FFN size | {moe.num_experts} / {moe.top_k} / {moe.expert_ffn_size} |",
+        f"| router | {moe.score_func}, norm_topk_prob {moe.norm_topk_prob}, aux-loss-free bias "
+        f"{moe.aux_loss_free_bias} |",
+        f"| shared expert FFN size / first dense layers | {moe.shared_expert_ffn_size} / {m.first_k_dense} |",
+        f"| vocabulary / max sequence length (tokens) | {m.vocab_size} / {m.max_seq_len} |", "",
+        "## Budgets (smelt-ds `budget`, per token)", "",
+        "| | |", "|---|---|",
+        f"| forward FLOPs per token (seq_len {b.seq_len}, {b.attention_convention} attention) | "
+        f"{b.forward_flops_per_token:.4g} |",
+        f"| non-embedding parameters (all experts) | {_fmt_int(b.non_embedding_params)} |",
+        f"| active non-embedding parameters | {_fmt_int(b.active_non_embedding_params)} |",
+        f"| KV cache bytes per token ({b.kv_dtype}; one slot per visit) | {b.kv_cache_bytes_per_token:,} |", "",
+        "## Training data", "",
+        f"Sources: {sources}. Tokenizer: byte-level BPE, {m.vocab_size} tokens; end-of-text separates documents "
+        "and is added in front of every text as BOS (`add_special_tokens=False` leaves it out).",
+        f"Checkpoint: step {source.get('step', '?')}, {source.get('tokens_seen', '?'):,} training tokens."
+        if isinstance(source.get("tokens_seen"), int) else "Checkpoint: see `smelt_ds_export.json`.", "",
+        "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+        "tok = AutoTokenizer.from_pretrained(path)", f"model = {load}",
+        "ids = tok(\"def add(a, b):\", return_tensors=\"pt\")",
+        "print(tok.decode(model.generate(**ids, max_new_tokens=32, do_sample=False)[0]))", "```", "",
+        "lm-evaluation-harness: `lm_eval --model hf --model_args pretrained=PATH"
+        + (",trust_remote_code=True" if remote else "") + ",add_bos_token=True --tasks ...`"
+        " (`add_bos_token=True` scores every request as a document start, as smelt-ds's own harness model does).",
+    ]
+    if reasons:
+        lines += ["", "Not exported as a transformers architecture because: " + "; ".join(reasons) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _source_facts(export_dir: Path) -> dict[str, Any]:
+    src = export_dir / "SOURCE"
+    facts: dict[str, Any] = {"export": str(export_dir.resolve())}
+    if src.is_file():
+        ckpt_dir = Path(src.read_text().strip())
+        facts["checkpoint"] = str(ckpt_dir)
+        marker = ckpt_dir / "COMPLETE"
+        if marker.is_file():
+            meta = json.loads(marker.read_text())
+            facts.update({k: meta[k] for k in ("step", "tokens_seen", "world_size", "zero_stage", "moe_backend",
+                                               "ep_size") if k in meta})
+    return facts
+
+
+def export_hf(path: str | Path, out_dir: str | Path, arch: str = "auto", max_shard_size: str | int = "5GB",
+              check: bool = True) -> HFExport:
+    """Write run, checkpoint or smelt-ds export ``path`` as a Hugging Face model directory ``out_dir``.
+
+    ``arch``: ``auto`` (a transformers architecture when the options map onto one, else ``smelt``)
+    or ``smelt`` (always the standalone modeling code). ``max_shard_size``: safetensors shard size
+    (transformers' ``save_pretrained`` argument: bytes or a string such as ``"5GB"``). ``check``:
+    the parity check of the written directory (leave on; off only to save the time and memory of
+    loading a large model twice).
+
+    Raises ConfigError for a path with no checkpoint or export, an export without its tokenizer,
+    an output that is a file or a directory holding anything but an earlier export, and a
+    failed parity check (the unchecked files stay in ``<out>_partial``)."""
+    if arch not in ("auto", "smelt"):
+        raise ConfigError(f"`--hf-arch` ({arch!r}) is unknown: use 'auto' or 'smelt'")
+    out = Path(out_dir)
+    _check_output(out)
+    export_dir = resolve_export(path)
+    if not (export_dir / RUN_TOKENIZER).is_file():
+        raise ConfigError(f"{export_dir} has no {RUN_TOKENIZER} (the tokenizer the run was trained with): export "
+                          "the run again with this smelt-ds (`smelt-ds export RUN -o DIR`), which records it")
+    model = load_exported(export_dir)
+    cfg = load_config(export_dir / "config.yaml", REFERENCE_OVERRIDES)
+    tokenizer, eot_id, pad_id = hf_tokenizer(export_dir / RUN_TOKENIZER, cfg)
+    model_type, reasons = known_archs.match_hf_architecture(cfg)
+    if arch == "smelt" and model_type is not None:
+        model_type, reasons = None, ["`--hf-arch smelt` was asked for"]
+    tmp = out.with_name(out.name + "_partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if model_type is None:
+        smelt_format.write_hf_dir(model, cfg, tmp, eot_id=eot_id, pad_id=pad_id, max_shard_size=max_shard_size)
+        written = "smelt"
+    else:
+        known_archs.build_known_hf(model, cfg, eot_id, pad_id).save_pretrained(tmp, max_shard_size=max_shard_size)
+        written = model_type
+    tokenizer.save_pretrained(tmp)
+    _portable_tokenizer_class(tmp / "tokenizer_config.json")
+    _write_generation_config(tmp, eot_id, pad_id, cfg)
+    source = _source_facts(export_dir)
+    write_text_atomic(tmp / "README.md", model_card(cfg, written, reasons, source))
+    diff = _check_parity(tmp, model, cfg, written == "smelt") if check else float("nan")
+    write_json_atomic(tmp / HF_MARKER, {"format": "hf", "model_type": written, "source": source,
+                                        "not_a_known_architecture_because": reasons,
+                                        "parity": {"checked": check, "max_abs_diff_logits": diff,
+                                                   "atol": PARITY_ATOL, "rtol": PARITY_RTOL}})
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return HFExport(out, written, reasons, diff, export_dir)
+
+
+def _portable_tokenizer_class(path: Path) -> None:
+    """Name the tokenizer class ``PreTrainedTokenizerFast`` (transformers 5 writes its new
+    ``TokenizersBackend``, which transformers 4 and the tools pinned to it cannot resolve; 5 reads
+    both as the same class)."""
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    write_json_atomic(path, config, indent=2)
+
+
+def _write_generation_config(out: Path, eot_id: int, pad_id: int, cfg: RunConfig) -> None:
+    from transformers import GenerationConfig
+
+    GenerationConfig(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=pad_id, do_sample=False,
+                     max_length=cfg.model.max_seq_len).save_pretrained(out)

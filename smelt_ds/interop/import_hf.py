@@ -1,0 +1,188 @@
+"""``smelt-ds import-hf PATH -o RECIPE.yaml``: continue pretraining a transformers MoE checkpoint.
+
+Reads a local transformers checkpoint directory (Qwen3-MoE or Mixtral; what maps is decided by
+:func:`smelt_ds.interop.known_archs.import_hf_model`, which loads it with transformers itself, so
+any on-disk expert layout transformers reads is accepted), or a ``model_type: smelt`` directory of
+``smelt-ds export --format hf`` (read from its safetensors files; its modeling code is not run),
+and writes:
+
+* a **weights directory** (default ``<RECIPE stem>-weights/`` beside the recipe): ``model.pt`` (the
+  state dict in smelt-ds's reference layout), ``config.yaml`` (the resolved recipe),
+  ``tokenizer.json`` (the checkpoint's tokenizer) and ``SOURCE`` (the checkpoint path). It is an
+  export directory: ``train.init_from``, ``smelt-ds eval`` and ``generate`` take it, on any MoE backend;
+* the **recipe** ``RECIPE.yaml``: the model, MoE and loop sections of the checkpoint (a Baseline:
+  loop position ``none``), the tokenizer, ``train.init_from`` pointing at the weights directory,
+  and the default data sources for the user to replace.
+
+Both are written atomically; neither replaces anything but an earlier import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from smelt_ds.config.run import config_from_dict, dump_config
+from smelt_ds.errors import ConfigError
+from smelt_ds.files import write_text_atomic
+from smelt_ds.interop import known_archs, smelt_format
+from smelt_ds.model import SmeltLM
+from smelt_ds.train.export import EXPORT_FILES
+from smelt_ds.train.provenance import RUN_TOKENIZER
+
+__all__ = ["RECIPE_HEADER", "import_hf", "hf_special_tokens"]
+
+#: first line of every recipe import-hf writes (an existing file starting with it may be replaced)
+RECIPE_HEADER = "# written by smelt-ds import-hf"
+
+
+def hf_special_tokens(path: Path) -> tuple[str, str]:
+    """``(eot_token, pad_token)`` for smelt-ds from a checkpoint's ``tokenizer_config.json``:
+    end-of-text is its EOS token; padding is its pad token when that differs from EOS, else the
+    first other special (added) token of ``tokenizer.json``. Raises ConfigError naming the file
+    when there is no EOS token or no second special token."""
+    tc_path, tj_path = path / "tokenizer_config.json", path / "tokenizer.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+
+    def content(v: Any) -> str | None:
+        return v.get("content") if isinstance(v, dict) else v
+
+    eos, pad = content(tc.get("eos_token")), content(tc.get("pad_token"))
+    added = [t["content"] for t in json.loads(tj_path.read_text()).get("added_tokens", []) if t.get("special")]
+    if eos is None:
+        if not added:
+            raise ConfigError(f"{tc_path}: no `eos_token` and {tj_path} has no special tokens: set eos_token in "
+                              "tokenizer_config.json to the end-of-text token")
+        eos = added[0]
+    if pad is None or pad == eos:
+        others = [t for t in added if t != eos]
+        if not others:
+            raise ConfigError(f"{tc_path}: `pad_token` ({pad!r}) is missing or equals `eos_token` ({eos!r}) and "
+                              f"{tj_path} has no other special token: smelt-ds pads with its own token; add one")
+        pad = others[0]
+    return eos, pad
+
+
+def _smelt_recipe(c: dict[str, Any], source: str) -> dict[str, Any]:
+    """model / moe / loop sections of a ``model_type: smelt`` config.json (the keys
+    :func:`smelt_ds.interop.smelt_format.smelt_hf_config` writes)."""
+    try:
+        rope = (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))
+        model = {"vocab_size": c["vocab_size"], "hidden_size": c["hidden_size"], "num_layers": c["num_hidden_layers"],
+                 "num_heads": c["num_attention_heads"], "num_kv_heads": c["num_key_value_heads"],
+                 "head_dim": c["head_dim"], "max_seq_len": c["max_position_embeddings"], "rope_theta": rope,
+                 "norm_eps": c["rms_norm_eps"], "tie_embeddings": c["tie_word_embeddings"],
+                 "qk_norm": c.get("qk_norm", False), "first_k_dense": c["first_k_dense_replace"],
+                 "dense_ffn_size": c["intermediate_size"]}
+        moe = {"num_experts": c["num_experts"], "top_k": c["num_experts_per_tok"],
+               "expert_ffn_size": c["moe_intermediate_size"],
+               "shared_expert_ffn_size": c["shared_expert_intermediate_size"], "score_func": c["scoring_func"],
+               "norm_topk_prob": c["norm_topk_prob"], "aux_loss_free_bias": c["aux_loss_free_bias"]}
+        ranges = [{"start": a, "end": b, "repeats": r} for a, b, r in (c.get("loop_ranges") or [])]
+    except KeyError as e:
+        raise ConfigError(f"{source}: key {e} is missing: a model_type smelt config.json written by "
+                          "`smelt-ds export --format hf` has it") from None
+    loop: dict[str, Any] = ({"position": "custom", "ranges": ranges, "order": c.get("loop_order", "block"),
+                             "input_injection": c.get("input_injection", "none")} if ranges
+                            else {"position": "none"})
+    return {"model": model, "moe": moe, "loop": loop}
+
+
+def _import_smelt(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Recipe sections and state dict of a ``model_type: smelt`` directory, read from its
+    safetensors files (its modeling code is not run). Raises ConfigError naming the file."""
+    from safetensors.torch import load_file
+
+    config = json.loads((src / "config.json").read_text())
+    raw = _smelt_recipe(config, str(src / "config.json"))
+    index = src / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    hf_state: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (src / name).is_file():
+            raise ConfigError(f"{src / name} is missing (listed by {index.name if index.is_file() else 'default'}): "
+                              "the checkpoint is partial; copy it again")
+        try:
+            hf_state.update(load_file(str(src / name)))
+        except Exception as e:  # safetensors raises its own error type for a damaged header
+            raise ConfigError(f"{src / name} is not a readable safetensors file ({type(e).__name__}: {e}): "
+                              "it may be truncated; copy it again") from None
+    state = smelt_format.from_hf_state_dict(hf_state, bool(raw["model"]["tie_embeddings"]))
+    cfg = config_from_dict({**raw, "train": {"seq_len": min(128, int(raw["model"]["max_seq_len"]))}})
+    own = SmeltLM(cfg.model, cfg.moe, cfg.loop).state_dict()
+    wrong = [f"{k} {tuple(v.shape)} (expected {tuple(own[k].shape)})" for k, v in state.items()
+             if k in own and own[k].shape != v.shape]
+    missing = sorted(k for k in own if k not in state and not (k.endswith("expert_bias")
+                                                              and not cfg.moe.aux_loss_free_bias))
+    unexpected = sorted(k for k in state if k not in own)
+    if wrong or missing or unexpected:
+        raise ConfigError(f"{src}: the weights do not fit config.json (wrong shape: {wrong[:3]}; missing: "
+                          f"{missing[:3]}; unexpected: {unexpected[:3]}): the files belong to another model or "
+                          "config.json was edited; export the model again")
+    return raw, state
+
+
+def _check_target(weights: Path, recipe: Path) -> None:
+    if recipe.exists() and (recipe.is_dir() or not recipe.read_text(errors="replace").startswith(RECIPE_HEADER)):
+        raise ConfigError(f"`-o` ({recipe}) exists and was not written by import-hf: refusing to replace it; "
+                          "pass a new file name")
+    if weights.is_file():
+        raise ConfigError(f"`--weights-dir` ({weights}) is a file: pass a directory path")
+    if weights.is_dir():
+        names = {p.name for p in weights.iterdir()}
+        if names and not (names <= EXPORT_FILES and "model.pt" in names):
+            raise ConfigError(f"`--weights-dir` ({weights}) exists and holds other files "
+                              f"({', '.join(sorted(names)[:4])}): refusing to replace it; pass a new or empty "
+                              "directory, or an earlier import to overwrite")
+
+
+def _recipe(raw_model: dict, name: str, tokenizer: Path, eot: str, pad: str, weights: Path) -> dict:
+    seq = min(2048, int(raw_model["model"]["max_seq_len"]))
+    return {"name": name, **raw_model,
+            "data": {"tokenizer": {"path": str(tokenizer), "eot_token": eot, "pad_token": pad}},
+            "train": {"init_from": str(weights), "seq_len": seq}}
+
+
+def import_hf(path: str | Path, recipe_path: str | Path, weights_dir: str | Path | None = None,
+              name: str | None = None) -> tuple[Path, Path]:
+    """Import the transformers checkpoint at ``path``; returns ``(recipe_path, weights_dir)``.
+
+    Raises ConfigError for a missing directory or ``config.json``, an architecture or option that
+    does not map (named with its config.json key), missing or mismatched weights, a checkpoint
+    without ``tokenizer.json``, and targets holding anything but an earlier import."""
+    src = Path(path)
+    recipe = Path(recipe_path)
+    weights = Path(weights_dir) if weights_dir is not None else recipe.with_name(recipe.stem + "-weights")
+    _check_target(weights, recipe)
+    if (src / "config.json").is_file() and json.loads((src / "config.json").read_text()).get("model_type") == "smelt":
+        raw_model, state = _import_smelt(src)
+    else:
+        raw_model, state = known_archs.import_hf_model(src)
+    if not (src / "tokenizer.json").is_file():
+        raise ConfigError(f"{src} has no tokenizer.json (a fast tokenizer): save one with "
+                          "AutoTokenizer.from_pretrained(...).save_pretrained(PATH) and import again")
+    eot, pad = hf_special_tokens(src)
+    raw = _recipe(raw_model, name or src.resolve().name, weights.resolve() / RUN_TOKENIZER, eot, pad,
+                  weights.resolve())
+    cfg = config_from_dict(raw)  # validates the whole recipe before anything is written
+    tmp = weights.with_name(weights.name + "_partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save(state, tmp / "model.pt")
+    shutil.copyfile(src / "tokenizer.json", tmp / RUN_TOKENIZER)
+    dump_config(cfg, tmp / "config.yaml")
+    (tmp / "SOURCE").write_text(str(src.resolve()) + "\n")
+    if weights.exists():
+        shutil.rmtree(weights)
+    os.replace(tmp, weights)
+    text = (f"{RECIPE_HEADER} from {src.resolve()}\n# weights: {weights.resolve()} (train.init_from); replace "
+            "data.sources with your corpus (default: the built-in corpus)\n"
+            + yaml.safe_dump(raw, sort_keys=False))
+    write_text_atomic(recipe, text)
+    return recipe, weights
