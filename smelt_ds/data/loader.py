@@ -37,12 +37,14 @@ _STATE_VERSION = 1
 def check_compatible(prepared: PreparedData, model_vocab_size: int, tokenizer_hash: str | None = None) -> None:
     """Check that shards, tokenizer and model agree. Raises ConfigError naming both values.
 
-    - the tokenizer's vocabulary (tokens) equals ``model_vocab_size`` (``model.vocab_size``);
+    - the tokenizer's vocabulary (tokens) is at most ``model_vocab_size`` (``model.vocab_size``; a
+      larger model vocabulary is a padded one, as Megatron-LM pads to a multiple of 128 and
+      Qwen3-MoE's 151,936 rows hold a 151,669-token tokenizer);
     - every token id in the shards is below ``model_vocab_size``;
     - when given, ``tokenizer_hash`` (e.g. from a checkpoint) equals the shards' tokenizer hash.
     """
-    if prepared.vocab_size != model_vocab_size:
-        raise ConfigError(f"`model.vocab_size` ({model_vocab_size}) does not match the tokenizer of the prepared "
+    if prepared.vocab_size > model_vocab_size:
+        raise ConfigError(f"`model.vocab_size` ({model_vocab_size}) is smaller than the tokenizer of the prepared "
                           f"data ({prepared.vocab_size} tokens, tokenizer {prepared.tokenizer_hash[:12]}, "
                           f"{prepared.root}): set model.vocab_size to {prepared.vocab_size}, or prepare the data "
                           f"with data.tokenizer.vocab_size={model_vocab_size}")

@@ -180,12 +180,15 @@ def model_card(cfg: RunConfig, model_type: str, reasons: list[str], source: dict
         f"Checkpoint: step {source.get('step', '?')}, {source.get('tokens_seen', '?'):,} training tokens."
         if isinstance(source.get("tokens_seen"), int) else "Checkpoint: see `smelt_ds_export.json`.", "",
         "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-        "tok = AutoTokenizer.from_pretrained(path)", f"model = {load}",
+        f"tok = AutoTokenizer.from_pretrained(path{', trust_remote_code=True' if remote else ''})",
+        f"model = {load}",
         "ids = tok(\"def add(a, b):\", return_tensors=\"pt\")",
         "print(tok.decode(model.generate(**ids, max_new_tokens=32, do_sample=False)[0]))", "```", "",
         "lm-evaluation-harness: `lm_eval --model hf --model_args pretrained=PATH"
         + (",trust_remote_code=True" if remote else "") + ",add_bos_token=True --tasks ...`"
-        " (`add_bos_token=True` scores every request as a document start, as smelt-ds's own harness model does).",
+        " (`add_bos_token=True` scores every loglikelihood, multiple-choice and generation request as a document "
+        "start, as smelt-ds's own harness model does; for rolling perplexity tasks leave it off: lm-eval would also "
+        "score the BOS token, and starts each document's first window with it anyway).",
     ]
     if reasons:
         lines += ["", "Not exported as a transformers architecture because: " + "; ".join(reasons) + "."]
@@ -244,7 +247,7 @@ def export_hf(path: str | Path, out_dir: str | Path, arch: str = "auto", max_sha
         written = model_type
     tokenizer.save_pretrained(tmp)
     _portable_tokenizer_class(tmp / "tokenizer_config.json")
-    _write_generation_config(tmp, eot_id, pad_id, cfg)
+    _write_generation_config(tmp, eot_id, pad_id)
     source = _source_facts(export_dir)
     write_text_atomic(tmp / "README.md", model_card(cfg, written, reasons, source))
     diff = _check_parity(tmp, model, cfg, written == "smelt") if check else float("nan")
@@ -252,10 +255,21 @@ def export_hf(path: str | Path, out_dir: str | Path, arch: str = "auto", max_sha
                                         "not_a_known_architecture_because": reasons,
                                         "parity": {"checked": check, "max_abs_diff_logits": diff,
                                                    "atol": PARITY_ATOL, "rtol": PARITY_RTOL}})
+    _readable_as_umask_allows(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return HFExport(out, written, reasons, diff, export_dir)
+
+
+def _readable_as_umask_allows(directory: Path) -> None:
+    """Give every file the mode a plain ``open`` would (``0o666 & ~umask``): safetensors shards
+    come out of transformers' writer as 0600, unreadable to the group on a shared cluster."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in directory.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
 
 
 def _portable_tokenizer_class(path: Path) -> None:
@@ -267,8 +281,7 @@ def _portable_tokenizer_class(path: Path) -> None:
     write_json_atomic(path, config, indent=2)
 
 
-def _write_generation_config(out: Path, eot_id: int, pad_id: int, cfg: RunConfig) -> None:
+def _write_generation_config(out: Path, eot_id: int, pad_id: int) -> None:
     from transformers import GenerationConfig
 
-    GenerationConfig(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=pad_id, do_sample=False,
-                     max_length=cfg.model.max_seq_len).save_pretrained(out)
+    GenerationConfig(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=pad_id, do_sample=False).save_pretrained(out)

@@ -182,12 +182,13 @@ def test_validation_ranks_split_windows_evenly(two_domains):
 
 def test_check_compatible_names_both_values(two_domains):
     check_compatible(two_domains, 400, two_domains.tokenizer_hash)
-    with pytest.raises(ConfigError, match=r"`model.vocab_size` \(512\).*400 tokens"):
-        check_compatible(two_domains, 512)
+    check_compatible(two_domains, 512)  # a padded model vocabulary (rows no token id reaches)
+    with pytest.raises(ConfigError, match=r"`model.vocab_size` \(399\) is smaller.*400 tokens"):
+        check_compatible(two_domains, 399)
     with pytest.raises(ConfigError, match=r"tokenizer hash 000000000000 .* " + two_domains.tokenizer_hash[:12]):
         check_compatible(two_domains, 400, "0" * 64)
-    with pytest.raises(ConfigError, match=r"`model.vocab_size` \(4096\)"):
-        TrainLoader(two_domains, S, B, dp_rank=0, dp_world_size=1, model_vocab_size=4096)
+    with pytest.raises(ConfigError, match=r"`model.vocab_size` \(256\)"):
+        TrainLoader(two_domains, S, B, dp_rank=0, dp_world_size=1, model_vocab_size=256)
 
 
 def test_bad_loader_sizes(two_domains):
