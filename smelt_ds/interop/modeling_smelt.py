@@ -299,6 +299,22 @@ class SmeltPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["SmeltDecoderLayer"]
     _supports_sdpa = True
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' ``from_pretrained``, but a checkpoint whose weights do not fit its config.json
+        (missing, unexpected or mismatched tensors: e.g. an edited ``num_hidden_layers`` or
+        ``num_experts``) raises ValueError naming them, where transformers would only warn and
+        initialise the missing weights at random."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        bad = {k: sorted(info[k])[:4] for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
+        if bad:
+            where = args[0] if args else kwargs.get("pretrained_model_name_or_path", "the checkpoint")
+            raise ValueError(f"{where}: the weights do not fit config.json ({bad}): config.json must describe the "
+                             "model the weights were saved from (num_hidden_layers, num_experts, sizes); restore it "
+                             "or export the model again")
+        return (model, info) if want_info else model
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear, Embedding: normal(initializer_range); RMSNorm: ones

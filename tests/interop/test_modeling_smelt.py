@@ -319,6 +319,21 @@ def test_bad_config_raises_naming_the_key(bad, key):
         SmeltConfig(num_hidden_layers=4, num_attention_heads=4, hidden_size=32, **bad)
 
 
+@pytest.mark.parametrize("key,value", [("num_hidden_layers", 5), ("num_experts", 6), ("aux_loss_free_bias", True)])
+def test_config_json_that_does_not_fit_the_weights_raises(exported, tmp_path, key, value):
+    """transformers itself only warns about missing weights and initialises them at random."""
+    case = exported("middle-inject-tied-shared")
+    bad = tmp_path / "bad"
+    shutil.copytree(case.out, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config.pop("visit_plan")
+    config[key] = value
+    (bad / "config.json").write_text(json.dumps(config))
+    # a shape mismatch is transformers' own RuntimeError (its report above the error names the tensors)
+    with pytest.raises((ValueError, RuntimeError), match="do not fit config.json|ignore_mismatched_sizes"):
+        transformers.AutoModelForCausalLM.from_pretrained(bad, trust_remote_code=True)
+
+
 def test_config_json_whose_visit_plan_does_not_match_loop_ranges_raises(exported, tmp_path):
     case = exported("middle-inject-tied-shared")
     bad = tmp_path / "bad"
