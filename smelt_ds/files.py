@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-__all__ = ["write_atomic", "write_text_atomic", "write_json_atomic", "json_safe"]
+__all__ = ["write_atomic", "write_text_atomic", "write_json_atomic", "json_safe", "staged_directory"]
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
@@ -47,3 +50,25 @@ def json_safe(obj: Any) -> Any:
 def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 1) -> Path:
     """``json.dumps(json_safe(obj))`` to ``path`` atomically."""
     return write_text_atomic(path, json.dumps(json_safe(obj), indent=indent))
+
+
+@contextmanager
+def staged_directory(target: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory in a new staging directory beside ``target`` and put it in place whole.
+
+    Yields ``<parent>/<name>_partial_XXXXXXXX`` (made by ``tempfile.mkdtemp``, so it is never a
+    directory of the user's); when the block finishes, an existing ``target`` is removed and the
+    staging directory renamed to ``target`` (``os.replace``, one file system). When the block
+    raises (an error, Ctrl-C), the staging directory is removed and ``target`` is untouched.
+    Callers decide beforehand whether ``target`` may be replaced."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{target.name}_partial_", dir=target.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)

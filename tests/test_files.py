@@ -30,3 +30,27 @@ def test_json_is_strict(tmp_path):
     assert json_safe(obj) == {"loss": None, "3": [None, 1.5, [2, "a"]]}
     path = write_json_atomic(tmp_path / "r.json", obj)
     assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}")) == json_safe(obj)
+
+
+def test_staged_directory_replaces_whole_or_not_at_all(tmp_path):
+    import pytest
+
+    from smelt_ds.files import staged_directory
+
+    target = tmp_path / "out"
+    mine = tmp_path / "out_partial"  # a user's directory with the name a fixed staging path would have
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine")
+    with staged_directory(target) as tmp:
+        (tmp / "a").write_text("1")
+    assert (target / "a").read_text() == "1"
+    with pytest.raises(RuntimeError):
+        with staged_directory(target) as tmp:
+            (tmp / "b").write_text("2")
+            raise RuntimeError("crash halfway")
+    assert sorted(p.name for p in target.iterdir()) == ["a"]  # the earlier complete one is untouched
+    with staged_directory(target) as tmp:
+        (tmp / "c").write_text("3")
+    assert sorted(p.name for p in target.iterdir()) == ["c"]
+    assert (mine / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out_partial"]

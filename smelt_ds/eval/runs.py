@@ -62,8 +62,13 @@ def resolve_export(path: str | Path) -> Path:
     if _is_export(path):
         return path
     if not path.is_dir():
-        raise ConfigError(f"run {str(path)!r} does not exist: pass a run directory (with "
+        what = "is a file" if path.exists() else "does not exist"
+        raise ConfigError(f"run {str(path)!r} {what}: pass a run directory (with "
                           f"checkpoints/step*/{ckpt.MARKER}) or an export directory (model.pt + config.yaml)")
+    if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
+        raise ConfigError(f"{str(path)!r} is a Hugging Face model directory (config.json), not a smelt-ds run or "
+                          f"export: import it first (`smelt-ds import-hf {path} -o RECIPE.yaml`) and use the weights "
+                          "directory it writes")
     ckpt_dir: Path | None
     if (path / ckpt.MARKER).is_file():
         run_dir, ckpt_dir = path.parent.parent, path

@@ -12,7 +12,8 @@ __all__ = ["add_parser", "add_export_arguments", "run_export_hf"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "import-hf", help="import a transformers MoE checkpoint (Qwen3-MoE, Mixtral) as a recipe + weights",
+        "import-hf", help="import a transformers MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, or a smelt-ds HF "
+                          "export) as a recipe + weights",
         description="Read a local transformers checkpoint directory (config.json, safetensors, tokenizer.json) "
                     "and write a recipe whose train.init_from is a weights directory in smelt-ds's reference "
                     "layout, to continue pretraining it on any MoE backend.",
@@ -21,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, help="recipe file to write (YAML)")
     p.add_argument("--weights-dir", default=None,
                    help="weights directory to write (default: <recipe stem>-weights beside the recipe)")
-    p.add_argument("--name", default=None, help="recipe name (default: the checkpoint directory's name)")
+    p.add_argument("--name", default=None, help="recipe name (default: the recipe file's stem, e.g. qwen3-30b-a3b)")
     p.set_defaults(func=run_import_hf)
 
 
@@ -30,7 +31,7 @@ def add_export_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--format", choices=["smelt", "hf"], default="smelt",
                    help="smelt: model.pt + config.yaml (default); hf: a Hugging Face transformers model directory")
     e.add_argument("--hf-arch", choices=["auto", "smelt"], default="auto",
-                   help="hf format: auto = a transformers architecture (qwen3_moe, mixtral) when the model maps "
+                   help="hf format: auto = a transformers architecture (qwen3_moe, qwen2_moe, mixtral) when the model maps "
                         "onto one, else model_type smelt with its modeling code; smelt = always the modeling code")
     e.add_argument("--max-shard-size", default="5GB",
                    help="hf format: largest safetensors shard (e.g. 5GB, 500MB; default 5GB)")

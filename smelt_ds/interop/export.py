@@ -11,9 +11,10 @@ among them, is ``model_type: smelt`` with the standalone ``configuration_smelt.p
 
 Every export is proven by parity before it is complete: the written directory is loaded with
 ``AutoModelForCausalLM.from_pretrained`` and its logits on a fixed batch must equal the source
-model's (fp32). Files are written to ``<OUT>_partial`` and renamed into place after the check, so a
-partial or unchecked export is never taken for a complete one; OUT may only be empty or an earlier
-export of either format.
+model's (fp32). Files are written to a new staging directory beside OUT
+(:func:`smelt_ds.files.staged_directory`) and renamed into place after the check, so a partial or
+unchecked export is never taken for a complete one; OUT may only be empty or an earlier export of
+either format.
 
 The tokenizer adds the end-of-text token in front of a text by default (its BOS token): a request
 then reads as a document start, as in training (documents are separated by end-of-text), in
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,15 +37,13 @@ from smelt_ds.cost.budget import compute_budget
 from smelt_ds.data.tokenizer import load_tokenizer, special_ids
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.runs import resolve_export
-from smelt_ds.files import write_json_atomic, write_text_atomic
+from smelt_ds.files import staged_directory, write_json_atomic, write_text_atomic
 from smelt_ds.interop import known_archs, smelt_format
-from smelt_ds.train.export import EXPORT_FILES, REFERENCE_OVERRIDES, load_exported
+from smelt_ds.train.export import EXPORT_FILES, HF_MARKER, REFERENCE_OVERRIDES, load_exported
 from smelt_ds.train.provenance import RUN_TOKENIZER
 
 __all__ = ["HF_MARKER", "HFExport", "export_hf", "hf_tokenizer", "PARITY_ATOL", "PARITY_RTOL"]
 
-#: written last into every HF export: what it was made from and the parity check's result
-HF_MARKER = "smelt_ds_export.json"
 #: files an HF export may hold (besides weight shards); an output directory holding anything else
 #: is refused
 _HF_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -127,9 +125,9 @@ def _check_parity(out: Path, model, cfg: RunConfig, remote_code: bool) -> float:
         got = hf(input_ids=ids).logits.float()
     diff = float((got - want).abs().max())
     if not torch.allclose(got, want, atol=PARITY_ATOL, rtol=PARITY_RTOL):
-        raise ConfigError(f"export check: the logits of {out} differ from the source model's by up to {diff:.3g} "
-                          f"(tolerance atol {PARITY_ATOL}, rtol {PARITY_RTOL}): the conversion is wrong; "
-                          "please report it (the directory is left for inspection)")
+        raise ConfigError(f"export check: the logits of the written directory differ from the source model's by up "
+                          f"to {diff:.3g} (tolerance atol {PARITY_ATOL}, rtol {PARITY_RTOL}): the conversion is wrong "
+                          "and nothing was exported; please report it")
     return diff
 
 
@@ -172,7 +170,8 @@ def model_card(cfg: RunConfig, model_type: str, reasons: list[str], source: dict
         f"| forward FLOPs per token (seq_len {b.seq_len}, {b.attention_convention} attention) | "
         f"{b.forward_flops_per_token:.4g} |",
         f"| non-embedding parameters (all experts) | {_fmt_int(b.non_embedding_params)} |",
-        f"| active non-embedding parameters | {_fmt_int(b.active_non_embedding_params)} |",
+        f"| active non-embedding parameters (top-k experts; a looped layer's weights counted once) | "
+        f"{_fmt_int(b.active_non_embedding_params)} |",
         f"| KV cache bytes per token ({b.kv_dtype}; one slot per visit) | {b.kv_cache_bytes_per_token:,} |", "",
         "## Training data", "",
         f"Sources: {sources}. Tokenizer: byte-level BPE, {m.vocab_size} tokens; end-of-text separates documents "
@@ -183,12 +182,14 @@ def model_card(cfg: RunConfig, model_type: str, reasons: list[str], source: dict
         f"tok = AutoTokenizer.from_pretrained(path{', trust_remote_code=True' if remote else ''})",
         f"model = {load}",
         "ids = tok(\"def add(a, b):\", return_tensors=\"pt\")",
-        "print(tok.decode(model.generate(**ids, max_new_tokens=32, do_sample=False)[0]))", "```", "",
+        "print(tok.decode(model.generate(**ids, max_new_tokens=32, do_sample=False)[0], skip_special_tokens=True))",
+        "```", "",
         "lm-evaluation-harness: `lm_eval --model hf --model_args pretrained=PATH"
         + (",trust_remote_code=True" if remote else "") + ",add_bos_token=True --tasks ...`"
         " (`add_bos_token=True` scores every loglikelihood, multiple-choice and generation request as a document "
-        "start, as smelt-ds's own harness model does; for rolling perplexity tasks leave it off: lm-eval would also "
-        "score the BOS token, and starts each document's first window with it anyway).",
+        "start, as smelt-ds's own harness model does; for rolling perplexity tasks pass `add_bos_token=False`: lm-eval "
+        "then starts each document's first window with the BOS token, while `True`, or leaving it out, also scores "
+        "the BOS itself).",
     ]
     if reasons:
         lines += ["", "Not exported as a transformers architecture because: " + "; ".join(reasons) + "."]
@@ -209,24 +210,58 @@ def _source_facts(export_dir: Path) -> dict[str, Any]:
     return facts
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_shard_size(value: str | int) -> int:
+    """``--max-shard-size`` in bytes: an int, or a number with a unit (KB/MB/GB/TB = 10^3.., KiB/MiB/
+    GiB/TiB = 2^10..). Raises ConfigError naming the flag for anything else or a size below 1 KB."""
+    text = str(value).strip()
+    num = text.rstrip("KMGTBikmgtb")
+    unit = text[len(num):].upper()
+    try:
+        size = int(float(num) * _SIZE_UNITS[unit])
+    except (ValueError, KeyError):
+        raise ConfigError(f"`--max-shard-size` ({value!r}) is not a size: give bytes or a number with KB, MB, GB, "
+                          "KiB, MiB or GiB, e.g. 5GB") from None
+    if size < 10**3:
+        raise ConfigError(f"`--max-shard-size` ({value!r}) is {size} bytes: give at least 1KB (each tensor goes "
+                          "into one shard whatever the limit; 5GB is usual)")
+    return size
+
+
+def _check_not_a_source(out: Path, export_dir: Path) -> None:
+    """The output must not be the export it reads, nor a run's export cache (``RUN/exports/<tag>``,
+    which ``eval`` and ``generate`` reuse as smelt-ds exports)."""
+    if out.resolve() == export_dir.resolve():
+        raise ConfigError(f"export output {str(out)!r} is the export being read: pass another directory")
+    if out.resolve().parent.name == "exports" and (out.resolve().parent.parent / "checkpoints").is_dir():
+        raise ConfigError(f"export output {str(out)!r} is inside a run's export cache ({out.resolve().parent}), "
+                          "which eval and generate reuse: pass a directory outside the run")
+
+
 def export_hf(path: str | Path, out_dir: str | Path, arch: str = "auto", max_shard_size: str | int = "5GB",
               check: bool = True) -> HFExport:
     """Write run, checkpoint or smelt-ds export ``path`` as a Hugging Face model directory ``out_dir``.
 
     ``arch``: ``auto`` (a transformers architecture when the options map onto one, else ``smelt``)
     or ``smelt`` (always the standalone modeling code). ``max_shard_size``: safetensors shard size
-    (transformers' ``save_pretrained`` argument: bytes or a string such as ``"5GB"``). ``check``:
-    the parity check of the written directory (leave on; off only to save the time and memory of
-    loading a large model twice).
+    (:func:`parse_shard_size`: bytes, or e.g. ``"5GB"``). ``check``: the parity check of the
+    written directory (leave on; off only to save the time and memory of loading a large model
+    twice). A run or checkpoint directory is first exported to ``RUN/exports/<step>/`` (the
+    smelt-ds export that eval and generate reuse).
 
     Raises ConfigError for a path with no checkpoint or export, an export without its tokenizer,
-    an output that is a file or a directory holding anything but an earlier export, and a
-    failed parity check (the unchecked files stay in ``<out>_partial``)."""
+    an output that is a file, the source itself, or a directory holding anything but an earlier
+    export, a bad shard size, and a failed parity check (nothing is then written to ``out_dir``)."""
     if arch not in ("auto", "smelt"):
         raise ConfigError(f"`--hf-arch` ({arch!r}) is unknown: use 'auto' or 'smelt'")
-    out = Path(out_dir)
+    shard_bytes = parse_shard_size(max_shard_size)
+    out = Path(out_dir).resolve()
     _check_output(out)
     export_dir = resolve_export(path)
+    _check_not_a_source(out, export_dir)
     if not (export_dir / RUN_TOKENIZER).is_file():
         raise ConfigError(f"{export_dir} has no {RUN_TOKENIZER} (the tokenizer the run was trained with): export "
                           "the run again with this smelt-ds (`smelt-ds export RUN -o DIR`), which records it")
@@ -234,31 +269,26 @@ def export_hf(path: str | Path, out_dir: str | Path, arch: str = "auto", max_sha
     cfg = load_config(export_dir / "config.yaml", REFERENCE_OVERRIDES)
     tokenizer, eot_id, pad_id = hf_tokenizer(export_dir / RUN_TOKENIZER, cfg)
     model_type, reasons = known_archs.match_hf_architecture(cfg)
-    if arch == "smelt" and model_type is not None:
-        model_type, reasons = None, ["`--hf-arch smelt` was asked for"]
-    tmp = out.with_name(out.name + "_partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if model_type is None:
-        smelt_format.write_hf_dir(model, cfg, tmp, eot_id=eot_id, pad_id=pad_id, max_shard_size=max_shard_size)
-        written = "smelt"
-    else:
-        known_archs.build_known_hf(model, cfg, eot_id, pad_id).save_pretrained(tmp, max_shard_size=max_shard_size)
-        written = model_type
-    tokenizer.save_pretrained(tmp)
-    _portable_tokenizer_class(tmp / "tokenizer_config.json")
-    _write_generation_config(tmp, eot_id, pad_id)
-    source = _source_facts(export_dir)
-    write_text_atomic(tmp / "README.md", model_card(cfg, written, reasons, source))
-    diff = _check_parity(tmp, model, cfg, written == "smelt") if check else float("nan")
-    write_json_atomic(tmp / HF_MARKER, {"format": "hf", "model_type": written, "source": source,
-                                        "not_a_known_architecture_because": reasons,
-                                        "parity": {"checked": check, "max_abs_diff_logits": diff,
-                                                   "atol": PARITY_ATOL, "rtol": PARITY_RTOL}})
-    _readable_as_umask_allows(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    if arch == "smelt":
+        model_type, reasons = None, []
+    with staged_directory(out) as tmp:
+        if model_type is None:
+            smelt_format.write_hf_dir(model, cfg, tmp, eot_id=eot_id, pad_id=pad_id, max_shard_size=shard_bytes)
+            written = "smelt"
+        else:
+            known_archs.build_known_hf(model, cfg, eot_id, pad_id).save_pretrained(tmp, max_shard_size=shard_bytes)
+            written = model_type
+        tokenizer.save_pretrained(tmp)
+        _portable_tokenizer_class(tmp / "tokenizer_config.json")
+        _write_generation_config(tmp, eot_id, pad_id)
+        source = _source_facts(export_dir)
+        write_text_atomic(tmp / "README.md", model_card(cfg, written, reasons, source))
+        diff = _check_parity(tmp, model, cfg, written == "smelt") if check else float("nan")
+        write_json_atomic(tmp / HF_MARKER, {"format": "hf", "model_type": written, "source": source,
+                                            "not_a_known_architecture_because": reasons,
+                                            "parity": {"checked": check, "max_abs_diff_logits": diff,
+                                                       "atol": PARITY_ATOL, "rtol": PARITY_RTOL}})
+        _readable_as_umask_allows(tmp)
     return HFExport(out, written, reasons, diff, export_dir)
 
 

@@ -19,9 +19,10 @@ Both are written atomically; neither replaces anything but an earlier import.
 
 from __future__ import annotations
 
+import importlib
 import json
-import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,11 @@ import yaml
 
 from smelt_ds.config.run import config_from_dict, dump_config
 from smelt_ds.errors import ConfigError
-from smelt_ds.files import write_text_atomic
+from smelt_ds.data.tokenizer import load_tokenizer
+from smelt_ds.files import staged_directory, write_text_atomic
 from smelt_ds.interop import known_archs, smelt_format
 from smelt_ds.model import SmeltLM
-from smelt_ds.train.export import EXPORT_FILES
+from smelt_ds.train.export import EXPORT_FILES, HF_MARKER
 from smelt_ds.train.provenance import RUN_TOKENIZER
 
 __all__ = ["RECIPE_HEADER", "import_hf", "hf_special_tokens"]
@@ -94,15 +96,40 @@ def _smelt_recipe(c: dict[str, Any], source: str) -> dict[str, Any]:
     return {"model": model, "moe": moe, "loop": loop}
 
 
+def _check_smelt_config(config: dict[str, Any], path: Path) -> None:
+    """The rules the modeling code's SmeltConfig applies (visit plan, ranges, sizes), plus what the
+    recipe cannot express (another activation or RoPE type). Raises ConfigError naming the key."""
+    if config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{path}: `hidden_act` ({config['hidden_act']!r}) is not supported: smelt-ds experts use silu")
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
+        raise ConfigError(f"{path}: `rope_parameters` ({rope or config.get('rope_scaling')}) is not supported: "
+                          "smelt-ds uses plain RoPE (rope_type default)")
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map", "architectures",
+                                                           "transformers_version")}
+    # the standalone config class imports transformers: loaded on first use, not with the CLI
+    smelt_config = importlib.import_module("smelt_ds.interop.configuration_smelt").SmeltConfig
+    try:
+        smelt_config(**fields)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if not (path.parent / HF_MARKER).is_file():
+        print(f"warning: {path.parent} has no {HF_MARKER}: it was not written completely by `smelt-ds export "
+              "--format hf` (or the file was dropped); the weights are checked against config.json, not by parity",
+              file=sys.stderr)
+
+
 def _import_smelt(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Recipe sections and state dict of a ``model_type: smelt`` directory, read from its
     safetensors files (its modeling code is not run). Raises ConfigError naming the file."""
     from safetensors.torch import load_file
 
-    config = json.loads((src / "config.json").read_text())
+    config = _read_json(src / "config.json")
+    _check_smelt_config(config, src / "config.json")
     raw = _smelt_recipe(config, str(src / "config.json"))
     index = src / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (sorted(set(_read_json(index).get("weight_map", {}).values())) if index.is_file()
+             else ["model.safetensors"])
     hf_state: dict[str, torch.Tensor] = {}
     for name in files:
         if not (src / name).is_file():
@@ -149,39 +176,57 @@ def _recipe(raw_model: dict, name: str, tokenizer: Path, eot: str, pad: str, wei
             "train": {"init_from": str(weights), "seq_len": seq}}
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not readable JSON ({type(e).__name__}: {e}): restore the file from the "
+                          "checkpoint's source") from None
+
+
+def _check_tokenizer(src: Path) -> None:
+    """Before any weight is read: the checkpoint has a tokenizer.json that fits its vocabulary."""
+    if not (src / "tokenizer.json").is_file():
+        raise ConfigError(f"{src} has no tokenizer.json (a fast tokenizer): save one with "
+                          "AutoTokenizer.from_pretrained(...).save_pretrained(PATH) and import again")
+    tok = load_tokenizer(src / "tokenizer.json", str(src / "tokenizer.json"))
+    config = _read_json(src / "config.json") if (src / "config.json").is_file() else {}
+    rows = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if isinstance(rows, int) and top > rows:
+        raise ConfigError(f"{src / 'tokenizer.json'} has token ids up to {top - 1} but config.json `vocab_size` is "
+                          f"{rows}: the tokenizer belongs to another model; use the checkpoint's own tokenizer")
+
+
 def import_hf(path: str | Path, recipe_path: str | Path, weights_dir: str | Path | None = None,
               name: str | None = None) -> tuple[Path, Path]:
     """Import the transformers checkpoint at ``path``; returns ``(recipe_path, weights_dir)``.
 
-    Raises ConfigError for a missing directory or ``config.json``, an architecture or option that
-    does not map (named with its config.json key), missing or mismatched weights, a checkpoint
-    without ``tokenizer.json``, and targets holding anything but an earlier import."""
+    ``name``: the recipe name (default: the recipe file's stem, so the run directory
+    ``runs/<name>`` is new). Raises ConfigError for a missing directory or ``config.json``, an
+    architecture or option that does not map (named with its config.json key), missing or
+    mismatched weights, a checkpoint without ``tokenizer.json`` or with one that does not fit its
+    vocabulary (checked before any weight is read), and targets holding anything but an earlier
+    import."""
     src = Path(path)
-    recipe = Path(recipe_path)
-    weights = Path(weights_dir) if weights_dir is not None else recipe.with_name(recipe.stem + "-weights")
+    recipe = Path(recipe_path).resolve()
+    weights = (Path(weights_dir) if weights_dir is not None else recipe.with_name(recipe.stem + "-weights")).resolve()
     _check_target(weights, recipe)
-    if (src / "config.json").is_file() and json.loads((src / "config.json").read_text()).get("model_type") == "smelt":
+    if src.is_dir():
+        _check_tokenizer(src)
+    if (src / "config.json").is_file() and _read_json(src / "config.json").get("model_type") == "smelt":
         raw_model, state = _import_smelt(src)
     else:
         raw_model, state = known_archs.import_hf_model(src)
-    if not (src / "tokenizer.json").is_file():
-        raise ConfigError(f"{src} has no tokenizer.json (a fast tokenizer): save one with "
-                          "AutoTokenizer.from_pretrained(...).save_pretrained(PATH) and import again")
     eot, pad = hf_special_tokens(src)
-    raw = _recipe(raw_model, name or src.resolve().name, weights.resolve() / RUN_TOKENIZER, eot, pad,
-                  weights.resolve())
+    raw = _recipe(raw_model, name or recipe.stem, weights / RUN_TOKENIZER, eot, pad, weights)
     cfg = config_from_dict(raw)  # validates the whole recipe before anything is written
-    tmp = weights.with_name(weights.name + "_partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save(state, tmp / "model.pt")
-    shutil.copyfile(src / "tokenizer.json", tmp / RUN_TOKENIZER)
-    dump_config(cfg, tmp / "config.yaml")
-    (tmp / "SOURCE").write_text(str(src.resolve()) + "\n")
-    if weights.exists():
-        shutil.rmtree(weights)
-    os.replace(tmp, weights)
-    text = (f"{RECIPE_HEADER} from {src.resolve()}\n# weights: {weights.resolve()} (train.init_from); replace "
+    with staged_directory(weights) as tmp:
+        torch.save(state, tmp / "model.pt")
+        shutil.copyfile(src / "tokenizer.json", tmp / RUN_TOKENIZER)
+        dump_config(cfg, tmp / "config.yaml")
+        (tmp / "SOURCE").write_text(str(src.resolve()) + "\n")
+    text = (f"{RECIPE_HEADER} from {src.resolve()}\n# weights: {weights} (train.init_from); replace "
             "data.sources with your corpus (default: the built-in corpus)\n"
             + yaml.safe_dump(raw, sort_keys=False))
     write_text_atomic(recipe, text)

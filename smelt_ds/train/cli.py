@@ -55,7 +55,8 @@ def run_export(args: argparse.Namespace) -> int:
     hf_only = [flag for flag, on in (("--hf-arch", args.hf_arch != "auto"), ("--no-check", args.no_check),
                                      ("--max-shard-size", args.max_shard_size != "5GB")) if on]
     if hf_only:
-        raise ConfigError(f"{', '.join(hf_only)} apply to --format hf only: add --format hf, or drop them")
+        raise ConfigError(f"{', '.join(hf_only)} {'applies' if len(hf_only) == 1 else 'apply'} to --format hf only: "
+                          "add --format hf, or drop it")
     out = export_checkpoint(args.run_dir, args.output)
     print(f"wrote {out}")
     return 0

@@ -10,7 +10,6 @@ a partial export is never taken for a complete one.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 
 from smelt_ds.config.run import RunConfig, dump_config, load_config
 from smelt_ds.errors import ConfigError
+from smelt_ds.files import staged_directory
 from smelt_ds.model import SmeltLM
 from smelt_ds.train import checkpoint as ckpt
 from smelt_ds.train.provenance import RUN_TOKENIZER
@@ -83,6 +83,9 @@ def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.T
 
 
 EXPORT_FILES = frozenset({"model.pt", "config.yaml", "SOURCE", "tokenizer.json"})
+#: the file `smelt-ds export --format hf` writes last (smelt_ds.interop.export): a directory holding
+#: it is an earlier export, which an export may replace
+HF_MARKER = "smelt_ds_export.json"
 
 
 def _check_output(out: Path) -> None:
@@ -91,7 +94,7 @@ def _check_output(out: Path) -> None:
         raise ConfigError(f"export output {str(out)!r} is a file: pass a directory path (-o DIR)")
     if out.is_dir():
         present = {p.name for p in out.iterdir()}
-        if present and not present <= EXPORT_FILES:
+        if present and not present <= EXPORT_FILES and HF_MARKER not in present:
             raise ConfigError(f"export output {str(out)!r} exists and holds other files "
                               f"({', '.join(sorted(present - EXPORT_FILES)[:4])}): refusing to replace it; "
                               "pass a new or empty directory, or an earlier export to overwrite")
@@ -108,7 +111,7 @@ def _load_weights(path: Path, field: str) -> dict[str, torch.Tensor]:
 def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
     """Write ``model.pt``, ``config.yaml``, ``tokenizer.json`` (the run's, when it recorded one:
     :mod:`smelt_ds.train.provenance`) and ``SOURCE`` (the checkpoint path) to ``out_dir``
-    (atomically, through ``<out_dir>.partial``). Returns ``out_dir``.
+    (atomically, through a staging directory beside it: :func:`smelt_ds.files.staged_directory`). Returns ``out_dir``.
 
     Raises ConfigError when ``path`` holds no complete checkpoint, or when ``out_dir`` is a file
     or a non-empty directory other than an earlier export (never deletes anything else)."""
@@ -117,17 +120,12 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     _check_output(out)
     state = consolidated_state_dict(ckpt_dir, cfg)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save(state, tmp / "model.pt")
-    dump_config(cfg, tmp / "config.yaml")
-    if (run_dir / RUN_TOKENIZER).is_file():  # the tokenizer the model was trained with (provenance)
-        shutil.copyfile(run_dir / RUN_TOKENIZER, tmp / RUN_TOKENIZER)
-    (tmp / "SOURCE").write_text(str(ckpt_dir.resolve()) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with staged_directory(out) as tmp:
+        torch.save(state, tmp / "model.pt")
+        dump_config(cfg, tmp / "config.yaml")
+        if (run_dir / RUN_TOKENIZER).is_file():  # the tokenizer the model was trained with (provenance)
+            shutil.copyfile(run_dir / RUN_TOKENIZER, tmp / RUN_TOKENIZER)
+        (tmp / "SOURCE").write_text(str(ckpt_dir.resolve()) + "\n")
     return out
 
 

@@ -73,7 +73,7 @@ def test_forward_flops_equal_flop_counter(name):
 
 
 def test_causal_convention_counts_half_the_keys():
-    cfg = _cfg(SHAPES["middle_gqa"])
+    cfg = _cfg(SHAPES["middle_gqa_qknorm"])
     S = 100
     full = compute_budget(cfg, seq_len=S, attention_convention="full")
     causal = compute_budget(cfg, seq_len=S, attention_convention="causal")
@@ -85,7 +85,7 @@ def test_causal_convention_counts_half_the_keys():
 
 
 def test_kv_cache_bytes_equal_measured_cache():
-    cfg = _cfg(SHAPES["middle_gqa"])
+    cfg = _cfg(SHAPES["middle_gqa_qknorm"])
     model = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
     cache = KVCache()
     with torch.no_grad():

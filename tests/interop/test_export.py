@@ -59,7 +59,7 @@ def test_looped_model_exports_as_smelt_with_its_code(make_export, tmp_path, caps
     card = (out / "README.md").read_text()
     assert " ".join(str(v.layer) for v in model.schedule.plan) in card  # the visit plan
     assert f"{model.num_non_embedding_params() / 1e6:.2f}M" in card or f"{model.num_non_embedding_params():,}" in card
-    assert not (tmp_path / "hf_partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging directory left
 
 
 def test_tokenizer_encodes_the_validation_documents_as_ours(make_export, interop_data, tmp_path):
@@ -180,15 +180,32 @@ def test_bad_outputs_and_inputs_are_refused(make_export, tmp_path):
     assert _cli("export", src, "--hf-arch", "smelt", "-o", tmp_path / "o3") == 2  # hf option without --format hf
 
 
-def test_an_earlier_export_is_replaced_and_a_partial_one_never_read(make_export, tmp_path):
+def test_an_earlier_export_is_replaced_and_nothing_else(make_export, tmp_path):
     src = make_export("tiny-smelt-again")
     out = tmp_path / "hf"
+    mine = tmp_path / "hf_partial"  # looks like a staging directory, but is the user's
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
     export_hf(src, out)
     (out / "model.safetensors").write_bytes(b"damaged")
     export_hf(src, out)  # an earlier export: replaced
     _logits_equal(out, src, remote=True)
-    partial = tmp_path / "hf_partial"
-    partial.mkdir()
-    (partial / "config.json").write_text("{}")  # a crashed export's leftovers are cleared, never used
-    export_hf(src, out)
-    assert not partial.exists()
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf_partial"]
+    export_checkpoint_dir = tmp_path / "smelt-format"
+    assert _cli("export", src, "--format", "hf", "-o", export_checkpoint_dir) == 0
+    with pytest.raises(ConfigError, match="is the export being read"):
+        export_hf(src, src)
+    with pytest.raises(ConfigError, match="max-shard-size"):
+        export_hf(src, tmp_path / "o", max_shard_size="5 parsecs")
+    assert not (tmp_path / "o").exists()
+
+
+def test_parse_shard_size():
+    from smelt_ds.interop.export import parse_shard_size
+
+    assert parse_shard_size("5GB") == 5 * 10**9 and parse_shard_size("500MiB") == 500 * 2**20
+    assert parse_shard_size(2_000_000) == 2_000_000 and parse_shard_size("1.5GB") == 1_500_000_000
+    for bad in ("abc", "0", "5XB", "100"):
+        with pytest.raises(ConfigError, match="max-shard-size"):
+            parse_shard_size(bad)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,11 @@ import yaml
 from smelt_ds.cli import main
 from smelt_ds.config.run import load_config
 from smelt_ds.errors import ConfigError
+from smelt_ds.eval.runs import resolve_export
 from smelt_ds.interop.export import export_hf
 from smelt_ds.interop.import_hf import RECIPE_HEADER, import_hf
 from smelt_ds.model import SmeltLM
+from smelt_ds.testing import scaled_timeout
 from smelt_ds.train.export import export_checkpoint, load_initial_weights
 
 
@@ -100,7 +104,12 @@ def test_imported_recipe_trains_from_the_checkpoint(make_export, interop_cache, 
     sets = ["train.max_steps=2", "train.warmup_steps=1", "train.seq_len=32", "train.lr=1e-9", "train.micro_batch_size=2",
             "train.eval_every=2", "train.save_every=2", "eval.eval_batches=1", "data.builtin_max_bytes=150000",
             f"data.cache_dir={interop_cache}", f"train.run_dir={run}"]
-    assert _cli("train", recipe, *[a for s in sets for a in ("--set", s)]) == 0
+    # in a subprocess, as a user runs it: a training in the test process would leave its process group
+    # (and its TCP store's port) behind for the tests after it
+    done = subprocess.run([sys.executable, "-m", "smelt_ds.cli", "train", str(recipe),
+                           *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True,
+                          timeout=scaled_timeout(300))
+    assert done.returncode == 0, done.stderr[-3000:]
     assert (run / "checkpoints" / "step00000002" / "COMPLETE").is_file()
     # train.lr 1e-9: two AdamW steps move no weight by more than ~2e-9, so the trained run holds the
     # imported weights (a fresh init, or a dropped tensor, would differ by ~0.2)
@@ -144,3 +153,36 @@ def test_bad_checkpoints_and_targets_are_refused(make_export, tmp_path):
             (no_tok / p.name).write_bytes(p.read_bytes())
     with pytest.raises(ConfigError, match="tokenizer.json"):
         import_hf(no_tok, tmp_path / "r3.yaml")
+    bad_json = tmp_path / "bad-json"
+    bad_json.mkdir()
+    for p in hf.iterdir():
+        (bad_json / p.name).write_bytes(p.read_bytes())
+    (bad_json / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json is not readable JSON"):
+        import_hf(bad_json, tmp_path / "r4.yaml")
+    with pytest.raises(ConfigError, match="Hugging Face model directory.*import-hf"):
+        resolve_export(hf)  # what eval, generate and export read
+
+
+def test_smelt_format_config_the_recipe_cannot_express_is_refused(make_export, tmp_path):
+    hf = export_hf(make_export("rt-smelt-bad"), tmp_path / "hf").out
+    for key, value, match in (("hidden_act", "gelu", "hidden_act"),
+                              ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                               "rope_parameters"),
+                              ("visit_plan", [[0, 0], [1, 0], [2, 0], [3, 0]], "visit_plan")):
+        bad = tmp_path / f"bad-{key}"
+        bad.mkdir()
+        for p in hf.iterdir():
+            (bad / p.name).write_bytes(p.read_bytes())
+        config = json.loads((bad / "config.json").read_text())
+        config[key] = value
+        (bad / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError, match=match):
+            import_hf(bad, tmp_path / f"r-{key}.yaml")
+        assert not (tmp_path / f"r-{key}.yaml").exists() and not (tmp_path / f"r-{key}-weights").exists()
+
+
+def test_default_recipe_name_is_the_file_stem(make_export, tmp_path):
+    hf = export_hf(make_export("rt-name", **BASELINES["mixtral"]), tmp_path / "hf").out
+    recipe, weights = import_hf(hf, tmp_path / "continue.yaml")
+    assert load_config(recipe).name == "continue" and weights == (tmp_path / "continue-weights").resolve()
