@@ -1,6 +1,6 @@
 """The ``model_type: smelt`` Hugging Face format: config.json content, state-dict adapter, directory writer.
 
-A looped SMELT model (or any model whose options Qwen3-MoE cannot express) is exported as
+A looped SMELT model (or a Baseline no transformers architecture can express) is exported as
 ``config.json`` + ``model.safetensors`` + the two standalone files :data:`MODELING_FILES`
 (``configuration_smelt.py``, ``modeling_smelt.py``, which import only torch and transformers) and
 loads with ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``.
@@ -72,7 +72,7 @@ def smelt_hf_config(cfg: RunConfig, eot_id: int, pad_id: int) -> dict[str, Any]:
         "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rope_theta)},
         "rms_norm_eps": m.norm_eps,
         "tie_word_embeddings": m.tie_embeddings,
-        "qk_norm": bool(getattr(m, "qk_norm", False)),
+        "qk_norm": m.qk_norm,
         "hidden_act": "silu",
         "initializer_range": m.init_std,
         "first_k_dense_replace": m.first_k_dense,

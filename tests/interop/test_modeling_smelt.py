@@ -375,7 +375,7 @@ def test_load_modeling_module_without_remote_code_gives_the_same_model(exported)
 
 @torch.no_grad()
 def test_qk_norm_baseline_equals_transformers_qwen3_moe():
-    """qk_norm (SmeltLM gains it separately) against transformers' own Qwen3MoeForCausalLM: a Baseline
+    """qk_norm of the standalone model against transformers' own Qwen3MoeForCausalLM: a Baseline
     with softmax top-k, norm_topk_prob and a dense first layer has Qwen3-MoE's architecture and names."""
     torch.manual_seed(0)
     common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
