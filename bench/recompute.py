@@ -52,7 +52,7 @@ def step(model, ids, labels, train_cfg) -> float:
 
 
 def saved_bytes(model, ids, labels, train_cfg) -> int:
-    counter = SavedTensorCounter(model.parameters())
+    counter = SavedTensorCounter([*model.parameters(), *model.buffers()])
     ckpt = model.blocks.checkpointing
     model.blocks.wrap_checkpoint_fn(counter.wrap_checkpoint)
     with counter:

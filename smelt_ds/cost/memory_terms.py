@@ -312,9 +312,11 @@ def visit_activation_terms(cfg: RunConfig, layer: int, micro_batch: int, seq_len
       sum), top-k indices ``8 T K``,
       top-k weights and their sum ``4 T K + 4 T``, z-loss ``4 T``, jitter noise and jittered
       input ``2 a T H``; ``dispatch`` sorted-copy order and source token ``16 N`` (int64);
-      ``experts`` (SwiGLU on N copies) input ``a N H``, gate/up ``2 a N F``, silu ``a N F``,
-      product ``a N F``, group offsets ``4 E`` (grouped GEMM); ``combine`` expert output and
-      weighted output ``2 a N H``, per-copy weight ``a N``; ``shared_expert`` ``a T (4 Fs + H + 1)``.
+      ``experts`` (SwiGLU on N copies) input ``a N H``, gate/up output ``2 a N F``, product
+      ``a N F``, with the grouped GEMM group offsets ``4 E`` (its fused SwiGLU recomputes silu in
+      backward), with the per-expert loop the silu output ``a N F``;
+      ``combine`` expert outputs ``a N H`` and the top-k weights ``a N`` in the activation dtype;
+      ``shared_expert`` ``a T (4 Fs + H + 1)``.
     * dense layers: ``ffn`` SwiGLU ``4 a T Fd``.
     """
     m, moe = cfg.model, cfg.moe
@@ -339,8 +341,9 @@ def visit_activation_terms(cfg: RunConfig, layer: int, micro_batch: int, seq_len
     out["router"] = (8 * T * E + 8 * T * K + 4 * T * K + 8 * T + 4 * E + (2 * a * T * H if jitter else 0)
                      + (4 * T if moe.score_func == "sigmoid" else 0))
     out["dispatch"] = 16 * N
-    out["experts"] = a * N * (H + 4 * F) + (4 * E if _grouped_mm_used(cfg, a) else 0)
-    out["combine"] = 2 * a * N * H + a * N
+    grouped = _grouped_mm_used(cfg, a)  # its fused SwiGLU recomputes silu; the per-expert loop saves it
+    out["experts"] = a * N * (H + (3 if grouped else 4) * F) + (4 * E if grouped else 0)
+    out["combine"] = a * N * H + a * N
     if moe.shared_expert_ffn_size:
         out["shared_expert"] = a * T * (4 * moe.shared_expert_ffn_size + H + 1)
     return out
@@ -348,12 +351,13 @@ def visit_activation_terms(cfg: RunConfig, layer: int, micro_batch: int, seq_len
 
 def outside_activation_terms(cfg: RunConfig, micro_batch: int, seq_len: int, act_bytes: int) -> dict[str, int]:
     """Bytes saved outside the visits: token ids and labels ``16 T`` (int64), the final RMSNorm
-    and its output, the fp32 log-softmax of the cross-entropy ``4 T V`` (logits are cast to fp32),
-    and in fp32 runs the RoPE tables ``8 S D`` shared by all visits."""
+    and its output, the fp32 log-softmax of the cross-entropy ``4 T V`` (logits are cast to fp32).
+    The RoPE tables are slices of a persistent buffer (nothing new is stored in fp32; 16-bit
+    casts are in the ``attention`` term)."""
     m = cfg.model
     T, H, a = micro_batch * seq_len, m.hidden_size, act_bytes
     return {"ids_labels": 16 * T, "final_norm": _norm_internal(T, H, a) + a * T * H,
-            "log_softmax": 4 * T * m.vocab_size, "rope": 8 * seq_len * m.resolved_head_dim if a == 4 else 0}
+            "log_softmax": 4 * T * m.vocab_size}
 
 
 @dataclass

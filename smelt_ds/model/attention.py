@@ -52,11 +52,21 @@ class RotaryEmbedding(nn.Module):
         self.max_seq_len = max_seq_len
 
     def forward(self, positions_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``cos, sin`` of shape ``(S, D)`` for integer positions ``(S,)``."""
+        """Returns ``cos, sin`` of shape ``(S, D)`` for integer positions ``(S,)``. Raises ValueError
+        for a position >= ``max_seq_len`` (reads the positions: a device sync)."""
         if int(positions_S.max()) >= self.max_seq_len:
             raise ValueError(f"position {int(positions_S.max())} >= model.max_seq_len ({self.max_seq_len}); "
                              "raise model.max_seq_len")
         return self.cos[positions_S], self.sin[positions_S]
+
+    def span(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``(length, D)`` of positions ``start .. start + length - 1``: the contiguous
+        case, checked with Python ints (no device sync; traceable by torch.compile). Raises
+        ValueError when the last position is >= ``max_seq_len``."""
+        if start + length > self.max_seq_len:
+            raise ValueError(f"position {start + length - 1} >= model.max_seq_len ({self.max_seq_len}); "
+                             "raise model.max_seq_len")
+        return self.cos[start:start + length], self.sin[start:start + length]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -44,13 +44,14 @@ class SavedTensorCounter:
 
     Every saved tensor is wrapped in a handle that lives exactly as long as the graph node
     holding it; :meth:`saved_bytes` sums the storages (deduplicated by storage, so views and
-    tensors saved twice count once) of the live handles, leaving out parameter storages (model
-    states, counted separately). Inputs kept by activation checkpoints are saved by the
+    tensors saved twice count once) of the live handles, leaving out the storages of the tensors
+    given (parameters: model states, counted separately; buffers such as the RoPE tables, whose
+    slices attention saves: they exist whether or not anything is saved). Inputs kept by activation checkpoints are saved by the
     checkpoint itself, not through autograd's hooks; :meth:`wrap_checkpoint` registers them.
 
     Usage::
 
-        counter = SavedTensorCounter(model.parameters())
+        counter = SavedTensorCounter([*model.parameters(), *model.buffers()])
         with counter:
             out = model(ids, labels=labels)
         n = counter.saved_bytes()   # before backward frees them
@@ -166,7 +167,7 @@ def _measure_cpu(cfg: RunConfig, policy: str, steps: int) -> Measurement:
     torch.manual_seed(cfg.train.seed)
     model = SmeltLM(run_cfg.model, run_cfg.moe, run_cfg.loop).train()
     configure_activation_checkpointing(model, run_cfg)
-    counter = SavedTensorCounter(model.parameters())
+    counter = SavedTensorCounter([*model.parameters(), *model.buffers()])
     model.blocks.wrap_checkpoint_fn(counter.wrap_checkpoint)  # no-op without checkpointing
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     saved = 0

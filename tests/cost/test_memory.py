@@ -199,7 +199,7 @@ def test_bf16_formula_matches_a_bf16_model():
         for p in model.parameters():  # parameters only, as DeepSpeed's bf16 engine casts (0.19.8
             p.data = p.data.to(torch.bfloat16)  # keeps fp32 buffers: the RoPE tables are cast per call)
         configure_activation_checkpointing(model, c)
-        counter = memory_profile.SavedTensorCounter(model.parameters())
+        counter = memory_profile.SavedTensorCounter([*model.parameters(), *model.buffers()])
         assert model.blocks.wrap_checkpoint_fn(counter.wrap_checkpoint) == (policy != "none")
         ids = torch.randint(0, 4096, (2, 32))
         with counter:

@@ -401,3 +401,61 @@ def test_tied_router_check_fails_when_recompute_breaks_ties_differently(monkeypa
     assert torch.equal(got["loss"], ref["loss"])  # the forward is the reference's
     bad = _tie_mismatches(got, ref)
     assert any(b.startswith("layers.") for b in bad), bad  # gradients changed
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile: one graph, no recompilation for new inputs of the same shape
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not has_grouped_mm(), reason="needs torch._grouped_mm")
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_compiled_moe_fullgraph_equals_eager_and_compiles_once(score_func):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    eager = make_moe("grouped_mm", score_func=score_func, shared=12)
+    compiled_twin = make_moe("grouped_mm", score_func=score_func, shared=12)
+    compiled_twin.load_state_dict(eager.state_dict())
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(compiled_twin, fullgraph=True, backend=counting_backend)
+    g = torch.Generator().manual_seed(4)
+    for call in range(3):  # new inputs of the same shape each call
+        x = torch.randn(2, 7, H, generator=g)
+        w = torch.randn(2, 7, H, generator=g)
+        outs = {}
+        for name, m, mod in (("eager", eager, eager), ("compiled", compiled, compiled_twin)):
+            mod.zero_grad(set_to_none=True)
+            xg = x.clone().requires_grad_()
+            y = m(xg)
+            ((y * w).sum() + mod.last_losses["aux"] + mod.last_losses["z"]).backward()
+            outs[name] = (y.detach(), xg.grad, {n: p.grad for n, p in mod.named_parameters()})
+        (ye, gxe, gpe), (yc, gxc, gpc) = outs["eager"], outs["compiled"]
+        torch.testing.assert_close(yc, ye, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gxc, gxe, rtol=1e-5, atol=1e-6)
+        assert gpc.keys() == gpe.keys() and all(v is not None for v in gpc.values())
+        for n in gpe:
+            torch.testing.assert_close(gpc[n], gpe[n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+        assert len(graphs) == 1, f"call {call}: {len(graphs)} graphs compiled (a graph break or recompile)"
+    torch._dynamo.reset()
+
+
+def test_topk_lowest_index_keys_rank_negative_scores_and_signed_zero_like_a_stable_sort():
+    """The integer keys behind the tie-break order negative scores, -0.0 vs +0.0 (equal: lowest
+    index first) and fp16 input exactly as a stable descending sort of the scores does."""
+    from smelt_ds.model.moe import topk_lowest_index
+
+    s = torch.tensor([[-0.5, 0.0, -0.0, -2.0, 1e-30, -1e-30, 0.0],
+                      [-1.0, -1.0, -3.0, -0.25, -0.25, -7.0, -1.0]])
+    stable = s.sort(dim=-1, descending=True, stable=True).indices
+    assert torch.equal(topk_lowest_index(s, 7), stable)
+    assert topk_lowest_index(s, 3).tolist() == [[4, 1, 2], [3, 4, 0]]
+    h = torch.tensor([[0.5, 0.25, 0.5, 0.75]], dtype=torch.float16)
+    assert topk_lowest_index(h, 3).tolist() == [[3, 0, 2]]
+    r = torch.randn(300, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(topk_lowest_index(r, 3), r.topk(3, dim=-1).indices)
