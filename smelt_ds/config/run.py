@@ -212,6 +212,13 @@ class TrainConfig(StrictModel):
         False, description="with init_from: allow data.tokenizer.path to name another tokenizer than the export's "
                            "(by default the export's tokenizer.json is used and another one is refused)")
     activation_checkpointing: ActivationCheckpointing = Field(default_factory=ActivationCheckpointing)
+    compile: Literal["none", "layers", "model"] = Field(
+        "none", description="torch.compile: none (eager); layers (regional: each unique layer compiled once, every "
+                            "visit reuses it, and the output head; all backends and ZeRO stages); model (the whole forward through "
+                            "DeepSpeed's engine.compile; reference backend, ZeRO 0-2)")
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="torch.compile backend for train.compile: inductor generates kernels; aot_eager and "
+                                "eager only trace (debugging a graph break or a numerical difference)")
 
 
 class DeepSpeedSection(StrictModel):
@@ -486,9 +493,31 @@ def _check_train(cfg: RunConfig) -> None:
     if cfg.deepspeed.offload_param != "none" and cfg.deepspeed.zero_stage != 3:
         fail("deepspeed.offload_param", cfg.deepspeed.offload_param, "needs `deepspeed.zero_stage` 3",
               "set zero_stage: 3 or offload_param: none")
+    _check_compile(cfg)
     if cfg.deepspeed.offload_optimizer != "none" and cfg.deepspeed.zero_stage == 0:
         fail("deepspeed.offload_optimizer", cfg.deepspeed.offload_optimizer, "needs ZeRO stage 1-3",
               "set deepspeed.zero_stage >= 1 or offload_optimizer: none")
+
+
+def _check_compile(cfg: RunConfig) -> None:
+    """``train.compile: model`` (one graph of the whole forward, DeepSpeed's engine.compile) runs
+    with the reference MoE at ZeRO 0-2 and without DeepSpeed's activation checkpointing; each other
+    combination names ``layers``, which compiles per unique layer and runs everywhere."""
+    t = cfg.train
+    if t.compile != "model":
+        return
+    alt = "or use train.compile: layers (each unique layer compiled; every backend and ZeRO stage)"
+    if cfg.moe_runtime.backend != "reference":
+        fail("train.compile", "model", f"cannot compile moe_runtime.backend {cfg.moe_runtime.backend!r} into one "
+             "graph (its all-to-all collectives and capacity bookkeeping stay eager)",
+             "use train.compile: layers (the expert layer eager, the rest of each layer compiled)")
+    if cfg.deepspeed.effective_zero_stage == 3:
+        fail("train.compile", "model", "does not run under ZeRO stage 3 (its parameter hooks on every submodule "
+             "are excluded from compilation and split a whole-model graph everywhere)",
+             "use train.compile: layers (layers become ZeRO-3 leaf modules, gathered outside the compiled code)")
+    if t.activation_checkpointing.policy != "none" and t.activation_checkpointing.impl == "deepspeed":
+        fail("train.compile", "model", "cannot trace deepspeed.checkpointing (train.activation_checkpointing.impl "
+             "'deepspeed')", f"set train.activation_checkpointing.impl: torch, {alt}")
 
 
 def resolve_batch(cfg: RunConfig, data_parallel_size: int) -> tuple[int, int]:

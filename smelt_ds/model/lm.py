@@ -96,7 +96,17 @@ class VisitRecorder:
 
 class Block(nn.Module):
     """Pre-norm decoder layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the ``mlp`` slot
-    holds a :class:`MoE` or a dense :class:`SwiGLU`. Layers do not know they are looped."""
+    holds a :class:`MoE` or a dense :class:`SwiGLU`. Layers do not know they are looped.
+
+    Regional compilation (:meth:`compile_layer`, ``train.compile: layers``): a training or
+    validation visit (no KV cache, no attention-probability hook) runs :meth:`compute`, a pure
+    function of ``(x, cos, sin, count_tokens)`` whose outputs carry the route and the MoE losses;
+    the visit's identity stays outside, in :meth:`forward`, which records them under
+    ``(layer, visit)``. One compiled artifact per unique layer structure therefore serves every
+    visit and every layer of that structure (parameters are graph inputs), with no recompilation
+    per visit. A backend's MoE layer (DeepSpeed-MoE, AutoEP: all-to-all collectives) stays eager;
+    only the attention half around it is compiled (as DeepSpeed's ``compile.autoep_non_moe``).
+    """
 
     def __init__(self, model_cfg: ModelConfig, moe_cfg: MoEConfig, layer_idx: int):
         """``model_cfg``: a :class:`smelt_ds.config.run.ModelConfig`; ``moe_cfg``: a
@@ -111,13 +121,67 @@ class Block(nn.Module):
         self.is_moe = layer_idx >= m.first_k_dense
         self.mlp = MoE.from_config(m.hidden_size, moe) if self.is_moe else SwiGLU(m.hidden_size, m.dense_ffn_size)
         self.dropout = m.dropout
+        self._compiled: dict[str, Callable[..., Any]] = {}  # "compute", "attention": torch.compile'd methods
+
+    # -- compilation --------------------------------------------------------------------------
+    def compile_layer(self, backend: str | Callable[..., Any] = "inductor", fullgraph: bool = True,
+                      **options: Any) -> None:
+        """Compile :meth:`compute` and :meth:`attention` with ``torch.compile(backend=backend,
+        fullgraph=fullgraph, **options)`` (lazily: the first visit traces). ``fullgraph=False``
+        lets the graph break where DeepSpeed's ZeRO-3 hooks (excluded from compilation) gather a
+        submodule's parameters. The unbound methods are
+        compiled and called with the layer as first argument, so a ``copy.deepcopy`` of the model
+        runs its own weights through them."""
+        self._compiled = {name: torch.compile(fn, backend=backend, fullgraph=fullgraph, **options)
+                          for name, fn in (("compute", Block.compute), ("attention", Block.attention))}
+
+    @property
+    def compiled(self) -> bool:
+        """Whether :meth:`compile_layer` was applied."""
+        return bool(self._compiled)
+
+    # -- forward ------------------------------------------------------------------------------
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visit: Visit | None = None,
+                  kv_cache: KVCache | None = None, probs_hook: AttnProbsHook | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention half: ``x`` ``(B, S, H)`` -> ``(x + attn(norm(x)), post_norm(that))``, both
+        ``(B, S, H)``; ``visit`` names the KV-cache slot and the hook's key (needed only with
+        ``kv_cache`` or ``probs_hook``)."""
+        a = self.self_attn(self.input_layernorm(x), cos, sin, visit, kv_cache, probs_hook)
+        x = x + F.dropout(a, self.dropout, self.training)
+        return x, self.post_attention_layernorm(x)
+
+    def compute(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, count_tokens: bool
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None, dict[str, torch.Tensor]]:
+        """One visit without KV cache or hook, as a pure function: ``x`` ``(B, S, H)`` ->
+        ``(y (B, S, H), route, losses)``. ``route`` is the reference MoE's
+        ``(logits_TE, probs_TE, topk_idx_TK, topk_weight_TK)`` (None for a dense layer), ``losses``
+        its unscaled ``{"aux", "z"}`` (empty for a dense layer). ``count_tokens``: see
+        :meth:`smelt_ds.model.moe.TopKRouter.forward`. Needs a reference ``mlp`` (:class:`MoE` or
+        :class:`SwiGLU`); a backend's MoE layer runs through :meth:`forward`."""
+        x, h = self.attention(x, cos, sin)
+        route: tuple[torch.Tensor, ...] | None = None
+        losses: dict[str, torch.Tensor] = {}
+        if isinstance(self.mlp, MoE):
+            # count_tokens only matters with the expert bias; not reading it otherwise keeps a
+            # checkpoint's recompute (count_tokens False) on the forward's compiled graph
+            h, route, losses = self.mlp(h, count_tokens=self.mlp.gate.use_bias and count_tokens, return_route=True)
+        else:
+            h = self.mlp(h)
+        return x + F.dropout(h, self.dropout, self.training), route, losses
 
     def forward(self, x: torch.Tensor, ctx: VisitContext) -> torch.Tensor:
         """``x``: ``(B, S, H)`` -> ``(B, S, H)``; ``ctx``: the visit's
         :class:`smelt_ds.model.looping.VisitContext`."""
-        a = self.self_attn(self.input_layernorm(x), ctx.cos, ctx.sin, ctx.visit, ctx.kv_cache, ctx.probs_hook)
-        x = x + F.dropout(a, self.dropout, self.training)
-        h = self.post_attention_layernorm(x)
+        plain = ctx.kv_cache is None and ctx.probs_hook is None  # compiled (when compiled) and pure
+        if plain and isinstance(self.mlp, (MoE, SwiGLU)):
+            compute = self._compiled.get("compute", Block.compute)
+            y, route, losses = compute(self, x, ctx.cos, ctx.sin, ctx.counts_tokens)
+            if ctx.recorder is not None and route is not None:
+                ctx.recorder.record(ctx.visit, RouterOutput(*route), losses)
+            return y
+        attention = self._compiled.get("attention", Block.attention) if plain else Block.attention
+        x, h = attention(self, x, ctx.cos, ctx.sin, *(() if plain else (ctx.visit, ctx.kv_cache, ctx.probs_hook)))
         if isinstance(self.mlp, MoE):  # the reference MoE: its router counts tokens once per forward
             h = self.mlp(h, count_tokens=ctx.counts_tokens)
         else:  # dense SwiGLU, or a backend's replacement (DeepSpeedMoE, AutoEP layer): forward(x)
@@ -168,6 +232,7 @@ class SmeltLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(m.resolved_head_dim, m.max_seq_len, m.rope_theta)
         self.recorder = VisitRecorder()
+        self._compiled_head: Callable[..., Any] | None = None
         self.reset_parameters()
 
     # -- parameters ---------------------------------------------------------------------------
@@ -221,22 +286,32 @@ class SmeltLM(nn.Module):
         """
         B, S = input_ids.shape
         past = kv_cache.past_length() if kv_cache is not None else 0
-        cos, sin = self.rotary(torch.arange(past, past + S, device=input_ids.device))
-        self.recorder.clear()
+        cos, sin = self.rotary.span(past, S)
+        self.recorder = VisitRecorder()  # a new record per forward (a compiled forward guards on none)
         x = self.embed_tokens(input_ids)
         x = self.blocks(x, visit_hook=visit_hook, cos=cos, sin=sin, kv_cache=kv_cache,
                         recorder=self.recorder, probs_hook=probs_hook)
-        logits = self.lm_head(self.norm(x))
-        out = LMOutput(logits=logits)
+        head = self._compiled_head or SmeltLM.head
+        logits, lm_loss = head(self, x, labels)
+        out = LMOutput(logits=logits, lm_loss=lm_loss)
         if labels is not None:
-            self._add_losses(out, labels)
+            out.aux_loss = self.recorder.mean_loss("aux")
+            out.z_loss = self.recorder.mean_loss("z")
         return out
 
-    def _add_losses(self, out: LMOutput, labels: torch.Tensor) -> None:
-        V = out.logits.shape[-1]
-        out.lm_loss = F.cross_entropy(out.logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=-100)
-        out.aux_loss = self.recorder.mean_loss("aux")
-        out.z_loss = self.recorder.mean_loss("z")
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final RMSNorm, output head and next-token cross-entropy (fp32, nats/token, -100 ignored):
+        ``x`` ``(B, S, H)`` -> ``(logits (B, S, V), lm_loss or None)``."""
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits, None
+        V = logits.shape[-1]
+        return logits, F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=-100)
+
+    def compile_head(self, backend: str | Callable[..., Any] = "inductor", fullgraph: bool = True) -> None:
+        """Compile :meth:`head` (``torch.compile``, the unbound method, as :meth:`Block.compile_layer`):
+        inductor fuses the fp32 cast, log-softmax and loss of the ``(B, S, V)`` logits."""
+        self._compiled_head = torch.compile(SmeltLM.head, backend=backend, fullgraph=fullgraph)
 
     # -- generation ---------------------------------------------------------------------------
     @torch.no_grad()

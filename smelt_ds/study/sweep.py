@@ -379,8 +379,9 @@ def materialize(plan: SweepPlan) -> None:
                   for r in plan.runs], "notes": plan.notes}, indent=1))
 
 
-# fields that do not change what a run computes: the cluster layouts and this invocation's stop step
-_NOT_COMPARED = (("cluster",), ("train", "exit_after_steps"))
+# fields that do not change what a run computes: the cluster layouts, this invocation's stop step
+# and compilation (train.compile: the same computation, compiled or not)
+_NOT_COMPARED = (("cluster",), ("train", "exit_after_steps"), ("train", "compile"), ("train", "compile_backend"))
 
 
 def _comparable(d: dict[str, Any]) -> dict[str, Any]:

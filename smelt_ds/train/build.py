@@ -11,6 +11,7 @@ import torch
 
 from smelt_ds.config.run import RunConfig
 from smelt_ds.model import SmeltLM
+from smelt_ds.parallel.compile import compile_engine, compile_layers
 from smelt_ds.parallel.engine import configure_activation_checkpointing, initialize
 from smelt_ds.parallel.moe_backends import apply_backend
 from smelt_ds.train import checkpoint as ckpt
@@ -32,7 +33,8 @@ class Built:
 
 
 def build(cfg: RunConfig, world_size: int) -> Built:
-    """Model + MoE backend + activation checkpointing + DeepSpeed engine, as training runs it.
+    """Model + MoE backend + ``train.compile`` + activation checkpointing + DeepSpeed engine, as
+    training runs it.
 
     Collective: every rank calls it after torch.distributed is initialised. Seeds torch with
     ``train.seed`` first, then loads ``train.init_from`` (an export) if set. Raises ConfigError
@@ -47,6 +49,8 @@ def build(cfg: RunConfig, world_size: int) -> Built:
     if cfg.moe_runtime.backend != "reference":
 
         model = apply_backend(model, cfg)
+    compile_layers(model, cfg)  # train.compile: layers (lazy; ZeRO-3 leaf modules before initialize)
     configure_activation_checkpointing(model, cfg)
     engine, _, sched, ds_config = initialize(cfg, model, world_size)
+    compile_engine(engine, cfg)  # train.compile: model, DeepSpeed's engine.compile
     return Built(model, engine, sched, ds_config, ckpt.run_layout(cfg, world_size))
