@@ -203,12 +203,14 @@ def _engine_rank(rank, world, raw, steps):
 @pytest.mark.parametrize("mode,zero_stage,extra", [
     ("layers", 3, {}),
     ("layers", 3, {"moe_runtime": {"backend": "autoep", "ep_size": 2}}),
+    ("layers", 2, {"moe_runtime": {"backend": "deepspeed", "ep_size": 2}}),
     ("model", 2, {}),
 ])
 def test_two_rank_compiled_matches_eager(mode, zero_stage, extra):
-    """2 ranks: ``layers`` at ZeRO-3 (layers as ZeRO-3 leaf modules) with the reference MoE and with
-    AutoEP EP 2 (its MoE layer eager, the attention half compiled), ``model`` (DeepSpeed's
-    engine.compile) at ZeRO-2; losses equal eager training, no recompilation after step 1."""
+    """2 ranks: ``layers`` at ZeRO-3 with the reference MoE and with AutoEP EP 2, at ZeRO-2 with
+    DeepSpeed-MoE EP 2 (the backends' MoE layers eager, the attention half compiled), ``model``
+    (DeepSpeed's engine.compile) at ZeRO-2; losses equal eager training, no recompilation after
+    step 1, graph breaks only at ZeRO-3's parameter hooks."""
     base = _raw(deepspeed={"zero_stage": zero_stage}, **extra)
     eager = run_distributed(_engine_rank, args=(base, STEPS))
     comp = {**base, "train": {**base["train"], "compile": mode, "compile_backend": "inductor"}}
