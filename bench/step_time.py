@@ -108,12 +108,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nFLOPs ratio smelt/baseline: {f_ratio:.4f}")
     for mode in args.modes:
         t_ratio = med[("smelt", mode)] / med[("baseline", mode)]
+        r = t_ratio / f_ratio
         print(f"{mode:7s} step-time ratio smelt/baseline {t_ratio:.4f}; (time ratio)/(FLOPs ratio) "
-              f"{t_ratio / f_ratio:.4f}   target 1.00 +- 0.03")
+              f"{r:.4f}   target 1.00 +- 0.03: {'met' if abs(r - 1) <= 0.03 else 'missed'}")
     if "eager" in args.modes and "layers" in args.modes:
         for arch in ("baseline", "smelt"):
             r = med[(arch, "layers")] / med[(arch, "eager")]
-            print(f"{arch:9s} compiled/eager step time {r:.3f}   target <= 0.83")
+            print(f"{arch:9s} compiled/eager step time {r:.3f}   target <= 0.83: {'met' if r <= 0.83 else 'missed'}")
 
 
 if __name__ == "__main__":

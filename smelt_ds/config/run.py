@@ -504,6 +504,9 @@ def _check_compile(cfg: RunConfig) -> None:
     with the reference MoE at ZeRO 0-2 and without DeepSpeed's activation checkpointing; each other
     combination names ``layers``, which compiles per unique layer and runs everywhere."""
     t = cfg.train
+    if t.compile == "none" and t.compile_backend != "inductor":
+        fail("train.compile_backend", t.compile_backend, "only applies when train.compile is 'layers' or 'model' "
+             "(this recipe compiles nothing)", "set train.compile: layers, or remove train.compile_backend")
     if t.compile != "model":
         return
     alt = "or use train.compile: layers (each unique layer compiled; every backend and ZeRO stage)"
@@ -514,7 +517,8 @@ def _check_compile(cfg: RunConfig) -> None:
     if cfg.deepspeed.effective_zero_stage == 3:
         fail("train.compile", "model", "does not run under ZeRO stage 3 (its parameter hooks on every submodule "
              "are excluded from compilation and split a whole-model graph everywhere)",
-             "use train.compile: layers (layers become ZeRO-3 leaf modules, gathered outside the compiled code)")
+             "use train.compile: layers (each layer compiled; under ZeRO-3 its graph breaks at DeepSpeed's "
+             "parameter hooks)")
     if t.activation_checkpointing.policy != "none" and t.activation_checkpointing.impl == "deepspeed":
         fail("train.compile", "model", "cannot trace deepspeed.checkpointing (train.activation_checkpointing.impl "
              "'deepspeed')", f"set train.activation_checkpointing.impl: torch, {alt}")

@@ -66,11 +66,10 @@ def compile_engine(engine: Any, cfg: RunConfig) -> bool:
 
 
 def compile_counters() -> dict[str, int]:
-    """torch.compile's process-wide counts: ``unique_graphs`` (graphs compiled), ``frames`` (Python
-    frames converted) and ``graph_breaks`` (breaks recorded), from ``torch._dynamo.utils.counters``.
+    """torch.compile's process-wide counts: ``unique_graphs`` (graphs compiled) and ``graph_breaks``
+    (breaks recorded), from ``torch._dynamo.utils.counters``.
     A looped model compiled per layer must not see them grow with visits or steps."""
     from torch._dynamo.utils import counters
 
     return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
-            "frames": int(counters["frames"]["ok"]),
             "graph_breaks": int(sum(counters["graph_break"].values()))}

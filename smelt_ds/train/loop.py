@@ -166,6 +166,10 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int) -> R
     data = build_data(cfg, rank, world)
     built = build(cfg, world)  # before anything is written: a recipe the engine refuses leaves no trace
     on_rank0(rank, lambda: record_run_tokenizer(out_dir, data.prepared, resuming=resume != "none"))
+    if rank == 0 and cfg.train.compile != "none":
+        print(f"train.compile: {cfg.train.compile} (backend {cfg.train.compile_backend}): the first step compiles, and "
+              "the first validation compiles its no-grad graphs (tens of seconds on a CPU; inductor caches kernels "
+              "under $TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>)", file=sys.stderr)
     if rank == 0 and built.ds_config.get("zero_optimization", {}).get("stage") == 3:  # loop-aware ZeRO-3
         write_zero3_tuning(out_dir, cfg, world, built.ds_config)
     step, tokens_seen = _restore(built, data, out_dir, resume)

@@ -26,7 +26,7 @@ from smelt_ds.train.objective import total_loss
 SEQ, MICRO, STEPS = 16, 2, 3
 
 
-def _raw(compile="none", backend="aot_eager", position="middle", repeats=2, **extra):
+def _raw(compile="none", backend="inductor", position="middle", repeats=2, **extra):
     raw = {"name": "c", "model": {"vocab_size": 64, "hidden_size": 32, "num_layers": 4, "num_heads": 4,
                                   "num_kv_heads": 2, "max_seq_len": 32, "first_k_dense": 1},
            "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 16},
@@ -286,3 +286,11 @@ def test_deepcopy_of_a_compiled_model_runs_its_own_weights():
     with torch.no_grad():
         torch.testing.assert_close(twin(x).logits, eager_twin(x).logits, rtol=1e-6, atol=1e-6)
         assert not torch.allclose(twin(x).logits, compiled(x).logits)
+
+
+def test_a_compile_backend_without_compile_is_refused():
+    """A recipe that sets a backend but compiles nothing would claim what does not run."""
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(_raw(compile="none", backend="aot_eager"))
+    assert "train.compile_backend" in str(e.value) and "train.compile: layers" in str(e.value)
+    config_from_dict(_raw(compile="none", backend="inductor"))  # the default: nothing claimed
