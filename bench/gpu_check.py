@@ -27,9 +27,9 @@ traceback and log, and the next section runs):
   next to the analytic prediction, and their ratio.
 
 The single-GPU recipe is ``recipes/s/smelt.yaml`` with its architecture and loop plan unchanged
-(11 unique layers, 16 visits, 94 experts): ``smelt-ds memory`` predicts about 103 GiB of the
-H200's 140 GiB at ZeRO-2 with micro-batch 8 (the recipe's h200 layout), so no layers or experts
-are removed; what changes is one GPU and no gradient accumulation (one micro-batch per optimizer
+(11 unique layers, 16 visits, 94 experts): ``smelt-ds memory`` predicts it fits the H200's
+140 GiB on one GPU (at most about 103 GiB) at ZeRO-2 with micro-batch 8 (the recipe's h200
+layout), so no layers or experts are removed; what changes is one GPU and no gradient accumulation (one micro-batch per optimizer
 step). A training leg that runs out of CUDA memory is retried once with half the micro-batch,
 and the later sections use that size too; the output says so.
 
