@@ -135,11 +135,6 @@ class Block(nn.Module):
         self._compiled = {name: torch.compile(fn, backend=backend, fullgraph=fullgraph, **options)
                           for name, fn in (("compute", Block.compute), ("attention", Block.attention))}
 
-    @property
-    def compiled(self) -> bool:
-        """Whether :meth:`compile_layer` was applied."""
-        return bool(self._compiled)
-
     # -- forward ------------------------------------------------------------------------------
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visit: Visit | None = None,
                   kv_cache: KVCache | None = None, probs_hook: AttnProbsHook | None = None
