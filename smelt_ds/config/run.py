@@ -219,6 +219,9 @@ class TrainConfig(StrictModel):
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         "inductor", description="torch.compile backend for train.compile: inductor generates kernels; aot_eager and "
                                 "eager only trace (debugging a graph break or a numerical difference)")
+    deterministic: bool = Field(
+        False, description="bit-identical reruns on CPU: torch.use_deterministic_algorithms and one intra-op thread "
+                           "per rank (overrides the thread choice; slower); see README 'Reproducibility'")
 
 
 class DeepSpeedSection(StrictModel):

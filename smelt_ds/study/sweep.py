@@ -381,7 +381,8 @@ def materialize(plan: SweepPlan) -> None:
 
 # fields that do not change what a run computes: the cluster layouts, this invocation's stop step
 # and compilation (train.compile: the same computation, compiled or not)
-_NOT_COMPARED = (("cluster",), ("train", "exit_after_steps"), ("train", "compile"), ("train", "compile_backend"))
+_NOT_COMPARED = (("cluster",), ("train", "exit_after_steps"), ("train", "compile"), ("train", "compile_backend"),
+                 ("train", "deterministic"))
 
 
 def _comparable(d: dict[str, Any]) -> dict[str, Any]:

@@ -99,7 +99,7 @@ RESUME_MAY_CHANGE = ("name", "train.max_steps", "train.log_every", "train.eval_e
                      "train.keep_last", "train.exit_after_steps", "train.run_dir", "train.init_from", "eval",
                      "cluster", "data.num_proc", "data.cache_dir", "data.output_dir", "data.offline", "data.verify",
                      "data.shared_filesystem", "data.prepare_timeout_s", "deepspeed.comms_logger", "train.compile",
-                     "train.compile_backend")
+                     "train.compile_backend", "train.deterministic")
 
 
 def _same_tokenizer_same_path(old: dict, new: dict) -> None:

@@ -48,8 +48,9 @@ from smelt_ds.train.metrics import (
 )
 from smelt_ds.train.objective import total_loss
 from smelt_ds.train.provenance import init_from_tokenizer, record_run_tokenizer
+from smelt_ds.train.validation import evaluate
 
-__all__ = ["main", "train", "build", "Built", "parse_args", "RunResult"]
+__all__ = ["main", "train", "build", "Built", "parse_args", "RunResult", "evaluate"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -368,32 +369,6 @@ def _progress(rank: int, start: int, total: int):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
-
-
-@torch.no_grad()
-def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
-    """Mean next-token loss (nats/token) per validation domain over up to ``eval.eval_batches``
-    micro-batches per rank (token-weighted within a domain, summed over ranks); ``all`` is the
-    plain mean of the domains' values, so every domain weighs the same whatever its number of
-    windows (``smelt-ds eval``'s ``all`` instead pools the domains' tokens, and says so)."""
-    import torch.distributed as dist
-
-    engine.eval()
-    out: dict[str, float] = {}
-    for domain, batches in data.validation(cfg.eval.eval_batches).items():
-        s = torch.zeros(2, dtype=torch.float64)
-        for batch in batches:
-            o = engine(batch.input_ids, labels=batch.labels)
-            n = int((batch.labels != -100).sum())
-            s += torch.tensor([float(o.lm_loss) * n, n], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(s)
-        if s[1] > 0:
-            out[domain] = float(s[0] / s[1])
-    if out:
-        out["all"] = sum(out.values()) / len(out)
-    engine.train()
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
