@@ -13,6 +13,8 @@ the value and the fix.
 from __future__ import annotations
 
 import copy
+import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -557,26 +559,132 @@ def resolve_batch(cfg: RunConfig, data_parallel_size: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _format_validation_error(err: ValidationError, prefix: str = "", root: type[BaseModel] | None = None) -> str:
-    """Turn pydantic's error list into one message with field paths, values and fixes (the keys
-    allowed where an unknown one was found are read from ``root``, default :class:`RunConfig`)."""
-    extra: dict[str, list[str]] = {}
-    lines: list[str] = []
+class _Origin:
+    """Where each value of a raw recipe came from: a line of the YAML file, or a ``--set``."""
+
+    def __init__(self, file: str | None, lines: dict[str, int] | None, overrides: list[str] | None):
+        self.file = file if lines else None
+        self.lines = dict(lines or {})
+        self.overrides = _override_paths(overrides)
+
+    def override_for(self, path: str) -> str | None:
+        """The last ``--set`` item that set ``path``, a section above it or a field below it."""
+        hits = [item for p, item in self.overrides if _related(path, p)]
+        return hits[-1] if hits else None
+
+    def line_of(self, path: str) -> int | None:
+        """The file line of ``path`` (or of the nearest section above it that is in the file)."""
+        while path:
+            if path in self.lines:
+                return self.lines[path]
+            path = _parent_path(path)
+        return None
+
+    def at(self, paths: list[str]) -> str:
+        """`` (line N of FILE)`` / `` (lines N, M of FILE)`` for the paths read from the file."""
+        found = sorted({n for n in (self.line_of(p) for p in paths) if n is not None})
+        if not found or self.file is None:
+            return ""
+        return f" (line{'s' if len(found) > 1 else ''} {', '.join(map(str, found))} of {self.file})"
+
+
+def _parent_path(path: str) -> str:
+    cut = max(path.rfind("."), path.rfind("["))
+    return path[:cut] if cut > 0 else ""
+
+
+def _related(a: str, b: str) -> bool:
+    """Whether key paths ``a`` and ``b`` are the same field or one is a section holding the other."""
+    if not a or not b:
+        return False
+    return a == b or a.startswith((b + ".", b + "[")) or b.startswith((a + ".", a + "["))
+
+
+def _override_paths(overrides: list[str] | None) -> list[tuple[str, str]]:
+    """``(key path, item)`` per ``--set`` item in the order applied (list indices as ``[i]``)."""
+    out = []
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        path = ""
+        for part in key.split("."):
+            path = f"{path}[{part}]" if part.isdigit() and path else (f"{path}.{part}" if path else part)
+        out.append((path, item))
+    return out
+
+
+def _set_flag(item: str) -> str:
+    """``--set ITEM`` as a shell would take it back (quoted only where needed)."""
+    import shlex
+
+    return f"--set {shlex.quote(item)}"
+
+
+#: backticked field paths in a message: `moe.top_k`, `data.sources[1].path`
+_FIELD_IN_MESSAGE = r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*|\[\d+\])*)`"
+
+
+def _validation_problems(err: ValidationError, root: type[BaseModel], origin: _Origin) -> list[tuple[str | None, str]]:
+    """``(--set item or None, problem)`` per problem of ``err``, unknown keys first: a close match
+    among the allowed keys is suggested (``difflib.get_close_matches``), else the allowed keys are
+    listed; problems read from the file name their line."""
+    unknown: dict[str, list[str]] = {}
+    values: list[tuple[str | None, str]] = []
     for e in err.errors():
         loc = [f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]]  # list items: ranges[0]
-        if prefix:
-            loc = [prefix] + loc
-        if e["type"] == "extra_forbidden":
-            parent = ".".join(loc[:-1]).replace(".[", "[") or "<top level>"
-            extra.setdefault(parent, []).append(loc[-1])
-            continue
         path = ".".join(loc).replace(".[", "[")
-        lines.append(f"`{path}` ({e.get('input')!r}): {e['msg']}")
-    for parent, keys in extra.items():
-        allowed = _allowed_keys(parent if parent != "<top level>" else "", root or RunConfig)
-        lines.insert(0, f"unknown keys in `{parent}`: {sorted(keys)}; allowed keys: {allowed}: "
-                        "remove or rename them")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+        if e["type"] == "extra_forbidden":
+            unknown.setdefault(".".join(loc[:-1]).replace(".[", "["), []).append(loc[-1])
+            continue
+        blame = origin.override_for(path)
+        values.append((blame, f"`{path}` ({e.get('input')!r}){'' if blame else origin.at([path])}: {e['msg']}"))
+    out: list[tuple[str | None, str]] = []
+    for parent, keys in unknown.items():
+        allowed = _allowed_keys(parent, root)
+        where = f"in `{parent}`" if parent else "at the top level"
+        rest: dict[str | None, list[str]] = {}
+        for key in keys:
+            path = f"{parent}.{key}" if parent else key
+            blame = origin.override_for(path)
+            match = difflib.get_close_matches(key, allowed, n=1)
+            if match:
+                out.append((blame, f"unknown key `{key}` {where}{'' if blame else origin.at([path])}: "
+                                   f"did you mean `{match[0]}`?"))
+            else:
+                rest.setdefault(blame, []).append(key)
+        for blame, bad in rest.items():
+            paths = [f"{parent}.{k}" if parent else k for k in bad]
+            out.append((blame, f"unknown keys in `{parent or '<top level>'}`: {sorted(bad)}"
+                               f"{'' if blame else origin.at(paths)}; allowed keys: {allowed}: remove or rename "
+                               f"{'it' if len(bad) == 1 else 'them'}"))
+    return out + values
+
+
+def _join_problems(problems: list[tuple[str | None, str]], source: str) -> str:
+    """One message: ``--set ITEM: problem`` when every problem comes from one ``--set``, else
+    ``SOURCE: invalid configuration:`` and one line per problem (``--set ITEM: `` before those a
+    ``--set`` caused)."""
+    blames = {b for b, _ in problems}
+    if len(problems) == 1 and None not in blames:
+        blame, text = problems[0]
+        return f"{_set_flag(blame or '')}: {text}"
+    lines = [f"{_set_flag(b)}: {t}" if b else t for b, t in problems]
+    head = "invalid --set overrides" if None not in blames else f"{source}: invalid configuration"
+    return head + ":\n  " + "\n  ".join(lines)
+
+
+def _blame_config_error(e: ConfigError, source: str, origin: _Origin) -> str:
+    """A cross-field ConfigError, prefixed with the ``--set`` items that set a field it names
+    (and the file lines of the other fields it names), else with ``source``."""
+    msg = str(e)
+    fields = list(dict.fromkeys(re.findall(_FIELD_IN_MESSAGE, msg)))
+    blamed = list(dict.fromkeys(item for path, item in origin.overrides if any(_related(f, path) for f in fields)))
+    if not blamed:
+        return f"{source}: {msg}"
+    from_file = [f for f in fields if origin.override_for(f) is None and origin.line_of(f) is not None]
+    where = ""
+    if from_file and origin.file is not None:
+        where = " (" + ", ".join(f"`{f}` at line {origin.line_of(f)}" for f in from_file) + f" of {origin.file})"
+    return f"{' '.join(_set_flag(b) for b in blamed)}: {msg}{where}"
 
 
 def _allowed_keys(path: str, root: type[BaseModel]) -> list[str]:
@@ -600,22 +708,34 @@ def _allowed_keys(path: str, root: type[BaseModel]) -> list[str]:
     return sorted(getattr(cls, "model_fields", {}).keys())
 
 
-def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
-    """Validate a raw recipe dict. Raises ConfigError naming ``source`` and the bad fields."""
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>", overrides: list[str] | None = None,
+                     key_lines: dict[str, int] | None = None) -> RunConfig:
+    """Validate a raw recipe dict. Raises ConfigError naming ``source`` and the bad fields (see
+    :func:`validate_model` for ``overrides`` and ``key_lines``)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: a recipe must be a YAML mapping of sections, got {type(raw).__name__}")
-    return validate_model(RunConfig, raw, source)
+    return validate_model(RunConfig, raw, source, overrides, key_lines)
 
 
-def validate_model(cls: type[BaseModel], raw: Any, source: str):
+def validate_model(cls: type[BaseModel], raw: Any, source: str, overrides: list[str] | None = None,
+                   key_lines: dict[str, int] | None = None):
     """``cls.model_validate(raw)``; a pydantic or cross-field error becomes one ConfigError
-    starting with ``source`` and naming each bad field, its value and the allowed keys."""
+    naming each bad field, its value and the fix.
+
+    An unknown key gets the closest allowed key (``did you mean `hidden_size`?``), or the list of
+    allowed keys when none is close. A problem is blamed on where its value came from: the
+    ``--set`` item of ``overrides`` (the ``--set KEY=VALUE`` strings applied to ``raw``) that set
+    the field or a section holding it (``--set model.hiden_size=64: unknown key ...``), else
+    ``source``, naming the line when ``key_lines`` (key path -> line, from
+    :func:`read_yaml_with_lines`) knows it: ``(line 5 of SOURCE)``. A cross-field error naming a
+    field a ``--set`` set starts with that ``--set``."""
+    origin = _Origin(source, key_lines, overrides)
     try:
         return cls.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"{source}: {_format_validation_error(e, root=cls)}") from None
+        raise ConfigError(_join_problems(_validation_problems(e, cls, origin), source)) from None
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        raise ConfigError(_blame_config_error(e, source, origin)) from None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
@@ -634,7 +754,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[st
         parts = [p for p in key.strip().split(".")]
         if not all(parts):
             raise ConfigError(f"--set {item!r}: empty key path; write it like model.hidden_size=128")
-        parsed = yaml.safe_load(value) if value.strip() else None
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value {value.strip()!r} is not valid YAML "
+                              f"({getattr(e, 'problem', None) or e}): quote it as a string, e.g. "
+                              f"--set \"{key.strip()}='{value.strip()}'\", or fix the brackets") from None
         if len(parts) >= 2 and parts[0] == "moe" and parts[1] in MOVED_MOE_KEYS:
             new_key = f"{MOVED_MOE_KEYS[parts[1]]}.{'.'.join(parts[1:])}"
             raise ConfigError(f"--set {item!r}: `{key.strip()}` moved to `{new_key}`; write "
@@ -693,6 +818,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_document(self, node: yaml.Node) -> Any:
         self._paths: dict[int, str] = {}
+        self.key_lines: dict[str, int] = {}  # key path -> 1-based line of the key
         self._index_paths(node, "")
         return super().construct_document(node)
 
@@ -703,7 +829,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
                 key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
-                self._index_paths(value_node, f"{path}.{key}" if path else str(key))
+                child = f"{path}.{key}" if path else str(key)
+                if key_node.tag != "tag:yaml.org,2002:merge":
+                    self.key_lines.setdefault(child, key_node.start_mark.line + 1)
+                self._index_paths(value_node, child)
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
                 self._index_paths(item, f"{path}[{i}]")
@@ -734,6 +863,14 @@ def read_yaml_mapping(path: str | Path, what: str = "recipe file", example: str 
     """The YAML mapping in ``path`` (empty file = {}). Raises ConfigError naming ``what`` and the
     file for a missing file, bad YAML, a key given twice in one mapping (at any level; both line
     numbers), or a document that is not a mapping."""
+    return read_yaml_with_lines(path, what, example)[0]
+
+
+def read_yaml_with_lines(path: str | Path, what: str = "recipe file", example: str = "recipes/tiny/smelt.yaml"
+                         ) -> tuple[dict[str, Any], dict[str, int]]:
+    """:func:`read_yaml_mapping` and the line of every key: ``(mapping, key_lines)`` with key paths
+    such as ``model.hidden_size`` or ``data.sources[0].path`` -> 1-based line, for
+    :func:`validate_model`'s messages. Raises ConfigError as :func:`read_yaml_mapping` does."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{what} {str(path)!r} does not exist: pass the path of a YAML file, e.g. {example}")
@@ -747,16 +884,17 @@ def read_yaml_mapping(path: str | Path, what: str = "recipe file", example: str 
         loader.dispose()
     if not isinstance(raw, dict):
         raise ConfigError(f"{what} {str(path)!r} must be a YAML mapping of sections, got {type(raw).__name__}")
-    return raw
+    return raw, dict(getattr(loader, "key_lines", {}))
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML recipe, apply ``--set`` overrides and validate.
 
-    Raises ConfigError for a missing file, bad YAML, unknown keys or invalid values.
+    Raises ConfigError for a missing file, bad YAML, unknown keys or invalid values, naming the
+    file's line, or the ``--set`` item, the bad value came from (:func:`validate_model`).
     """
-    raw = read_yaml_mapping(path)
-    return config_from_dict(apply_overrides(raw, overrides), source=str(path))
+    raw, lines = read_yaml_with_lines(path)
+    return config_from_dict(apply_overrides(raw, overrides), source=str(path), overrides=overrides, key_lines=lines)
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
+import signal
 import subprocess
 import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
+from smelt_ds.config.run import RunConfig, load_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.interop.cli import add_export_arguments, run_export_hf
 from smelt_ds.train.export import export_checkpoint
+from smelt_ds.train.guards import check_optional_packages, check_run_dir
 from smelt_ds.train.loop import add_train_arguments, launcher_command, run_and_report
+from smelt_ds.train.provenance import init_from_tokenizer
+from smelt_ds.train.run_lock import RunLock
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,13 +48,126 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    if args.nproc > 1:
+    """``smelt-ds train``: one process, or ``--nproc N`` local ranks through the deepspeed
+    launcher (:func:`run_launcher`), after :func:`check_before_launch`. Returns the exit status of
+    :func:`smelt_ds.train.loop.main` (143: stopped by a signal after saving a checkpoint).
 
+    Raises ConfigError for ``--nproc`` < 1 and, with ``--nproc`` > 1, for what
+    :func:`check_before_launch` refuses (printed once, before any rank starts)."""
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: the number of local ranks must be >= 1 (1: this process)")
+    if args.nproc > 1:
+        check_before_launch(args)
         cmd = launcher_command(args)
         print("launching: " + " ".join(cmd), file=sys.stderr)
-        return subprocess.call(cmd, env=os.environ.copy())
-
+        return run_launcher(cmd)
     return run_and_report(args, "smelt-ds train")
+
+
+def check_before_launch(args: argparse.Namespace) -> RunConfig:
+    """What every rank would refuse, checked once in the launching process: the recipe with its
+    ``--set`` overrides (:func:`smelt_ds.config.run.load_config`), optional packages
+    (:func:`smelt_ds.train.guards.check_optional_packages`), the run directory's lock (another
+    training using it) and the run-directory guards for ``--resume`` with ``--nproc`` ranks
+    (:func:`smelt_ds.train.guards.check_run_dir`, changing nothing). Returns the config as the ranks
+    will train it; raises ConfigError."""
+    cfg = load_config(args.recipe, args.set)
+    out_dir = Path(args.run_dir or cfg.train.run_dir.format(name=cfg.name))
+    if args.run_dir is not None:  # as smelt_ds.train.loop.train resolves it
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(args.run_dir)})})
+    cfg = init_from_tokenizer(cfg)
+    check_optional_packages(cfg)
+    if not out_dir.is_dir():
+        check_run_dir(out_dir, cfg, args.resume, args.nproc, take_over=False)
+        return cfg
+    with RunLock(out_dir):  # another training there is named now, not once per rank later
+        check_run_dir(out_dir, cfg, args.resume, args.nproc, take_over=False)
+    return cfg
+
+
+#: signals that stop a training: Ctrl-C, a scheduler's or `kill`'s SIGTERM, a closed terminal
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def run_launcher(cmd: list[str], **popen: Any) -> int:
+    """Run the deepspeed launcher command ``cmd`` (:func:`smelt_ds.train.loop.launcher_command`)
+    and wait for it; returns the exit status (see :func:`launcher_status`). ``popen``: further
+    ``subprocess.Popen`` arguments (e.g. ``stdout`` and ``stderr`` to a log file).
+
+    The launcher runs in its own session, so a Ctrl-C at the terminal (SIGINT to the foreground
+    process group) reaches this process only: DeepSpeed 0.19.8's ``runner.py`` would die of it
+    with a KeyboardInterrupt traceback, and its ``launch.py`` would SIGTERM the ranks and exit 1.
+    Here SIGINT, SIGTERM (``kill``, a batch scheduler) and SIGHUP are caught while waiting and
+    forwarded to the ranks (the children of ``launch.py``) as SIGTERM: each finishes its step,
+    the ranks save a checkpoint together and exit 143, which ``launch.py`` and ``runner.py``
+    pass on. ``launch.py`` SIGKILLs ranks that are still alive 30 seconds after the first one
+    exited. A signal before the ranks started stops the launcher."""
+    state: dict[str, Any] = {"proc": None, "signals": []}
+
+    def forward(signum: int, frame: Any) -> None:
+        if not state["signals"]:
+            print(f"\nsmelt-ds train: {signal.Signals(signum).name}: asking the ranks to finish their step, save a "
+                  "checkpoint and stop", file=sys.stderr, flush=True)
+        state["signals"].append(signum)
+        if state["proc"] is not None:
+            _stop_ranks(state["proc"].pid)
+
+    with _handling(STOP_SIGNALS, forward):
+        state["proc"] = proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+        if state["signals"]:  # arrived while it started
+            _stop_ranks(proc.pid)
+        rc = proc.wait()
+    return launcher_status(rc, state["signals"][0] if state["signals"] else None)
+
+
+def launcher_status(rc: int, signum: int | None) -> int:
+    """The exit status of ``smelt-ds train --nproc N`` from the launcher's ``rc`` (negative: killed
+    by that signal) and the first stop signal received (None: none).
+
+    Without a signal: the launcher's status, which is the first failing rank's
+    (:func:`smelt_ds.train.loop.main`: 2 bad configuration, 1 a checkpoint write failed). After a
+    signal: 143 when the ranks saved a checkpoint and stopped, 0 when they had finished, 2 a bad
+    configuration; otherwise (stopped before training started, or a rank failed) 128 + the signal,
+    with a note that this stop saved no checkpoint."""
+    status = 128 - rc if rc < 0 else rc
+    if signum is None or rc in (0, 2, 128 + signal.SIGTERM):  # rc, not status: killed by SIGTERM saved nothing
+        return status
+    print(f"smelt-ds train: the ranks stopped without saving a checkpoint for this {signal.Signals(signum).name} "
+          f"(launcher exit status {status}; see the messages above)", file=sys.stderr)
+    return 128 + signum
+
+
+def _stop_ranks(runner_pid: int) -> None:
+    """SIGTERM to the ranks: the children of ``deepspeed.launcher.launch``, itself the child of
+    ``deepspeed.launcher.runner`` (``runner_pid``); to the launchers, or the runner, before the
+    ranks exist (``launch.py`` terminates what it started)."""
+    import psutil
+
+    try:
+        runner = psutil.Process(runner_pid)
+        launchers = runner.children()
+        ranks = [p for launcher in launchers for p in launcher.children()]
+    except psutil.Error:  # the launcher has exited meanwhile
+        return
+    for p in ranks or launchers or [runner]:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+
+
+@contextlib.contextmanager
+def _handling(signals: tuple[signal.Signals, ...], handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for ``signals`` inside the block (main thread only; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def run_export(args: argparse.Namespace) -> int:

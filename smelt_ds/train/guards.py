@@ -7,17 +7,28 @@ ConfigError naming the field, both values and the way forward.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from smelt_ds.config.run import RunConfig, config_diff, config_to_dict
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel.distributed import on_rank0
+from smelt_ds.parallel.moe_backends import TUTEL_INSTALL_HINT, tutel_available
 from smelt_ds.train import checkpoint as ckpt
-from smelt_ds.train.provenance import tokenizer_file_hash
+from smelt_ds.train.provenance import RUN_TOKENIZER, tokenizer_file_hash
 from smelt_ds.train.run_lock import LOCK_NAME, RunLock
 
-__all__ = ["check_run_dir", "RESUME_MAY_CHANGE", "lock_run_dir", "remove_if_only_lock"]
+__all__ = ["check_run_dir", "check_optional_packages", "earlier_run_files", "RUN_FILES", "RESUME_MAY_CHANGE",
+           "lock_run_dir", "remove_if_only_lock"]
+
+#: what a run writes into its run directory besides checkpoints/, its lock and its tokenizer
+#: (loop._fit before the first checkpoint: zero3_tuning.json (ZeRO-3), config.yaml, ds_config.json,
+#: tb/ and metrics.jsonl; summary.* at the end). A new run refuses a directory holding any of them;
+#: ``--resume auto`` without a checkpoint removes them. The lock (run_lock.LOCK_NAME) and the
+#: tokenizer (provenance.RUN_TOKENIZER) may be left by a run refused before it trained.
+RUN_FILES = ("config.yaml", "ds_config.json", "metrics.jsonl", "tb", "summary.json", "summary.txt",
+             "zero3_tuning.json")
 
 
 # recipe fields a checkpoint depends on: a resume with other values cannot load it, or would
@@ -28,19 +39,29 @@ _RESUME_FIXED = {"model": None, "loop": None,
                  "moe_runtime": ("backend", "ep_size")}
 
 
-def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | None = None) -> None:
+def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | None = None,
+                  take_over: bool = True) -> None:
     """Refuse to mix runs in one run directory, before anything is written to it.
 
-    Raises ConfigError when a new run (``resume == "none"``) would start in a directory that
-    already holds checkpoints (they would be taken for this run's by export, eval and
-    ``--resume auto``); when ``--resume`` names a directory that does not exist, a checkpoint of
+    Raises ConfigError when the recipe needs an optional package that is missing
+    (:func:`check_optional_packages`); when a new run (``resume == "none"``) would start in a
+    directory that already holds checkpoints (they would be taken for this run's by export, eval
+    and ``--resume auto``) or another run's files without a checkpoint (:func:`earlier_run_files`:
+    its config.yaml would be replaced and its logs mixed with this run's); when ``--resume`` names a directory that does not exist, a checkpoint of
     another run directory, or one older than the run's newest (a rewind would mix the newer
     checkpoints into this run); or when a resumed run's recipe differs from the run directory's ``config.yaml`` in a field the
     checkpoint depends on (``_RESUME_FIXED``: model, loop, MoE layout and backend, tokenizer); or,
     when ``world_size`` is given, when the checkpoint to resume was written with another number
     of ranks, ZeRO stage, MoE backend or expert-parallel size (:func:`smelt_ds.train.checkpoint.check_layout`).
+
+    ``--resume auto`` in a directory without a complete checkpoint starts from step 0 in place:
+    with ``take_over`` (the training itself, which holds the run lock), global rank 0 first removes
+    what an earlier run left there (:data:`RUN_FILES`, its tokenizer and incomplete checkpoints), so
+    nothing of it is mixed into this run; ``take_over=False`` only checks (e.g. before the launcher
+    starts the ranks).
     """
 
+    check_optional_packages(cfg)
     damaged = sorted(p.name for p in ckpt.checkpoint_dir(out_dir).glob("damaged-step*"))
     if resume == "none":
         latest = ckpt.latest_complete(out_dir)
@@ -49,11 +70,22 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
             raise ConfigError(f"run directory {out_dir} already holds checkpoints of an earlier run ({held}): "
                               "continue it with --resume auto, or start this run in a new --run-dir (or delete "
                               "the old one)")
+        found = earlier_run_files(out_dir)
+        if found:
+            raise ConfigError(f"run directory {out_dir} holds files of an earlier run that saved no checkpoint "
+                              f"({', '.join(found)}): a new run here would overwrite them and mix the two runs' "
+                              "logs. Start this run in a new --run-dir, delete the directory, or rerun with "
+                              "--resume auto to start from step 0 in place (the earlier run's files are removed "
+                              "first)")
         return
-    if resume == "auto" and ckpt.latest_complete(out_dir) is None and damaged:
-        raise ConfigError(f"--resume auto: run directory {out_dir} holds no checkpoint that verifies, only damaged "
-                          f"ones ({', '.join(damaged[:3])}): nothing to continue from; start a new run in a new "
-                          "--run-dir (the damaged checkpoints are kept for inspection)")
+    if resume == "auto" and ckpt.latest_complete(out_dir) is None:
+        if damaged:
+            raise ConfigError(f"--resume auto: run directory {out_dir} holds no checkpoint that verifies, only "
+                              f"damaged ones ({', '.join(damaged[:3])}): nothing to continue from; start a new run "
+                              "in a new --run-dir (the damaged checkpoints are kept for inspection)")
+        if take_over and _global_rank() == 0:
+            _take_over(out_dir)
+        return
     if resume != "auto":
         path = Path(resume)
         if not path.is_dir():
@@ -134,6 +166,89 @@ def _common(a: Any, b: Any) -> Any:
     if isinstance(a, dict) and isinstance(b, dict):
         return {k: _common(v, b[k]) for k, v in a.items() if k in b}
     return a
+
+
+def check_optional_packages(cfg: RunConfig) -> None:
+    """Raise ConfigError when the recipe needs an optional package that is not installed:
+    ``moe_runtime.use_tutel`` with ``moe_runtime.backend: deepspeed`` needs ``tutel``
+    (:func:`smelt_ds.parallel.moe_backends.tutel_available`). Checked before data, DeepSpeed and the
+    run directory, so the refusal leaves nothing behind."""
+    rt = cfg.moe_runtime
+    if not (rt.backend == "deepspeed" and rt.use_tutel):
+        return
+    if not tutel_available():
+        raise ConfigError(f"`moe_runtime.use_tutel` (True) needs the optional package `tutel`, which is not installed: "
+                          f"install it ({TUTEL_INSTALL_HINT}), or set moe_runtime.use_tutel to false (e.g. --set "
+                          "moe_runtime.use_tutel=false) to run DeepSpeed-MoE without tutel kernels")
+
+
+def earlier_run_files(out_dir: Path) -> list[str]:
+    """The files of :data:`RUN_FILES` an earlier run left in ``out_dir``, described
+    (``metrics.jsonl`` with its rows and last step, ``tb/`` with its event files). Empty for a
+    missing directory or one holding only checkpoints, the lock, the tokenizer and files smelt-ds
+    does not write (e.g. a sweep's ``sweep_run.json`` and ``train.log``)."""
+    found = []
+    for name in RUN_FILES:
+        path = out_dir / name
+        if not path.exists():
+            continue
+        if name == "metrics.jsonl":
+            found.append(f"metrics.jsonl ({_metrics_extent(path)})")
+        elif name == "tb":
+            found.append(f"tb/ ({sum(1 for _ in path.rglob('events.out.tfevents.*'))} event files)")
+        else:
+            found.append(name)
+    return found
+
+
+def _metrics_extent(path: Path) -> str:
+    import json
+
+    rows, last = 0, None
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        rows += 1
+        try:
+            last = json.loads(line).get("step", last)
+        except (ValueError, AttributeError):
+            pass
+    return f"{rows} rows" + (f", last step {last}" if last is not None else "")
+
+
+def _incomplete_checkpoints(out_dir: Path) -> list[Path]:
+    root = ckpt.checkpoint_dir(out_dir)
+    return sorted(p for p in root.glob("step*") if p.is_dir() and not (p / ckpt.MARKER).is_file())
+
+
+def _take_over(out_dir: Path) -> None:
+    """``--resume auto`` without a checkpoint: remove an earlier run's files (see :func:`check_run_dir`)."""
+    import shutil
+
+    partial = _incomplete_checkpoints(out_dir)
+    found = earlier_run_files(out_dir) + [f"incomplete checkpoints/{p.name}" for p in partial]
+    tokenizer = out_dir / RUN_TOKENIZER
+    if not found and not tokenizer.exists():
+        return
+    for name in RUN_FILES:
+        path = out_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    tokenizer.unlink(missing_ok=True)  # the earlier run's: this run records its own
+    for p in partial:  # no COMPLETE marker: not a checkpoint, and in the way of this run's step numbers
+        shutil.rmtree(p)
+    (ckpt.checkpoint_dir(out_dir) / "latest").unlink(missing_ok=True)
+    if found:
+        print(f"run directory {out_dir}: --resume auto found no checkpoint: starting from step 0 in place, removed "
+              f"the earlier run's {', '.join(found)}", file=sys.stderr)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def lock_run_dir(out_dir: Path, rank: int):
