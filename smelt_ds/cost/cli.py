@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from smelt_ds.config.run import load_config
-from smelt_ds.cost.budget import Budget, compute_budget, deviations, match_baseline
+from smelt_ds.cost.budget import DTYPE_BYTES, Budget, compute_budget, deviations, match_baseline
 from smelt_ds.errors import ConfigError
 
 
@@ -20,11 +20,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "relative deviation from the first recipe.")
     p.add_argument("recipes", nargs="+", help="YAML recipes; the first is the reference (the Baseline)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: train.seq_len)")
-    p.add_argument("--kv-dtype", default="bf16", help="KV-cache element type (bf16, fp16, fp32, fp8)")
+    p.add_argument("--kv-dtype", default="bf16", choices=list(DTYPE_BYTES),
+                   help="KV-cache element type (default bf16: 2 bytes per element)")
     p.add_argument("--attention", default="full", choices=["full", "causal"],
-                   help="attention FLOPs convention (see smelt_ds/cost/budget.py)")
+                   help="attention FLOPs convention (default full; see smelt_ds/cost/budget.py)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override applied to every recipe, e.g. --set train.seq_len=2048")
+                   help="override applied to every recipe, e.g. --set moe.top_k=2")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_budget)
 

@@ -1,6 +1,6 @@
 """``smelt-ds render-job``: fill a launcher template (deepspeed, Slurm, Kubernetes) from a recipe.
 
-    smelt-ds render-job RECIPE --scheduler deepspeed|slurm|k8s [--layout NAME] [--nodes N]
+    smelt-ds render-job RECIPE --scheduler {deepspeed,slurm,k8s} [--layout NAME] [--nodes N]
         [--gpus-per-node G] [--set KEY=VALUE ...] [-o FILE] [--dry-run]
 """
 
@@ -23,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "that it can use that many GPUs and fits in memory, and fill the template in launchers/. "
                     "--dry-run prints the commands, world size, data/expert-parallel layout and memory verdict.")
     p.add_argument("recipe", help="YAML recipe, e.g. recipes/xl/smelt.yaml")
-    p.add_argument("--scheduler", required=True, help=f"one of {', '.join(SCHEDULERS)}")
+    p.add_argument("--scheduler", required=True, choices=SCHEDULERS,
+                   help="deepspeed: a bash script calling the deepspeed launcher over a hostfile; slurm: an sbatch "
+                        "script (torchrun per node, requeue near the time limit); k8s: a Kubeflow PyTorchJob manifest")
     p.add_argument("--layout", default=None, help="the recipe's cluster layout (e.g. h100, h200; default cluster.default)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: the layout's)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (ranks) per node (default: the layout's)")
@@ -41,13 +43,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout", type=int, default=d.shutdown_s, dest="shutdown_s",
                    help=f"seconds the ranks get to save a checkpoint after SIGTERM (default {d.shutdown_s})")
     g = p.add_argument_group("deepspeed launcher")
-    g.add_argument("--hostfile", default=None, help="hostfile (HOST slots=N lines); required for several nodes")
+    g.add_argument("--hostfile", default=None,
+                   help="hostfile (HOST slots=N lines); required for several nodes (default: none, one node: this host)")
     g.add_argument("--master-port", type=int, default=d.master_port, help=f"rendezvous port (default {d.master_port})")
     g = p.add_argument_group("Slurm")
     g.add_argument("--time", default=d.time, help=f"time limit per start, D-HH:MM:SS (default {d.time}); the job "
                                                   "requeues itself and resumes")
-    g.add_argument("--partition", default=None, help="#SBATCH --partition")
-    g.add_argument("--account", default=None, help="#SBATCH --account")
+    g.add_argument("--partition", default=None, help="#SBATCH --partition (default: none, the cluster's default)")
+    g.add_argument("--account", default=None, help="#SBATCH --account (default: none, the user's default)")
     g.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                    help="extra #SBATCH line, e.g. --sbatch=--qos=high (repeatable)")
     g.add_argument("--log-dir", default=None, help="directory of the job logs (default WORKDIR/runs/slurm-logs)")
@@ -60,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--namespace", default=d.namespace, help=f"namespace (default {d.namespace})")
     g.add_argument("--runs-pvc", default=d.runs_pvc, help=f"ReadWriteMany PVC for runs/ (default {d.runs_pvc})")
     g.add_argument("--data-pvc", default=d.data_pvc, help=f"PVC with the corpora (default {d.data_pvc})")
-    g.add_argument("--backoff-limit", type=int, default=d.backoff_limit, help="pod restarts before the job fails")
+    g.add_argument("--backoff-limit", type=int, default=d.backoff_limit,
+                   help=f"pod restarts before the job fails (default {d.backoff_limit})")
     g.add_argument("--shm-size", default=d.shm_size, help=f"/dev/shm size (default {d.shm_size})")
     g.add_argument("--cpus-per-gpu", type=int, default=d.cpu_per_gpu, dest="cpu_per_gpu",
                    help=f"CPU cores requested per GPU (default {d.cpu_per_gpu})")

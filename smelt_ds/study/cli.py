@@ -18,12 +18,24 @@ import sys
 from pathlib import Path
 
 from smelt_ds.config.run import load_config
+from smelt_ds.cost.budget import DTYPE_BYTES
 from smelt_ds.cost.memory import POLICIES, ZERO_OPTIONS, _with_batch, estimate, format_table, parse_bytes
 from smelt_ds.errors import ConfigError
 from smelt_ds.study.memory_profile import measure
 from smelt_ds.study.recipes import DOCS_TABLE, recipes_table, write_variants
 from smelt_ds.study.scaling import analyse, collect_runs, measured_savings, summarize_exclusions, write_report
-from smelt_ds.study.sweep import load_sweep, plan_sweep, plan_table, render_k8s, render_slurm, run_local
+from smelt_ds.study.sweep import (
+    estimate_runs,
+    load_sweep,
+    plan_sweep,
+    plan_table,
+    render_k8s,
+    render_slurm,
+    run_local,
+)
+
+#: default of ``smelt-ds memory --device-memory``: an 80 GB H100 / A100 (as torch reports it, 80 GiB)
+DEFAULT_DEVICE_MEMORY = "80GiB"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +43,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_memory_parser(sub)
     _add_recipes_parser(sub)
     _add_scaling_parser(sub)
+
+
+def _names(allowed: list[str], what: str):
+    """An argparse ``type`` for a comma-separated list of names out of ``allowed``: a bad name
+    fails at parse time, naming it and the choices."""
+
+    def check(text: str) -> str:
+        bad = [t.strip() for t in text.split(",") if t.strip() and t.strip() not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad)}: choose from {','.join(allowed)}")
+        return text
+
+    return check
 
 
 def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,8 +68,10 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny/smelt.yaml")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")
-    p.add_argument("--device-memory", default="80GiB",
-                   help="memory per GPU, e.g. 80GiB (H100/A100 80GB), 141GB (H200); GB = 1e9, GiB = 2^30 bytes")
+    p.add_argument("--device-memory", default=DEFAULT_DEVICE_MEMORY,
+                   help="memory per GPU, a number with a unit (GB = 1e9 bytes, GiB = 2^30 bytes), e.g. 80GiB "
+                        f"(H100/A100 80GB), 141GB (H200) (default {DEFAULT_DEVICE_MEMORY} = "
+                        f"{parse_bytes(DEFAULT_DEVICE_MEMORY):,} bytes)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: train.seq_len)")
     p.add_argument("--micro-batch", type=int, default=None, help="samples per GPU (default: train.micro_batch_size)")
     p.add_argument("--precision", default=None, choices=["bf16", "fp32"],
@@ -52,10 +79,12 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
                         "the GPU case)")
     p.add_argument("--context-len", type=int, default=None,
                    help="inference context (tokens) for the KV-cache line (default: model.max_seq_len)")
-    p.add_argument("--kv-dtype", default="bf16", help="KV-cache element type (bf16, fp16, fp32, fp8)")
-    p.add_argument("--options", default=None, metavar="LIST",
-                   help=f"comma-separated ZeRO options to show (default all: {','.join(o[0] for o in ZERO_OPTIONS)})")
-    p.add_argument("--policies", default=None, metavar="LIST",
+    p.add_argument("--kv-dtype", default="bf16", choices=list(DTYPE_BYTES),
+                   help="KV-cache element type (default bf16)")
+    options = [o[0] for o in ZERO_OPTIONS]
+    p.add_argument("--options", default=None, metavar="LIST", type=_names(options, "ZeRO option"),
+                   help=f"comma-separated ZeRO options to show (default all: {','.join(options)})")
+    p.add_argument("--policies", default=None, metavar="LIST", type=_names(list(POLICIES), "checkpointing policy"),
                    help=f"comma-separated checkpointing policies (default all: {','.join(POLICIES)})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set train.activation_checkpointing.every_n=3")
@@ -149,20 +178,25 @@ def _add_scaling_parser(sub: argparse._SubParsersAction) -> None:
                                    "matched to each size's Baseline) and train its runs one after another, skipping "
                                    "finished runs and resuming interrupted ones; or render cluster jobs.")
     s.add_argument("sweep", help="sweep YAML, e.g. recipes/sweeps/micro.yaml")
-    s.add_argument("--dry-run", action="store_true", help="print the planned runs and write nothing")
+    s.add_argument("--dry-run", action="store_true",
+                   help="print the planned runs with each run's estimated training time (from tokens/s measured in "
+                        "the sweep's run directories, else analytic) and write nothing")
     s.add_argument("--render", choices=["slurm", "k8s", "all"], default=None,
-                   help="write cluster job files under <output_dir>/launch/ instead of training")
-    s.add_argument("--limit", type=int, default=None, help="train at most this many unfinished runs now")
+                   help="write cluster job files under <output_dir>/launch/ instead of training (default: none, "
+                        "train here)")
+    s.add_argument("--limit", type=int, default=None,
+                   help="train at most this many unfinished runs now (default: all)")
     s.add_argument("--steps-scale", type=float, default=1.0,
                    help="multiply every run's steps and warmup (quick checks; writes to <output_dir>-x<F> "
-                        "unless --output-dir is given)")
-    s.add_argument("--output-dir", default=None, help="override the sweep's output_dir")
+                        "unless --output-dir is given; default 1)")
+    s.add_argument("--output-dir", default=None, help="override the sweep's output_dir (default: the sweep file's)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field of every size's Baseline, e.g. --set data.builtin_max_bytes=150000")
     s.add_argument("--executor", choices=["subprocess", "inprocess"], default="subprocess",
                    help="subprocess: one `python -m smelt_ds.train` per run (log in <run_dir>/train.log); "
-                        "inprocess: train in this process")
-    s.add_argument("--nproc", type=int, default=1, help="local ranks per run (deepspeed launcher when > 1)")
+                        "inprocess: train in this process (default subprocess)")
+    s.add_argument("--nproc", type=int, default=1,
+                   help="local ranks per run (deepspeed launcher when > 1; default 1)")
     s.set_defaults(func=run_sweep)
 
     sc = sub.add_parser("scaling", help="scaling-law analysis of finished runs (smelt-ds scaling fit)",
@@ -179,8 +213,8 @@ def _add_scaling_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--baseline", default=None, help="architecture the savings are measured against "
                                                     "(default: 'baseline', or the only unlooped one)")
     f.add_argument("--loss-key", default="all", help="validation domain of summary.json (default: all)")
-    f.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the 95%% CIs (0: none)")
-    f.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    f.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the 95%% CIs (0: none; default 200)")
+    f.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     f.add_argument("--c-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                    help="training FLOPs range of the frontier and savings tables (default: measured range to 100x)")
     f.set_defaults(func=run_fit)
@@ -200,7 +234,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 0:
         raise ConfigError(f"--limit ({args.limit}) must be >= 0")
     plan = _plan(args)
-    print(plan_table(plan))
+    print(plan_table(plan, estimate_runs(plan, nproc=args.nproc)))
     if args.dry_run:
         return 0
     if args.render:

@@ -505,3 +505,15 @@ def test_hostfile_host_with_zero_slots_parses_but_a_job_cannot_use_it(tmp_path):
     assert plan.world_size == 8 and plan.master_addr == "a"
     with pytest.raises(ConfigError, match=r"b has 0 slots, fewer than --gpus-per-node 8"):
         _plan(ROOT / "recipes/m/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=2, gpus_per_node=8)
+
+
+def test_scheduler_is_a_choice_refused_at_parse_time_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["render-job", "recipes/tiny/smelt.yaml", "--scheduler", "pbs", "--dry-run"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"argument --scheduler: invalid choice: '?pbs'? \(choose from '?deepspeed'?, '?slurm'?, '?k8s'?\)",
+                     err), err
+    with pytest.raises(SystemExit):
+        cli_main(["render-job", "--help"])
+    assert "--scheduler {deepspeed,slurm,k8s}" in capsys.readouterr().out

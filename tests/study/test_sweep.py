@@ -13,7 +13,15 @@ import yaml
 from smelt_ds.config.run import config_from_dict, load_config
 from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.errors import ConfigError
-from smelt_ds.study.sweep import load_sweep, materialize, plan_sweep, render_k8s, render_slurm, run_status
+from smelt_ds.study.sweep import (
+    format_duration,
+    load_sweep,
+    materialize,
+    plan_sweep,
+    render_k8s,
+    render_slurm,
+    run_status,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEPS = sorted((ROOT / "recipes" / "sweeps").glob("*.yaml"))
@@ -112,7 +120,7 @@ def test_status_and_conflicting_run_directories(tmp_path):
     ({"budgets": [{"name": "x", "tokens": 10, "flops": 1.0}]}, "exactly one of `tokens`"),
     ({"budgets": [{"name": "x"}]}, "exactly one of `tokens`.*got none"),
     ({"budgets": [{"name": "x", "token": 10}]},
-     "unknown keys in `budgets\\[0\\]`: \\['token'\\]; allowed keys: \\['flops', 'name', 'tokens', 'tokens_per_param'\\]"),
+     "unknown key `token` in `budgets\\[0\\]`: did you mean `tokens`\\?"),
     ({"architectures": [{"name": "a"}, {"name": "a", "position": "top"}]}, "duplicate names \\['a'\\]"),
     ({"sizes": [{"name": "a", "overrides": {"loop": {"position": "middle"}}}]}, "must be a Baseline"),
     ({"sizes": [{"name": "a", "overrides": {"model": {"hidden_sise": 3}}}]}, "hidden_sise"),
@@ -188,3 +196,68 @@ def test_cluster_sweep_smelt_equals_the_shipped_matched_recipes():
             assert {k: r.raw[k] for k in ("model", "moe", "loop")} == {k: ref[k] for k in ("model", "moe", "loop")}
             checked += 1
     assert checked == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# time estimates (smelt-ds sweep --dry-run)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_estimate_is_analytic_from_the_budget_then_measured_from_the_run_directories(tmp_path, capsys):
+    from smelt_ds.cli import main
+    from smelt_ds.study.sweep import CPU_FLOPS_PER_CORE, estimate_runs
+
+    path = _sweep(tmp_path)
+    plan = plan_sweep(load_sweep(path), path)
+    by_name = {r.name: r for r in plan.runs}
+
+    def hand_analytic(r):  # tokens x training FLOPs/token (3x forward, from the recipe) / 2 cores x 30 GFLOP/s
+        tokens = r.steps * 8 * 128  # micro-batch 8 x seq_len 128, one rank
+        return tokens * compute_budget(config_from_dict(r.raw)).train_flops_per_token / (2 * CPU_FLOPS_PER_CORE)
+
+    est = estimate_runs(plan, cpu_cores=2, local_peak_tflops=0)
+    for r, e in zip(plan.runs, est):
+        assert e.seconds == pytest.approx(hand_analytic(r), rel=1e-12) and e.remaining_s == e.seconds
+        assert e.source == "analytic: 2 CPU core(s) x 30 GFLOP/s" and e.gpus is None
+
+    # a finished run's summary.json measures its own speed and that of its size's other budgets
+    done = by_name["baseline-h64-d1"]
+    done.run_dir.mkdir(parents=True)
+    (done.run_dir / "summary.json").write_text(json.dumps({"steps": done.steps, "tokens_per_s": 2048.0}))
+    # an unfinished run's metrics.jsonl: the mean of its logged windows (rows without tokens/s skipped)
+    part = by_name["smelt-h128-c1"]
+    part.run_dir.mkdir(parents=True)
+    rows = [{"step": 1, "tokens_per_s": 1000.0}, {"step": 2, "val_loss": 5.0}, {"step": 3, "tokens_per_s": 3000.0}]
+    (part.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    est = dict(zip(by_name, estimate_runs(plan, cpu_cores=2, local_peak_tflops=0)))
+    e = est["baseline-h64-d1"]
+    assert e.source == "measured: summary.json of this run"
+    assert e.seconds == pytest.approx(done.steps * 1024 / 2048.0) and e.remaining_s == 0  # finished
+    for name in ("baseline-h64-c1", "baseline-h64-t"):
+        assert est[name].source == "measured: summary.json of baseline-h64-d1"
+        assert est[name].seconds == pytest.approx(by_name[name].steps * 1024 / 2048.0)
+    assert est["smelt-h128-c1"].source == "measured: metrics.jsonl of this run"
+    assert est["smelt-h128-c1"].seconds == pytest.approx(part.steps * 1024 / 2000.0)
+    assert est["smelt-h128-d1"].source == "measured: metrics.jsonl of smelt-h128-c1"
+    for name in ("smelt-h64-d1", "baseline-h128-d1"):  # other architecture or size: still analytic
+        assert est[name].seconds == pytest.approx(hand_analytic(by_name[name]), rel=1e-12)
+
+    assert main(["sweep", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "| measured: summary.json of baseline-h64-d1 |" in out and "| measured: metrics.jsonl of this run |" in out
+    total = sum(x.seconds for x in est.values())
+    assert f"estimated training time: {format_duration(total)} for all 12 runs one after another" in out
+    assert "tokens/s measured for 6 runs, analytic for 6" in out and "30 GFLOP/s per CPU core" in out
+
+
+def test_estimate_of_a_cluster_sweep_uses_the_layout_gpus_peak_and_the_stated_mfu():
+    from smelt_ds.study.sweep import ASSUMED_MFU, estimate_runs
+
+    path = ROOT / "recipes" / "sweeps" / "cluster.yaml"
+    plan = plan_sweep(load_sweep(path), path)
+    est = estimate_runs(plan, local_peak_tflops=0)
+    r, e = plan.runs[0], est[0]  # baseline-s-t5: layout h100 = 1 node x 8 H100 (989 dense bf16 TFLOP/s)
+    fpt = compute_budget(load_config(ROOT / "recipes" / "s" / "baseline.yaml")).train_flops_per_token
+    assert r.name == "baseline-s-t5" and e.gpus == 8
+    assert e.seconds == pytest.approx(r.tokens * fpt / (8 * 989e12 * ASSUMED_MFU), rel=1e-12)
+    assert e.source == f"analytic: layout h100, 8 x H100-SXM5-80GB at 989 TFLOP/s x MFU {ASSUMED_MFU:g}"
