@@ -16,6 +16,7 @@ from smelt_ds.cost import cli as cost_cli
 from smelt_ds.data import cli as data_cli
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval import cli as eval_cli
+from smelt_ds.eval import curves as curves_cli
 from smelt_ds.interop import cli as interop_cli
 from smelt_ds.launch import cli as launch_cli
 from smelt_ds.study import cli as study_cli
@@ -23,12 +24,13 @@ from smelt_ds.train import cli as train_cli
 
 #: package -> the module that registers its commands, in the order ``smelt-ds --help`` lists them
 #: (cost: budget, match; data: data; train: train, export; eval: eval, analyze, generate, lm-eval;
-#: interop: import-hf; study: memory, recipes, sweep, scaling; launch: render-job)
+#: curves: plot; interop: import-hf; study: memory, recipes, sweep, scaling; launch: render-job)
 COMMANDS = {
     "cost": cost_cli,
     "data": data_cli,
     "train": train_cli,
     "eval": eval_cli,
+    "curves": curves_cli,  # smelt_ds.eval.curves: `plot` (training curves of run directories)
     "interop": interop_cli,
     "study": study_cli,
     "launch": launch_cli,

@@ -19,7 +19,8 @@ def _commands_of(module) -> list[str]:
 def test_each_package_owns_its_commands_and_no_command_is_registered_twice():
     per_package = {name: _commands_of(module) for name, module in cli.COMMANDS.items()}
     assert per_package == {"cost": ["budget", "match"], "data": ["data"], "train": ["train", "export"],
-                           "eval": ["eval", "analyze", "generate", "lm-eval"], "interop": ["import-hf"],
+                           "eval": ["eval", "analyze", "generate", "lm-eval"], "curves": ["plot"],
+                           "interop": ["import-hf"],
                            "study": ["memory", "recipes", "sweep", "scaling"], "launch": ["render-job"]}
     every = [c for cmds in per_package.values() for c in cmds]
     assert len(every) == len(set(every))
@@ -28,7 +29,7 @@ def test_each_package_owns_its_commands_and_no_command_is_registered_twice():
 
 
 @pytest.mark.parametrize("command", ["budget", "match", "data", "train", "export", "eval", "analyze", "generate",
-                                     "import-hf", "memory", "recipes", "sweep", "scaling", "render-job"])
+                                     "plot", "import-hf", "memory", "recipes", "sweep", "scaling", "render-job"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--help"])

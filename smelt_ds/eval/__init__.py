@@ -8,6 +8,8 @@
 - :mod:`smelt_ds.eval.analysis`: attention sink, routing divergence, logit lens per (layer, visit).
 - :mod:`smelt_ds.eval.suite`: several runs at once; :mod:`smelt_ds.eval.report` tables;
   :mod:`smelt_ds.eval.plots` PNGs.
+- :mod:`smelt_ds.eval.curves`: training curves of run directories (``smelt-ds plot``: PNG + CSV).
 
-Commands: ``smelt-ds eval``, ``smelt-ds analyze``, ``smelt-ds generate`` (:mod:`smelt_ds.eval.cli`).
+Commands: ``smelt-ds eval``, ``smelt-ds analyze``, ``smelt-ds generate`` (:mod:`smelt_ds.eval.cli`), ``smelt-ds plot``
+(:mod:`smelt_ds.eval.curves`).
 """
