@@ -124,12 +124,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_build_tasks_parser(e)
     _add_common(e)
     e.add_argument("--batches", type=int, default=None,
-                   help="validation micro-batches per domain (default 32; with --corpus: every window)")
+                   help="validation micro-batches per domain (default 32; with --corpus: every window); each "
+                        "domain's first windows in shard order are read")
+    e.add_argument("--training-windows", action="store_true",
+                   help="read the windows the first run's in-loop validation read (metrics.jsonl val/*, "
+                        "summary.txt): train.seq_len tokens, the first eval.eval_batches x train.micro_batch_size "
+                        "x ranks windows of each domain, so the losses equal training's; not with --batches, "
+                        "--micro-batch, --seq-len or --corpus")
     e.add_argument("--corpus", nargs="+", default=None, metavar="PATH",
                    help="evaluate on these text/JSONL/Parquet files or directories instead of the run's "
                         "validation data: every document of them, tokenised with the run's tokenizer, one "
                         "domain per path (its file or directory stem)")
-    e.add_argument("--micro-batch", type=int, default=8, help="windows per micro-batch (default 8)")
+    e.add_argument("--micro-batch", type=int, default=None, help="windows per micro-batch (default 8)")
     e.add_argument("--buckets", default=None, help="position bucket ends in tokens, e.g. 64,256,1024 "
                                                    "(default: powers of two from 8)")
     e.add_argument("--shots", default=None, help="numbers of in-context examples (default 0,1,2,4,8,16)")
@@ -226,6 +232,8 @@ def _finish(result, rows, out: Path, stem: str, plot, no_plots: bool) -> None:
     jpath, mpath = write_report(result, rows, out, stem)
     names = [r["name"] for r in result["runs"]]
     print(to_markdown(rows, names))
+    if result["kind"] == "eval":  # what the losses were computed on, and `all`'s definition
+        print("\n" + "\n".join(f"Note: {n}" for n in result.get("notes", [])))
     print(f"\nwrote {jpath}, {mpath}" + ("" if no_plots else f" and {len(result['figures'])} PNGs") + f" to {out}")
 
 
@@ -235,6 +243,9 @@ def run_eval(args: argparse.Namespace) -> int:
     loop_opts = args.loop_repeats is not None or args.exit_after is not None
     _check_pass_flags(args)
     if args.harness is not None or args.humaneval or loop_opts:
+        if getattr(args, "training_windows", False):
+            raise ConfigError("--training-windows belongs to the validation-loss pass, not to --harness, --humaneval "
+                              "or --loop-repeats/--exit-after: drop it (or run the loss pass separately)")
         return _run_special(args, loop_opts)
     return _run_default(args)
 
@@ -256,13 +267,27 @@ def _check_pass_flags(args: argparse.Namespace) -> None:
                               f"for: add {switch} or drop the flag(s)")
 
 
+def _check_training_windows(args: argparse.Namespace) -> None:
+    """``--training-windows`` takes the windows from the run: a flag that chooses them too is refused."""
+    if not args.training_windows:
+        return
+    given = [f for f, v in (("--batches", args.batches), ("--micro-batch", args.micro_batch),
+                            ("--seq-len", args.seq_len), ("--corpus", args.corpus)) if v is not None]
+    if given:
+        raise ConfigError(f"--training-windows reads the windows of the run's in-loop validation (train.seq_len, "
+                          f"eval.eval_batches, train.micro_batch_size, ranks), so {', '.join(given)} cannot choose "
+                          "them too: drop --training-windows or the flag(s)")
+
+
 def _run_default(args: argparse.Namespace) -> int:
     _positive(batches=args.batches, micro_batch=args.micro_batch, episodes=args.episodes, seq_len=args.seq_len)
+    _check_training_windows(args)
     batches = args.batches if args.batches is not None else (None if args.corpus else 32)
     check_task_names(tuple(_csv(args.tasks) or TASK_NAMES))  # before the (long) loss pass
-    settings = EvalSettings(seq_len=args.seq_len, micro_batch_size=args.micro_batch, batches=batches,
+    settings = EvalSettings(seq_len=args.seq_len, micro_batch_size=args.micro_batch or 8, batches=batches,
                             buckets=parse_buckets(args.buckets), shots=parse_shots(args.shots),
-                            episodes=args.episodes, tasks=tuple(_csv(args.tasks) or TASK_NAMES), seed=args.seed)
+                            episodes=args.episodes, tasks=tuple(_csv(args.tasks) or TASK_NAMES), seed=args.seed,
+                            training_windows=args.training_windows)
     runs = _load(args)
     result = evaluate_runs(runs, settings)
     _finish(result, eval_table(result), _out_dir(args, runs), "eval", plot_eval, args.no_plots)
@@ -468,7 +493,7 @@ def _loop_loss_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path) 
     _positive(batches=args.batches, micro_batch=args.micro_batch, seq_len=args.seq_len)
     batches = args.batches if args.batches is not None else (None if args.corpus else 32)
     result = loss_by_repeats(runs, parse_repeats(args.loop_repeats), args.exit_after, seq_len=args.seq_len,
-                             micro_batch_size=args.micro_batch, batches=batches)
+                             micro_batch_size=args.micro_batch or 8, batches=batches)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "loop_repeats.json", result)
     md = loop_repeats_markdown(result)

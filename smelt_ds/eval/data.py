@@ -94,13 +94,22 @@ class EvalData:
     def key(self) -> str:
         return self.prepared.key
 
-    def batches(self, domain: str, seq_len: int, micro_batch_size: int, max_batches: int | None) -> list[dict]:
+    def batches(self, domain: str, seq_len: int, micro_batch_size: int, max_batches: int | None,
+                ranks: int = 1) -> list[dict]:
         """Validation micro-batches of ``domain``: ``{"input_ids": (B, S), "labels": (B, S)}`` int64,
-        windows of ``seq_len + 1`` tokens in shard order, at most ``max_batches``."""
+        windows of ``seq_len + 1`` tokens in shard order, at most ``max_batches``.
 
-        vl = ValidationLoader(self.prepared, domain, seq_len, micro_batch_size, dp_rank=0, dp_world_size=1,
-                              max_batches=max_batches, split=self.split)
-        return [{"input_ids": b["input_ids"], "labels": b["labels"]} for b in vl]
+        ``ranks`` > 1 reads the windows as training's validation does on that many data-parallel
+        ranks (:class:`smelt_ds.data.loader.ValidationLoader`): rank r takes windows r, r + ranks,
+        ... up to ``max_batches`` micro-batches, and the batches of rank 0, 1, ... are returned one
+        after the other (the same micro-batches, so the same numbers, as the ranks together).
+        Raises ConfigError when the domain holds fewer windows than ``ranks``."""
+        out = []
+        for rank in range(ranks):
+            vl = ValidationLoader(self.prepared, domain, seq_len, micro_batch_size, dp_rank=rank, dp_world_size=ranks,
+                                  max_batches=max_batches, split=self.split)
+            out += [{"input_ids": b["input_ids"], "labels": b["labels"]} for b in vl]
+        return out
 
     def text_of(self, domain: str, max_tokens: int) -> str:
         """Decoded text of the first ``max_tokens`` validation tokens of ``domain`` (documents

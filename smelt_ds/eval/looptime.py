@@ -1,7 +1,7 @@
 """Test-time loop count: the same weights run with other repeats of their loop ranges.
 
 ``smelt-ds eval RUN [RUN...] --loop-repeats 1,2,3 [--exit-after P]`` scores every run once per
-repeat count R: validation loss per domain (nats/token, token-weighted ``all``), the visit plan
+repeat count R: validation loss per domain (nats/token; ``all`` the mean of the domains' values, each domain weighted equally), the visit plan
 actually run, the KV-cache slots of that plan (one per visit) and its budgets (forward FLOPs per
 token, KV-cache bytes per token; :func:`smelt_ds.cost.budget.compute_budget`). The plan comes from
 :func:`smelt_ds.config.run.loop_with_repeats` and is applied with ``SmeltLM.set_loop``; the trained
@@ -105,7 +105,7 @@ def loss_by_repeats(runs: list[LoadedRun], repeats: list[int] | None, exit_after
     Returns ``{"kind": "loop_repeats", "rows": [{"run", "repeats" (int | None), "exit_after",
     "label", "visit_plan" (layer indices), "visits", "kv_cache_slots", "flops_per_token",
     "kv_cache_bytes_per_token", "loss": {domain: nats/token}, "tokens": {domain: tokens}}]}``
-    (``all`` = token-weighted over domains). Raises ConfigError when no repeat option is given
+    (``all`` = the mean of the domains' values, each domain weighted equally). Raises ConfigError when no repeat option is given
     or when no run has a loop range.
     """
     if repeats is None and exit_after is None:
@@ -163,7 +163,7 @@ def loop_repeats_markdown(result: dict[str, Any]) -> str:
     lines.append(f"Loss: token-weighted mean over up to {result['batches']} micro-batches of "
                  f"{result['micro_batch_size']} validation windows of {result['seq_len']} tokens per domain ("
                  + ", ".join(f"{d} {n:,} tokens" for d, n in tokens.items() if d != "all")
-                 + "; `all`: token-weighted over domains), the same windows in every row. The trained plan is the "
+                 + "; `all`: the mean of the domains' values, each domain weighted equally), the same windows in every row. The trained plan is the "
                  "row whose visits equal training's; a Baseline has no loop to repeat. Other repeat counts change "
                  "the FLOPs per token (column): compare them with the Baseline knowing the budgets no longer match.")
     return "\n".join(lines)

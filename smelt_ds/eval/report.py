@@ -30,14 +30,15 @@ def _finite(x):
 
 
 def _domain_label(domain: str) -> str:
-    """``all`` in ``smelt-ds eval`` pools every domain's tokens (token-weighted), unlike the
-    training summary's ``all`` (domains weighted equally): the label says which."""
-    return "all (token-weighted)" if domain == "all" else domain
+    """``all`` is the mean of the domains' values, each domain weighted equally (as training's
+    ``val/all``; :data:`smelt_ds.eval.loss.ALL_DEFINITION`): the label says so."""
+    return "all (domains weighted equally)" if domain == "all" else domain
 
 
 def eval_table(result: dict) -> list[dict]:
-    """Rows of ``smelt-ds eval``: per-domain loss and bits per byte, loss by position bucket
-    (all domains), and in-context loss (and accuracy) per task and k."""
+    """Rows of ``smelt-ds eval``: per-domain loss and bits per byte (and ``all``, domains weighted
+    equally), loss by position bucket (domains weighted equally), and in-context loss (and
+    accuracy) per task and k."""
     names = [r["name"] for r in result["runs"]]
     rows = []
     domains = list(dict.fromkeys(d for n in names for d in result["domains"][n]))
@@ -52,7 +53,8 @@ def eval_table(result: dict) -> list[dict]:
         for n in names:
             pos = result["domains"][n].get("all", {}).get("positions", [])
             vals[n] = _finite(pos[i]["loss"]) if i < len(pos) else None
-        rows.append(_row("loss by position (all domains)", f"positions {s}-{e}", "nats/token", vals, names))
+        rows.append(_row("loss by position (domains weighted equally)", f"positions {s}-{e}", "nats/token", vals,
+                         names))
     for task, info in result["tasks"].items():
         shots = list(dict.fromkeys(k for n in names for k in result["icl"][n].get(task, {})))
         for k in shots:

@@ -1,8 +1,16 @@
 """In-loop validation: the loss per validation domain of the engine being trained (rank-collective).
 
 ``train.eval_every`` steps and at the end of a run, :func:`smelt_ds.train.loop.train` calls
-:func:`evaluate`; its numbers go to ``metrics.jsonl`` (``val/<domain>``), TensorBoard and
-``summary.txt``.
+:func:`evaluate`; its numbers go to ``metrics.jsonl`` (``val/<domain>``, ``val/all``), TensorBoard
+and ``summary.txt``.
+
+Definition (the same as ``smelt-ds eval``'s, :mod:`smelt_ds.eval.loss`): a domain's loss is the
+mean next-token cross-entropy (nats/token) over the label tokens of its validation windows;
+``all`` is :data:`~smelt_ds.eval.loss.ALL_DEFINITION`. The windows are a cheap subset: per domain
+the first ``eval.eval_batches x train.micro_batch_size x ranks`` windows of ``train.seq_len + 1``
+tokens in shard order (rank r reads windows r, r + ranks, ...; fewer when a domain holds fewer,
+see :func:`validation_windows`). ``smelt-ds eval RUN --training-windows`` evaluates exactly
+those windows from a checkpoint and gives the same numbers.
 """
 
 from __future__ import annotations
@@ -10,16 +18,22 @@ from __future__ import annotations
 import torch
 
 from smelt_ds.config.run import RunConfig
+from smelt_ds.eval.loss import ALL_DEFINITION
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "validation_windows", "describe_validation", "ALL_DEFINITION"]
 
 
 @torch.no_grad()
 def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
-    """Mean next-token loss (nats/token) per validation domain over up to ``eval.eval_batches``
-    micro-batches per rank (token-weighted within a domain, summed over ranks); ``all`` is the
-    plain mean of the domains' values, so every domain weighs the same whatever its number of
-    windows (``smelt-ds eval``'s ``all`` instead pools the domains' tokens, and says so)."""
+    """Loss (nats/token) per validation domain and ``all`` over up to ``eval.eval_batches``
+    micro-batches per rank and domain.
+
+    A domain's value is token-weighted over its label tokens on every rank (sums all-reduced);
+    ``all`` is the plain mean of the domains' values, every domain weighted equally whatever its
+    number of windows (:data:`ALL_DEFINITION`; ``smelt-ds eval`` defines ``all`` the same way).
+    Domains without a label token are left out. ``engine`` is called as ``engine(input_ids,
+    labels=labels)`` and must return ``lm_loss``, the mean over the batch's label tokens.
+    """
     import torch.distributed as dist
 
     engine.eval()
@@ -38,3 +52,33 @@ def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
         out["all"] = sum(out.values()) / len(out)
     engine.train()
     return out
+
+
+def validation_windows(data) -> dict[str, int]:
+    """Windows per domain that :func:`evaluate` reads on all ranks together (units: windows of
+    ``train.seq_len`` label tokens): ``ranks x min(windows per rank, eval.eval_batches x
+    train.micro_batch_size)``, from this rank's loaders (``data.val_loaders``, every rank reads as
+    many). Empty when ``data`` has no validation loaders."""
+    out = {}
+    for domain, vl in getattr(data, "val_loaders", {}).items():
+        per_rank = len(vl.sample_ids)
+        if vl.max_batches is not None:
+            per_rank = min(per_rank, vl.max_batches * vl.micro_batch_size)
+        out[domain] = vl.dp_world_size * per_rank
+    return out
+
+
+def describe_validation(data, cfg: RunConfig) -> str | None:
+    """One line saying what the validation losses were computed on, for ``summary.txt``, e.g.
+    ``validation windows: code 64, text 64 of 128 tokens (the first of each domain: eval.eval_batches
+    8 x train.micro_batch_size 8 x 1 rank); reproduce: smelt-ds eval RUN --training-windows``.
+    None when ``data`` has no validation loaders."""
+    windows = validation_windows(data)
+    if not windows:
+        return None
+    ranks = next(iter(data.val_loaders.values())).dp_world_size
+    per = ", ".join(f"{d} {w:,}" for d, w in windows.items())
+    return (f"validation windows: {per} of {cfg.train.seq_len} tokens (the first of each domain's validation split: "
+            f"eval.eval_batches {cfg.eval.eval_batches} x train.micro_batch_size {cfg.train.micro_batch_size} x "
+            f"{ranks} rank{'s' if ranks != 1 else ''}); `smelt-ds eval RUN --training-windows` recomputes these "
+            "losses from a checkpoint")

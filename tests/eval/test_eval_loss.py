@@ -59,6 +59,7 @@ def test_domain_loss_bits_per_byte_and_positions_match_hand_loop(random_exports,
     assert set(per) == {*eval_data.domains, "all"} == {"code", "text", "all"}
     model = run.model
     tot = {"nats": 0.0, "tok": 0, "bytes": 0}
+    dom_loss, dom_bpb = [], []
     for dom in eval_data.domains:
         batches = _hand_batches(eval_data, dom, S, mb, nb)
         num = den = 0.0
@@ -89,8 +90,12 @@ def test_domain_loss_bits_per_byte_and_positions_match_hand_loop(random_exports,
         tot["nats"] += num
         tot["tok"] += den
         tot["bytes"] += nbytes
-    assert per["all"]["loss"] == pytest.approx(tot["nats"] / tot["tok"], rel=1e-5)
-    assert per["all"]["bits_per_byte"] == pytest.approx(tot["nats"] / tot["bytes"] / math.log(2), rel=1e-5)
+        dom_loss.append(num / den)
+        dom_bpb.append(num / (nbytes * math.log(2)))
+    # `all`: the domains weighted equally (as training's val/all); its counts are sums
+    assert per["all"]["loss"] == pytest.approx(sum(dom_loss) / len(dom_loss), rel=1e-5)
+    assert per["all"]["bits_per_byte"] == pytest.approx(sum(dom_bpb) / len(dom_bpb), rel=1e-5)
+    assert (per["all"]["tokens"], per["all"]["bytes"]) == (tot["tok"], tot["bytes"])
 
 
 def test_seq_len_beyond_context_is_a_config_error(random_exports):
