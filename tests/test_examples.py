@@ -87,6 +87,8 @@ EXPENSIVE = {
     "smelt-ds train recipes/tiny/baseline.yaml --set train.max_steps=300 --run-dir /tmp/runs/baseline": _RUN_EXPORT_INIT,
     "smelt-ds train recipes/tiny/smelt.yaml --set train.max_steps=300 --run-dir /tmp/runs/smelt": _RUN_EXPORT_INIT,
     "smelt-ds eval /tmp/runs/baseline /tmp/runs/smelt -o evals/tiny": f"{_EVAL}::test_eval_table_files_and_ranges",
+    "smelt-ds plot /tmp/runs/baseline /tmp/runs/smelt --labels Baseline,SMELT -o docs/figures/tiny_smelt_vs_baseline.png":
+        "tests/eval/test_curves.py::test_plots_a_real_run",
     "smelt-ds analyze /tmp/runs/baseline /tmp/runs/smelt -o evals/tiny": f"{_EVAL}::test_analyze_files_and_ranges",
     "smelt-ds generate /tmp/runs/smelt --prompt def main( --max-new-tokens 48":
         f"{_EVAL}::test_generate_greedy_matches_full_recompute",
