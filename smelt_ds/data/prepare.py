@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 import uuid
 import zlib
@@ -59,6 +60,7 @@ from smelt_ds.data.cache import (
     sha256_json,
     write_json,
 )
+from smelt_ds.data.builtin import builtin_key
 from smelt_ds.data.distributed import rank_info, run_once
 from smelt_ds.data.sources import SourceData, read_sources, source_fingerprint
 from smelt_ds.data.tokenizer import (
@@ -586,9 +588,29 @@ def _shard_dtype(tok: Tokenizer, ids: list[datasets.Dataset]) -> np.dtype:
     return token_dtype(top + 1)
 
 
+def _say(message: str) -> None:
+    """A "what is happening" line on rank 0's stderr (slow first-run steps and reused caches)."""
+    if rank_info().rank == 0:
+        print(f"smelt-ds data: {message}", file=sys.stderr, flush=True)
+
+
+def _announce_builtin(cfg: DataConfig, root: Path) -> None:
+    """Say whether the built-in corpus is built now or reused (the path is
+    :func:`smelt_ds.data.builtin.builtin_corpus_dir`'s, which builds it on first use)."""
+    if not any(s.builtin is not None for s in cfg.sources):
+        return
+    corpus = root / "builtin" / builtin_key(cfg.builtin_max_bytes)[:20]
+    if is_complete(corpus):
+        _say(f"reusing the built-in corpus cached in {corpus}")
+    else:
+        _say(f"building the built-in corpus now (code and prose from this Python's standard library, up to "
+             f"{cfg.builtin_max_bytes:,} bytes per domain); cached afterwards in {corpus}")
+
+
 def _prepare_into(tmp: Path, cfg: DataConfig, root: Path, key: str) -> None:
     t0 = time.time()
     work = tmp / "_work"
+    _announce_builtin(cfg, root)
     sources = read_sources(cfg, work, root)
     for sd in sources:  # before the tokenizer is trained: fail fast
         validation_count(len(sd.dataset), cfg.validation_share, sd.where)
@@ -638,6 +660,11 @@ def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None) ->
     root = cache_root(cache_dir if cache_dir is not None else cfg.cache_dir)
     key = preparation_key(cfg)
     out = Path(cfg.output_dir).expanduser() if cfg.output_dir else root / "prepared" / key[:20]
+    if is_complete(out):
+        _say(f"reusing the prepared token shards in {out}")
+    else:
+        _say(f"preparing the data now (sources, tokenizer, tokenisation, train/validation shards); cached "
+             f"afterwards in {out}, reused by every run with the same data settings")
     created = run_once(out, lambda tmp: _prepare_into(tmp, cfg, root, key),
                        shared_filesystem=cfg.shared_filesystem, timeout_s=cfg.prepare_timeout_s)
     prepared = PreparedData.load(out, verify=cfg.verify)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -33,7 +34,8 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from smelt_ds.config.data import TokenizerConfig
-from smelt_ds.data.cache import build_dir_atomically, sha256_bytes, sha256_json
+from smelt_ds.data.cache import build_dir_atomically, is_complete, sha256_bytes, sha256_json
+from smelt_ds.data.distributed import rank_info
 from smelt_ds.errors import ConfigError
 
 __all__ = ["TOKENIZER_FILE", "train_tokenizer", "tokenizer_hash", "load_tokenizer", "special_ids",
@@ -149,6 +151,13 @@ def cached_tokenizer(root: Path, key: str, batches: Callable[[], Iterable[list[s
     Returns the file path and whether this call trained it; nothing is cached when training fails.
     """
     out = root / "tokenizers" / key[:20]
+    if rank_info().rank == 0:  # what is happening (rank 0's stderr): the first run trains, later ones reuse
+        if is_complete(out):
+            print(f"smelt-ds data: reusing the BPE tokenizer cached in {out}", file=sys.stderr, flush=True)
+        else:
+            cap = f"up to {cfg.max_train_bytes:,} bytes" if cfg.max_train_bytes else "all"
+            print(f"smelt-ds data: training the BPE tokenizer now (vocab_size {cfg.vocab_size:,}, on {cap} of the "
+                  f"documents); cached afterwards in {out}", file=sys.stderr, flush=True)
 
     def build(tmp: Path) -> None:
         docs = capped_batches(batches(), cfg.max_train_bytes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -30,14 +31,17 @@ from smelt_ds.model.moe import TopKRouter
 from smelt_ds.parallel.distributed import init_distributed, on_rank0, sync_flag
 from smelt_ds.parallel.engine import resolve_precision
 from smelt_ds.parallel.grad_norm import clip_before_step, logged_grad_norm
+from smelt_ds.parallel.threads import ThreadChoice, apply_threads, thread_choice
 from smelt_ds.testing.distributed import find_free_port
 from smelt_ds.train import checkpoint as ckpt
 from smelt_ds.train.build import Built, build
 from smelt_ds.train.checkpoint import CheckpointWriteError
+from smelt_ds.train.console import Console, banner, step_line, val_line
 from smelt_ds.train.data import build_data
 from smelt_ds.train.guards import check_run_dir, lock_run_dir, remove_if_only_lock
 from smelt_ds.train.harness_eval import check_harness_tasks, harness_due, run_harness_eval
 from smelt_ds.train.metrics import (
+    IntervalMeans,
     MetricsWriter,
     MicroStats,
     RunResult,
@@ -128,14 +132,81 @@ def threading_is_main() -> bool:
 def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> RunResult:
     """Train ``cfg`` and return a :class:`RunResult`. Initialises torch.distributed if needed.
 
-    Rank 0 holds the run directory's exclusive lock for the whole run (one writer per run).
-    Raises ConfigError for bad configuration, incompatible data, an unusable checkpoint, or a
-    run directory another training is using.
+    First sets this rank's CPU threads (:mod:`smelt_ds.parallel.threads`: the user's
+    ``OMP_NUM_THREADS``, else the cores split over the local ranks; one with
+    ``train.deterministic``, which also turns on ``torch.use_deterministic_algorithms``); both are
+    restored when training returns. Rank 0 holds the run directory's exclusive lock for the whole
+    run (one writer per run). Raises ConfigError for bad configuration (a bad ``OMP_NUM_THREADS``
+    included), incompatible data, an unusable checkpoint, or a run directory another training is
+    using.
     """
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        init_distributed()
+    threads = thread_choice(cfg.train.deterministic)
+    deterministic_before = (torch.are_deterministic_algorithms_enabled(),
+                            torch.is_deterministic_algorithms_warn_only_enabled())
+    threads_before = apply_threads(threads)
+    try:
+        if cfg.train.deterministic:
+            _deterministic_on()
+        if not dist.is_initialized():
+            if os.environ.get("RANK", "0") == "0":
+                _print_lines(_deepspeed_op_notices(("ShareMemCommBuilder",)))
+            init_distributed()
+        return _train(cfg, resume, run_dir, threads)
+    finally:
+        torch.set_num_threads(threads_before)
+        torch.use_deterministic_algorithms(deterministic_before[0], warn_only=deterministic_before[1])
+
+
+def _deterministic_on() -> None:
+    """``train.deterministic``: deterministic kernels (an op without one raises), and the cuBLAS
+    workspace setting CUDA needs for them (``CUBLAS_WORKSPACE_CONFIG``, unless set)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+def _print_lines(lines: list[str]) -> None:
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+
+
+#: DeepSpeed C++ ops a run may compile on first use: builder class -> what it is for
+_DS_OPS = {"ShareMemCommBuilder": "DeepSpeed's CPU shared-memory collectives, built by deepspeed.init_distributed",
+           "CPUAdamBuilder": "DeepSpeed's CPU Adam for deepspeed.offload_optimizer"}
+
+
+def _deepspeed_op_notices(builders: tuple[str, ...]) -> list[str]:
+    """One line per DeepSpeed op of ``builders`` (:data:`_DS_OPS` keys) that DeepSpeed compiles
+    on its first use on this machine (a C++ JIT build with ninja: about 35 s of compiler time, a
+    minute or more on a small shared machine) or reuses from torch's extension cache
+    (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/<python>_<device>/<op>``).
+    No line for an op the accelerator does not use, or one the DeepSpeed install ships prebuilt."""
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:
+        return []
+    lines = []
+    for cls in builders:
+        b = get_accelerator().create_op_builder(cls)
+        if b is None or installed_ops.get(b.name, False) or not deepspeed.ops.__compatible_ops__.get(b.NAME, False):
+            continue
+        where = Path(_get_build_directory(b.name, verbose=False))
+        if (where / f"{b.name}.so").is_file():
+            lines.append(f"deepspeed op {b.name} ({_DS_OPS[cls]}): reusing the build cached in {where}")
+        else:
+            lines.append(f"deepspeed op {b.name} ({_DS_OPS[cls]}): compiling it now, once per machine (a C++ "
+                         f"JIT build, a minute or more on a small CPU); cached afterwards in {where}")
+    return lines
+
+
+def _train(cfg: RunConfig, resume: str, run_dir: str | None, threads: ThreadChoice) -> RunResult:
+    """:func:`train` after the threads are set and torch.distributed is initialised."""
+    import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(run_dir or cfg.train.run_dir.format(name=cfg.name))
     if run_dir is not None:  # config.yaml says where the run lives, so the recipe resumes it as it is
@@ -145,7 +216,7 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
     try:
         check_run_dir(out_dir, cfg, resume, world)
         dist.barrier()
-        return _fit(cfg, resume, out_dir, rank, world)
+        return _fit(cfg, resume, out_dir, rank, world, threads)
     except ConfigError:
         if rank == 0 and created and lock is not None:  # a refused new run leaves no directory behind
             lock.release()
@@ -157,7 +228,7 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
             lock.release()
 
 
-def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int) -> RunResult:
+def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, threads: ThreadChoice) -> RunResult:
     """The body of :func:`train`, in a locked, checked run directory: build, restore, then one
     optimizer step at a time with logging, validation and checkpoints until ``train.max_steps``
     or a stop (signal, ``train.exit_after_steps``)."""
@@ -165,6 +236,8 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int) -> R
     if cfg.eval.harness_tasks:  # unknown task names fail now, not at the first in-loop evaluation
         on_rank0(rank, lambda: check_harness_tasks(cfg))
     data = build_data(cfg, rank, world)
+    if rank == 0 and cfg.deepspeed.offload_optimizer != "none":
+        _print_lines(_deepspeed_op_notices(("CPUAdamBuilder",)))
     built = build(cfg, world)  # before anything is written: a recipe the engine refuses leaves no trace
     on_rank0(rank, lambda: record_run_tokenizer(out_dir, data.prepared, resuming=resume != "none"))
     if rank == 0 and cfg.train.compile != "none":
@@ -183,6 +256,11 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int) -> R
         dump_config(cfg, out_dir / "config.yaml")
         (out_dir / "ds_config.json").write_text(json.dumps(built.ds_config, indent=2))
     fit = _Fit(cfg, out_dir, rank, world, data, built, step, tokens_seen)
+    fit.result.threads = {"torch_threads": torch.get_num_threads(), "reason": threads.reason}
+    fit.console.line(banner(cfg, run_dir=out_dir, world=world, accum=fit.accum, budget=fit.budget,
+                            precision=fit.precision, device=_device(), threads=threads, start_step=step))
+    fit.console.start_bar()
+    fit.t_last = time.perf_counter()  # the first window starts at step 1
     with _Terminator() as term:
         while fit.step < cfg.train.max_steps:
             lr, ids, grad_norm, means = _train_step(fit)
@@ -190,14 +268,17 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int) -> R
             fit.result.lrs.append(lr)
             fit.result.sample_ids.append(ids)
             _log_step(fit, lr, grad_norm, means)
+            t_eval = time.perf_counter()  # evaluations are left out of the logged throughput
             if fit.step % cfg.train.eval_every == 0 or fit.step == cfg.train.max_steps:
                 fit.result.val = evaluate(built.engine, data, cfg)
                 fit.writer.write(fit.step, {f"val/{k}": v for k, v in fit.result.val.items()})
+                fit.console.line(val_line(fit.step, fit.result.val))
             if harness_due(cfg, fit.step):  # lm-eval tasks on rank 0's gathered copy of the model
                 run_harness_eval(built.engine, cfg, data.prepared, fit.step, fit.tokens_seen, fit.writer)
+            fit.eval_s += time.perf_counter() - t_eval
             if _save_or_stop(fit, sync_flag(term.requested)):
                 break
-    fit.progress.close()
+    fit.console.close()
     fit.writer.close()
     result = fit.result
     result.step, result.tokens_seen = fit.step, fit.tokens_seen
@@ -236,8 +317,10 @@ class _Fit:
         self.result = RunResult(out_dir, step, tokens_seen, [], [], {}, [])
         self.writer = MetricsWriter(out_dir, rank == 0, step)
         self.micro = MicroStats()
-        self.progress = _progress(rank, step, cfg.train.max_steps)
+        self.interval = IntervalMeans()
+        self.console = Console(rank == 0, step, cfg.train.max_steps)
         self.t_last, self.tok_last = time.perf_counter(), tokens_seen
+        self.eval_s = 0.0  # seconds of validation / harness evaluation since the last log row
 
 
 def _train_step(fit: _Fit) -> tuple[float, list[int], float | None, dict[str, float]]:
@@ -264,22 +347,32 @@ def _train_step(fit: _Fit) -> tuple[float, list[int], float | None, dict[str, fl
 
 
 def _log_step(fit: _Fit, lr: float, grad_norm: float | None, means: dict[str, float]) -> None:
-    """Every ``train.log_every`` steps (and the last): a ``metrics.jsonl`` / TensorBoard row with
-    throughput (tokens/s), TFLOP/s per device, memory and routing; the progress bar every step."""
+    """Every ``train.log_every`` steps (and the last): a ``metrics.jsonl`` / TensorBoard row and a
+    console line with the losses averaged over the steps since the previous row
+    (:class:`~smelt_ds.train.metrics.IntervalMeans`; ``loss_last_step`` the last step's), this
+    step's LR and gradient norm, throughput (tokens/s), TFLOP/s per device, memory and routing;
+    the progress bar (on a terminal) every step. ``lr`` and ``grad_norm`` are the last step's;
+    ``tokens_per_s`` is the interval's tokens over its wall-clock seconds less the validation and
+    harness evaluations run in it (checkpoint saves count)."""
     cfg, step = fit.cfg, fit.step
+    fit.interval.add(means)
     if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
         now = time.perf_counter()
-        tps = (fit.tokens_seen - fit.tok_last) / max(now - fit.t_last, 1e-9)
-        fit.t_last, fit.tok_last = now, fit.tokens_seen
-        row = {**means, "lr": lr, "grad_norm": _grad_norm(fit.built.engine, grad_norm), "tokens": fit.tokens_seen,
+        seconds = max(now - fit.t_last - fit.eval_s, 1e-9)
+        tps = (fit.tokens_seen - fit.tok_last) / seconds
+        fit.result.windows.append((fit.tokens_seen - fit.tok_last, seconds))
+        fit.t_last, fit.tok_last, fit.eval_s = now, fit.tokens_seen, 0.0
+        row = {**fit.interval.pop(), "lr": lr, "grad_norm": _grad_norm(fit.built.engine, grad_norm),
+               "tokens": fit.tokens_seen,
                "tokens_per_s": tps, "tflops_per_device": fit.budget.train_flops_per_token * tps / fit.world / 1e12,
                "memory_bytes": memory_bytes(), **routing_metrics(fit.built.model)}
         peak = device_peak_tflops()
         if peak and fit.precision == "bf16":
             row["mfu"] = row["tflops_per_device"] / peak
         fit.writer.write(step, row)
-    fit.progress.update(1)
-    fit.progress.set_postfix(loss=f"{means['loss']:.3f}")
+        eta = (cfg.train.max_steps - step) * seconds / max(1, row["loss_steps"])
+        fit.console.line(step_line(step, cfg.train.max_steps, row, cuda=torch.cuda.is_available(), eta_s=eta))
+    fit.console.advance(means["loss"])
 
 
 def _save_or_stop(fit: _Fit, signalled: bool) -> bool:
@@ -355,20 +448,9 @@ def _grad_norm(engine, norm: float | None) -> float:
     return logged_grad_norm(engine, norm)
 
 
-class _NoProgress:
-    def update(self, n): ...
-
-    def set_postfix(self, **kw): ...
-
-    def close(self): ...
-
-
-def _progress(rank: int, start: int, total: int):
-    if rank != 0:
-        return _NoProgress()
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+def _device() -> str:
+    """``"cpu"`` or ``"cuda (<device name>)"`` for the banner."""
+    return f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:

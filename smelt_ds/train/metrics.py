@@ -1,7 +1,16 @@
-"""What a training run logs: per-step means over micro-batches and ranks, routing statistics,
-throughput and MFU, ``metrics.jsonl`` + TensorBoard rows (rank 0), and ``summary.json`` / ``summary.txt``.
+"""What a training run logs: per-step means over micro-batches and ranks, their means over each
+logging interval, routing statistics, throughput and MFU, ``metrics.jsonl`` + TensorBoard rows
+(rank 0), and ``summary.json`` / ``summary.txt``.
 
-Units: losses in nats/token, throughput in tokens/s, TFLOP/s per device, memory in bytes.
+A training row of ``metrics.jsonl`` (every ``train.log_every`` optimizer steps and the last):
+``loss``, ``lm_loss``, ``aux_loss``, ``z_loss`` are means over the ``loss_steps`` optimizer steps
+since the previous row (each step's value is itself the mean over its micro-batches and the
+data-parallel ranks); ``loss_last_step`` is the last of those steps' ``loss``. ``tokens_per_s`` is
+the interval's tokens over its wall-clock seconds, validation and harness evaluations left out
+(checkpoint saves counted). :attr:`RunResult.losses` holds every step's loss.
+
+Units: losses in nats/token, throughput in tokens/s, TFLOP/s per device, memory in bytes, times in
+seconds.
 """
 
 from __future__ import annotations
@@ -15,9 +24,15 @@ from typing import Any
 import torch
 
 from smelt_ds.config.run import RunConfig
+from smelt_ds.eval.loss import ALL_DEFINITION
+from smelt_ds.train.console import summary_lines
+from smelt_ds.train.validation import describe_validation, validation_windows
 
-__all__ = ["RunResult", "PEAK_TFLOPS", "device_peak_tflops", "memory_bytes", "MicroStats", "routing_metrics", "MetricsWriter",
-           "write_summary"]
+__all__ = ["RunResult", "PEAK_TFLOPS", "device_peak_tflops", "memory_bytes", "MicroStats", "IntervalMeans",
+           "routing_metrics", "MetricsWriter", "throughput", "write_summary", "VAL_ALL_NOTE"]
+
+#: how validation ``all`` combines the domains (smelt_ds.train.validation.evaluate), said wherever it is printed
+VAL_ALL_NOTE = ALL_DEFINITION
 
 
 # Dense bf16 peak TFLOP/s per device (no sparsity), from the vendors' datasheets.
@@ -48,7 +63,7 @@ def memory_bytes() -> int:
 
 @dataclass
 class MicroStats:
-    """Sums over micro-batches since the last log row (means are taken over micro-batches)."""
+    """Sums over the micro-batches of one optimizer step (:meth:`means` resets them)."""
 
     n: int = 0
     sums: dict[str, float] = field(default_factory=dict)
@@ -73,6 +88,57 @@ class MicroStats:
             t /= dist.get_world_size()
         self.n, self.sums = 0, {}
         return dict(zip(keys, t.tolist()))
+
+
+@dataclass
+class IntervalMeans:
+    """Per-step means (``MicroStats.means()``) since the last log row: :meth:`pop` returns their
+    means over the steps of the interval, ``loss_last_step`` and ``loss_steps`` (steps averaged)."""
+
+    n: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    last: dict[str, float] = field(default_factory=dict)
+
+    def add(self, step_means: dict[str, float]) -> None:
+        self.n += 1
+        self.last = dict(step_means)
+        for k, v in step_means.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+
+    def pop(self) -> dict[str, float]:
+        """``{loss, lm_loss, ...: interval means, loss_last_step, loss_steps}``; resets. Raises
+        ValueError when no step was added since the last call."""
+        if not self.n:
+            raise ValueError("IntervalMeans.pop() without a step since the last pop")
+        out: dict[str, float] = {k: v / self.n for k, v in self.sums.items()}
+        if "loss" in self.last:
+            out["loss_last_step"] = self.last["loss"]
+        out["loss_steps"] = self.n
+        self.n, self.sums, self.last = 0, {}, {}
+        return out
+
+
+def throughput(windows: list[tuple[int, float]]) -> dict[str, float | int | None]:
+    """Throughput of the logged windows ``[(tokens, seconds), ...]`` of one invocation.
+
+    With two windows or more the first (compilation, allocator and cache warm-up) is left out:
+    ``tokens_per_s`` = tokens / seconds summed over the later windows (token-weighted), and
+    ``startup_s`` = the first window's seconds minus what its tokens take at that rate (the
+    start-up cost: compile time when ``train.compile`` is set). With one window, that window's rate
+    and ``startup_s`` None; with none, all None. Also ``first_window_s`` (seconds) and
+    ``throughput_windows`` (windows logged)."""
+    out: dict[str, float | int | None] = {"tokens_per_s": None, "first_window_s": None, "startup_s": None,
+                                          "throughput_windows": len(windows)}
+    if not windows:
+        return out
+    first_tokens, first_s = windows[0]
+    out["first_window_s"] = first_s
+    later = windows[1:] or windows
+    tps = sum(t for t, _ in later) / max(sum(s for _, s in later), 1e-9)
+    out["tokens_per_s"] = tps
+    if len(windows) >= 2:
+        out["startup_s"] = max(0.0, first_s - first_tokens / tps)
+    return out
 
 
 def routing_metrics(model) -> dict[str, float]:
@@ -142,34 +208,35 @@ class RunResult:
     sample_ids: list[list[int]]  # per optimizer step, this rank's sample ids (data order checks)
     stopped_early: bool = False
     stop_reason: str | None = None  # "signal" (SIGTERM/SIGINT on any rank) or "exit_after_steps"
+    windows: list[tuple[int, float]] = field(default_factory=list)  # logged windows: (tokens, seconds)
+    threads: dict[str, Any] = field(default_factory=dict)  # CPU thread choice: {"torch_threads", "reason"}
 
 
 def write_summary(out_dir: Path, cfg: RunConfig, result: RunResult, budget, data) -> None:
+    """Write ``summary.json`` and ``summary.txt`` (and print the text) at the end of a run.
+
+    ``final_train_loss`` / ``final_lm_loss``: the last training row of ``metrics.jsonl``, i.e. the
+    mean over its ``loss_steps`` (``final_loss_steps``) steps, the last ``train.log_every`` window.
+    ``tokens_per_s``: :func:`throughput` of this invocation's windows (the first one left out when
+    there are two or more), with ``first_window_s``, ``startup_s`` and ``throughput_windows``.
+    ``validation_loss``: the last validation (nats/token; ``all`` as :data:`VAL_ALL_NOTE` says), on
+    ``validation_windows`` windows per domain (:func:`smelt_ds.train.validation.validation_windows`).
+    ``threads``: this rank's CPU thread choice."""
     metrics = [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
     last: dict[str, Any] = next((m for m in reversed(metrics) if "loss" in m), {})
-    tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
     summary = {
         "name": cfg.name, "steps": result.step, "tokens": result.tokens_seen,
         "final_train_loss": last.get("loss"), "final_lm_loss": last.get("lm_loss"),
-        "validation_loss": result.val, "tokens_per_s": (sum(tps) / len(tps)) if tps else None,
+        "final_loss_steps": last.get("loss_steps", 1 if last else None),
+        "validation_loss": result.val, "validation_windows": validation_windows(data) if result.val else {},
+        **throughput(result.windows),
         "unigram_entropy_nats": getattr(data, "unigram_entropy", None),
+        "threads": result.threads,
         "budget": budget.as_dict(),
     }
     tmp = out_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, out_dir / "summary.json")
-    lines = [f"run {cfg.name}: {result.step} steps, {result.tokens_seen:,} tokens, "
-             f"{summary['tokens_per_s'] or 0:,.0f} tokens/s",
-             f"final train loss {summary['final_train_loss']:.4f} (LM {summary['final_lm_loss']:.4f})"]
-    for k, v in result.val.items():
-        lines.append(f"validation loss [{k}]: {v:.4f} nats/token"
-                     + (" (domains weighted equally, eval.eval_batches each)" if k == "all" else ""))
-    if summary["unigram_entropy_nats"] is not None:
-        lines.append(f"unigram entropy of the training tokens: {summary['unigram_entropy_nats']:.4f} nats/token")
-    lines.append(f"budgets: {budget.forward_flops_per_token:,.0f} forward FLOPs/token, "
-                 f"{budget.non_embedding_params:,} non-embedding params (embedding and head excluded), "
-                 f"{budget.kv_cache_bytes_per_token} KV-cache bytes/token ({budget.kv_dtype}), "
-                 f"{budget.visits} visits of {budget.unique_layers} unique layers")
-    text = "\n".join(lines)
+    text = "\n".join(summary_lines(summary, VAL_ALL_NOTE, out_dir, describe_validation(data, cfg) if result.val else None))
     (out_dir / "summary.txt").write_text(text + "\n")
     print(text)

@@ -70,7 +70,7 @@ def validation_windows(data) -> dict[str, int]:
 
 def describe_validation(data, cfg: RunConfig) -> str | None:
     """One line saying what the validation losses were computed on, for ``summary.txt``, e.g.
-    ``validation windows: code 64, text 64 of 128 tokens (the first of each domain: eval.eval_batches
+    ``code 64, text 64 of 128 tokens (the first of each domain: eval.eval_batches
     8 x train.micro_batch_size 8 x 1 rank); reproduce: smelt-ds eval RUN --training-windows``.
     None when ``data`` has no validation loaders."""
     windows = validation_windows(data)
@@ -78,7 +78,7 @@ def describe_validation(data, cfg: RunConfig) -> str | None:
         return None
     ranks = next(iter(data.val_loaders.values())).dp_world_size
     per = ", ".join(f"{d} {w:,}" for d, w in windows.items())
-    return (f"validation windows: {per} of {cfg.train.seq_len} tokens (the first of each domain's validation split: "
+    return (f"{per} of {cfg.train.seq_len} tokens (the first of each domain's validation split: "
             f"eval.eval_batches {cfg.eval.eval_batches} x train.micro_batch_size {cfg.train.micro_batch_size} x "
             f"{ranks} rank{'s' if ranks != 1 else ''}); `smelt-ds eval RUN --training-windows` recomputes these "
             "losses from a checkpoint")

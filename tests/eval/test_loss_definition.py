@@ -133,7 +133,7 @@ def test_summary_line_states_the_windows(run):
     assert windows == read and windows["code"] == EVAL_BATCHES * 4 > windows["text"]
     line = describe_validation(data, cfg)
     assert line is not None
-    assert line.startswith(f"validation windows: code {EVAL_BATCHES * 4}, text {windows['text']} of 32 tokens")
+    assert line.startswith(f"code {EVAL_BATCHES * 4}, text {windows['text']} of 32 tokens")
     assert f"eval.eval_batches {EVAL_BATCHES} x train.micro_batch_size 4 x 1 rank)" in line
     assert "smelt-ds eval RUN --training-windows" in line
 
