@@ -56,8 +56,8 @@ def run_train(args: argparse.Namespace) -> int:
     :func:`check_before_launch` refuses (printed once, before any rank starts)."""
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: the number of local ranks must be >= 1 (1: this process)")
+    check_before_launch(args)  # one process too: refused before DeepSpeed starts
     if args.nproc > 1:
-        check_before_launch(args)
         cmd = launcher_command(args)
         print("launching: " + " ".join(cmd), file=sys.stderr)
         return run_launcher(cmd)
@@ -133,7 +133,8 @@ def launcher_status(rc: int, signum: int | None) -> int:
     if signum is None or rc in (0, 2, 128 + signal.SIGTERM):  # rc, not status: killed by SIGTERM saved nothing
         return status
     print(f"smelt-ds train: the ranks stopped without saving a checkpoint for this {signal.Signals(signum).name} "
-          f"(launcher exit status {status}; see the messages above)", file=sys.stderr)
+          f"(launcher exit status {status}): stopped before training started (nothing to save) or a rank failed "
+          "(see the messages above)", file=sys.stderr)
     return 128 + signum
 
 

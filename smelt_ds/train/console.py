@@ -156,7 +156,7 @@ def summary_lines(summary: dict[str, Any], val_note: str, run_dir: str | Path, v
     elif n >= 2:
         speed = (f"{tps:,.0f} tokens/s steady state ({_plural(n - 1, 'logged window')} after the first); first window "
                  f"{summary['first_window_s']:.1f} s, {summary['startup_s']:.1f} s of it start-up "
-                 "(warm-up, compilation)")
+                 + ("(warm-up, compilation)" if summary.get("compile", "none") != "none" else "(warm-up)"))
     else:
         speed = f"{tps:,.0f} tokens/s (one logged window, start-up included)"
     rows = [("throughput", speed)]

@@ -232,6 +232,7 @@ def write_summary(out_dir: Path, cfg: RunConfig, result: RunResult, budget, data
         **throughput(result.windows),
         "unigram_entropy_nats": getattr(data, "unigram_entropy", None),
         "threads": result.threads,
+        "compile": cfg.train.compile,
         "budget": budget.as_dict(),
     }
     tmp = out_dir / "summary.json.tmp"
