@@ -174,6 +174,80 @@ def test_deepspeed_backend_capacity_statistics_and_decode():
         assert m.generate(ids[:1, :4], max_new_tokens=3).shape == (1, 7)
 
 
+def _experts_pair(G: int, E: int, C: int, H: int, F_: int):
+    """DeepSpeed's own ``Experts`` (its per-expert loop) and a copy switched to the fused class,
+    the same random weights, and an input ``(G, E, C, H)`` whose last two capacity rows are
+    zero (unfilled slots) plus an upstream gradient."""
+    from deepspeed.moe.experts import Experts
+
+    from smelt_ds.model.moe import SwiGLU
+
+    torch.manual_seed(G * 100 + E)
+    loop = Experts(SwiGLU(H, F_), E, expert_group_name="ep_size_1")
+    for p in loop.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    fused = Experts(SwiGLU(H, F_), E, expert_group_name="ep_size_1")  # sets DeepSpeed's expert attributes
+    fused.load_state_dict(loop.state_dict())
+    fused.__class__ = mb.smelt_fused_experts_class()  # what DeepSpeedMoE does to its layer's Experts
+    x = torch.randn(G, E, C, H)
+    x[:, :, -2:] = 0.0
+    return loop, fused, x, torch.randn(G, E, C, H)
+
+
+def _run_experts(experts, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
+    x = x.clone().requires_grad_(True)
+    y = experts(x)
+    (y * g).sum().backward()
+    return y.detach(), x.grad, [p.grad for p in experts.parameters()]
+
+
+@pytest.mark.parametrize("G,E,C,H,F_", [(1, 6, 9, 32, 16), (2, 4, 5, 24, 20)])
+def test_fused_experts_equal_deepspeed_experts_loop(G, E, C, H, F_):
+    """The deepspeed backend's experts (one autograd node) against DeepSpeed's ``Experts`` loop of
+    nn.Linear modules: output, input and weight gradients bit for bit on CPU (the same
+    ``torch.mm`` per expert; G = 2 is the layout after an expert-parallel all-to-all); the
+    non-CPU path (one ``torch.bmm`` per projection, forced here) to fp32 rounding; parameters,
+    names and DeepSpeed's expert attributes unchanged."""
+    loop, fused, x, g = _experts_pair(G, E, C, H, F_)
+    want = _run_experts(loop, x, g)
+    got = _run_experts(fused, x, g)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in loop.named_parameters()]
+    assert all(p.allreduce is False and p.group_name == "ep_size_1" for p in fused.parameters())
+    fused.zero_grad(set_to_none=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mb, "_use_bmm", lambda t: True)
+        bmm = _run_experts(fused, x, g)
+    for a, b in zip([bmm[0], bmm[1], *bmm[2]], [want[0], want[1], *want[2]]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_experts_save_no_weight_copies_and_are_used():
+    """Activation memory: the fused node saves no more non-parameter elements than DeepSpeed's
+    loop (stacked weight copies would add 3 E F H); every DeepSpeedMoE layer uses the fused class."""
+    loop, fused, x, g = _experts_pair(1, 6, 9, 32, 16)
+    weights = {p.data_ptr() for p in [*loop.parameters(), *fused.parameters()]}
+
+    def saved_elements(experts) -> int:
+        saved: dict[int, int] = {}  # data pointer -> elements (two views of one tensor count once)
+
+        def pack(t):
+            if t.data_ptr() not in weights:  # a weight or a view of one (w.t()) is not a copy
+                saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            experts(x.clone().requires_grad_(True))
+        return sum(saved.values())
+
+    E, C, H, F_ = 6, 9, 32, 16
+    assert saved_elements(fused) == E * C * (H + 2 * F_)  # x and the two projections
+    assert saved_elements(loop) == E * C * (H + 4 * F_)  # also silu(gate) and the product
+    model = mb.apply_backend(build(tiny_cfg()), tiny_cfg(backend="deepspeed"))
+    assert all(type(b.mlp.moe.deepspeed_moe.experts) is mb.smelt_fused_experts_class() for b in model.layers)
+
+
 @pytest.mark.parametrize("score_func,shared,dense", [("softmax", 0, 0), ("sigmoid", 8, 1)])
 def test_autoep_conversion_matches_reference(score_func, shared, dense):
     """AutoEP's own detection + replacement (ep_size 1, no process group) on our model."""
