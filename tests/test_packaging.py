@@ -65,3 +65,22 @@ def test_a_checkout_reads_its_own_folders():
     assert (resources.DS_CONFIG_DIR / "zero0.json").is_file()
     assert (resources.LAUNCHERS_DIR / "slurm" / "smelt.sbatch").is_file()
     assert (resources.RECIPES_DIR / "tiny" / "smelt.yaml").is_file()
+
+
+def test_licence_and_citation_agree_with_setup_cfg():
+    """LICENSE holds the licence setup.cfg declares, and CITATION.cff names the same licence and the
+    package's version (a release that bumps one and not the other fails here)."""
+    import yaml
+
+    import smelt_ds
+
+    declared = _options()["metadata"]["license"].strip()
+    assert declared == "Apache-2.0"
+    text = (REPO_ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text  # the whole licence, not a stub
+    cff = yaml.safe_load((REPO_ROOT / "CITATION.cff").read_text())
+    assert cff["cff-version"] == "1.2.0"
+    assert cff["license"] == declared
+    assert str(cff["version"]) == smelt_ds.__version__
+    assert "arXiv:2609.01343" in str(cff["preferred-citation"]["identifiers"])
