@@ -84,3 +84,34 @@ def test_licence_and_citation_agree_with_setup_cfg():
     assert cff["license"] == declared
     assert str(cff["version"]) == smelt_ds.__version__
     assert "arXiv:2609.01343" in str(cff["preferred-citation"]["identifiers"])
+
+
+def _declared_requirements() -> list[str]:
+    """install_requires and every extra of setup.cfg, as requirement strings."""
+    opts = _options()
+    reqs = _lines(opts["options"]["install_requires"])
+    for value in opts["options.extras_require"].values():
+        reqs += _lines(value)
+    return [r for r in reqs if not r.startswith("#")]
+
+
+def test_constraints_pin_every_declared_requirement_inside_its_range():
+    """constraints.txt (the tested set, used by .ci/run) pins every requirement setup.cfg declares,
+    at a version inside the declared range: the ranges users install always admit what was tested."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    pins = {}
+    for line in _lines((REPO_ROOT / "constraints.txt").read_text()):
+        if line.startswith("#"):
+            continue
+        name, _, version = line.partition("==")
+        assert version, f"constraints.txt: {line!r} is not NAME==VERSION"
+        pins[canonicalize_name(name)] = Version(version)
+    declared = [Requirement(r) for r in _declared_requirements()]
+    assert len(declared) >= 15
+    for req in declared:
+        key = canonicalize_name(req.name)
+        assert key in pins, f"constraints.txt does not pin {req.name} (setup.cfg: {req})"
+        assert req.specifier.contains(pins[key], prereleases=True), f"{req.name}=={pins[key]} is outside {req}"
