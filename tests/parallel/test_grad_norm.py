@@ -15,12 +15,44 @@ the recipe, so the ``ds_configs/`` templates and ``gradient_clipping`` as writte
 ``smelt_ds.train.loop._grad_norm_before_step`` (norm; clipping at ZeRO-0 with an EP backend),
 ``engine.step()`` and ``smelt_ds.train.loop._grad_norm`` (the logged value).
 
-Tolerances (fp32, different reduction orders): norms 1e-5 relative (observed <= 1e-7);
-gradients 1e-4 relative + 1e-8 absolute per element (observed per-tensor relative errors
-<= 4e-7; expert gradients are ~1e-4..1e-3); updates 2e-5 relative per tensor and as a whole
-(observed whole-update error <= 2e-7).
-DeepSpeed 0.19.8's own ZeRO-0 clipping is off by 2.9e-4 in the norm and update here (experts hold
-0.1% of the squared norm of this model), so the tolerances catch it.
+Tolerances, from fp32 arithmetic (unit roundoff u = 2^-24 = 6.0e-8), never from one machine's
+run: the reference and the distributed run compute the same sums in other orders (other kernels,
+thread counts, micro-batch accumulation vs all-reduce), so each differs from exact arithmetic by
+its own rounding errors and the two differ by at most twice that.
+
+* Gradients, element-wise against the reference: ``|g - g_ref| <= GRAD_TOL * max|g_ref|`` per
+  tensor. A first-order error bound of a chain of reductions of lengths ``k_i`` is
+  ``sum k_i * u`` times the element's magnitude (its sum of |terms|, taken as the tensor's max).
+  :func:`chain_length` adds up the reductions on the longest path from a weight through the
+  forward pass (6 visits: norms, projections, attention, router, experts; the head and the
+  log-softmax over the vocabulary), back, and over the micro-batch's tokens x 2 visits x 2
+  ranks: 3520, so ``GRAD_TOL = 2 * 3520 * u = 4.2e-4``. It also covers the probabilistic bound
+  ``lambda * sqrt(n) * u`` (Higham & Mary 2019, below) with lambda = 10 for elements whose sum of
+  |terms| is up to 6x the tensor's max (cancellation). The absolute term scales with the tensor:
+  an element near zero (an embedding row hit by one token) gets the tensor's error, not its own
+  relative one (a fixed 1e-8 was one ulp of the embedding's largest gradient). Still caught: any
+  gradient tensor scaled by 1.0005 (at its largest element), the EP-size bug (experts' gradient
+  x 2) by a factor 2400.
+* Norms (computed, logged, DeepSpeed's), relative to the fp64 norm of this run's own gradient
+  (the same fp32 elements, merged over ranks): one fp32 sum of at most ``P`` = 41760 squares in
+  any order. Higham & Mary (SIAM J. Sci. Comput. 41(5), 2019, Thm 3.1): a computed sum of ``n``
+  terms is within ``lambda * sqrt(n) * u * sum|terms|`` with probability >= 1 - 2n exp(-lambda^2/2)
+  (independent rounding errors, n u << 1); for a sum of squares sum|terms| is the sum itself, and
+  the square root halves the relative error: ``NORM_RTOL = 10 * sqrt(P + 1) * u / 2 + 4u = 6.1e-5``
+  (failure probability < 1e-16 per norm; the deterministic bound ``P * u / 2 = 1.2e-3`` would
+  not catch the bugs below). Still caught: expert gradients counted twice (experts hold 0.1% of
+  the squared norm: +5e-4), DeepSpeed's ZeRO-0 norm (2.9e-4 off here).
+* The clipped SGD step, element-wise against this run's own gradient ``g`` and the coefficient
+  ``c = min(1, CLIP / (||g|| + 1e-6))`` of the norm above: ``|(w' - w) + LR c g| <= (NORM_RTOL +
+  8u) LR c |g| + 2u |w'|``: ``c`` from a norm within NORM_RTOL, at most 8 roundings in scaling the
+  coefficient and the gradient (DeepSpeed: clip ratio, 1/scale, mul; SGD: lr x grad), and the
+  rounding of ``w'`` itself (an absolute ``u |w'|``, which for the RMSNorm weights of 1.0 is a
+  large share of their tiny update). Still caught: DeepSpeed's own ZeRO-0 clipping (the update
+  2.9e-4 too large, 4.7x the tolerance), a step with the wrong learning rate or coefficient.
+
+The mutants run in the same two processes (:data:`MUTANT_CASES`); :func:`test_mutants_fail`
+checks that the gradient comparison catches the EP-size bug and the step check DeepSpeed's own
+ZeRO-0 clipping.
 """
 
 from __future__ import annotations
@@ -43,12 +75,32 @@ VOCAB, SEQ, MICRO, WORLD, EP = 64, 16, 2, 2, 2
 CLIP = 0.05  # the reference norm is 1.445: the step is clipped by 0.0346
 LR = 10.0  # SGD; update norm LR * CLIP = 0.5 over 41760 weights
 TIMEOUT_S = 420
-NORM_RTOL, GRAD_RTOL, GRAD_ATOL, UPDATE_RTOL = 1e-5, 1e-4, 1e-8, 2e-5
+U = 2.0**-24  # fp32 unit roundoff
+NUM_PARAMS = 41760  # elements of the model (reference layout); checked in check_norms
+
+
+def chain_length(h: int = 32, head_dim: int = 8, kv_heads: int = 2, seq: int = SEQ, ffn: int = 16, experts: int = 4,
+                 top_k: int = 2, vocab: int = VOCAB, visits: int = 6) -> int:
+    """Sum of the reduction lengths on the longest path from a weight to its gradient (see the
+    module doc): per visit, attention forward (RMSNorm, QKV, QK^T, softmax, PV, out) and backward
+    (out, dP, softmax, dQ, QKV, RMSNorm) and MoE forward (RMSNorm, router, softmax, gate/up, down,
+    top-k combine) and backward; the head (final norm there and back, logits, log-softmax,
+    logits backward); the weight gradient's sum over a micro-batch's tokens x 2 visits x 2 ranks."""
+    attention = (3 * h + head_dim + 2 * seq) + (2 * h + head_dim + 2 * seq + h + 2 * kv_heads * head_dim)
+    moe = (3 * h + experts + ffn + top_k) + (2 * h + 2 * ffn + 2 * experts + top_k)
+    return visits * (attention + moe) + (3 * h + 2 * vocab) + MICRO * SEQ * 2 * WORLD
+
+
+GRAD_TOL = 2 * chain_length() * U  # 4.2e-4 of the tensor's largest gradient
+NORM_RTOL = 10 * math.sqrt(NUM_PARAMS + 1) * U / 2 + 4 * U  # 6.1e-5
+STEP_RTOL = NORM_RTOL + 8 * U
 
 #: (backend, ZeRO stage) of the distributed cases; run in this order in one pair of processes
 #: (the reference backend last, so that it runs after expert groups exist: a control for leaks).
 CASES = ([("deepspeed", s) for s in (0, 1, 2)] + [("autoep", s) for s in (0, 1, 2, 3)]
          + [("reference", s) for s in (0, 1, 2, 3)])
+#: (backend, ZeRO stage, mutant), run after CASES in the same processes; see :func:`_cases_worker`.
+MUTANT_CASES = [("deepspeed", 0, "expert_grads_x_ep"), ("autoep", 0, "deepspeed_clips_zero0")]
 
 
 def make_cfg(backend: str = "reference", stage: int = 0, ep: int = EP, grad_clip: float = CLIP, **deepspeed_kw):
@@ -131,6 +183,11 @@ def merge(per_rank: list[dict]) -> dict:
     return out
 
 
+def merged(per_rank: list[dict]) -> dict:
+    """``before``/``grads``/``after`` of one case, each merged over the ranks (:func:`merge`)."""
+    return {k: merge([res[k] for res in per_rank]) for k in ("before", "grads", "after")}
+
+
 def reference_step(clip: float = CLIP, lr: float = LR) -> dict:
     """Single process, reference backend: ``before``/``grads``/``after`` (canonical dicts), the
     global norm before clipping and the clip coefficient, for one SGD step on both shards."""
@@ -153,11 +210,14 @@ def ep_rank_of(cfg) -> int:
     return groups._get_expert_parallel_rank(f"ep_size_{cfg.moe_runtime.ep_size}") if cfg.moe_runtime.backend != "reference" else 0
 
 
-def _cases_worker(rank: int, world: int, cases, expert_grad_scale: float = 1.0) -> dict:
-    """Every ``(backend, stage)`` of ``cases``, one engine each, in this process.
+def _cases_worker(rank: int, world: int, cases) -> dict:
+    """Every ``(backend, stage)`` or ``(backend, stage, mutant)`` of ``cases``, one engine each, in
+    this process; results keyed by the case tuple.
 
-    ``expert_grad_scale`` != 1 multiplies every expert parameter's gradient (a tensor hook, before
-    DeepSpeed sees it): the mutant the comparison must catch (an EP-size scaling bug)."""
+    Mutants: ``"expert_grads_x_ep"`` multiplies every expert parameter's gradient by ``EP`` (a
+    tensor hook, before DeepSpeed sees it; an EP-size scaling bug); ``"deepspeed_clips_zero0"``
+    turns DeepSpeed's own ZeRO-0 clipping on (``gradient_clipping`` = CLIP) and only measures the
+    norm instead of smelt's clip-before-step."""
     import torch.distributed as dist
     from deepspeed.utils import groups
 
@@ -166,22 +226,25 @@ def _cases_worker(rank: int, world: int, cases, expert_grad_scale: float = 1.0) 
     from smelt_ds.train.loop import _grad_norm, _grad_norm_before_step
 
     res = {}
-    for backend, stage in cases:
+    for case in cases:
+        backend, stage, mutant = (*case, None)[:3]
         cfg = make_cfg(backend, stage)
         model = build(cfg)
         if backend != "reference":
             model = mb.apply_backend(model, cfg, zero_stage=stage)
         ds_config = {**build_ds_config(cfg, world), "zero_allow_untested_optimizer": True}
+        if mutant == "deepspeed_clips_zero0":
+            ds_config["gradient_clipping"] = CLIP
         groups_ = mb.optimizer_param_groups(model, [{"params": list(model.parameters()), "name": "all"}], cfg)
         engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=groups_,
                                           optimizer=mb.moe_optimizer(torch.optim.SGD, lr=LR))
         ep_rank = ep_rank_of(cfg)
-        if expert_grad_scale != 1.0:
+        if mutant == "expert_grads_x_ep":
             from deepspeed.moe.utils import is_moe_param
 
             for p in model.parameters():
                 if is_moe_param(p):
-                    p.register_hook(lambda g: g * expert_grad_scale)
+                    p.register_hook(lambda g: g * EP)
         ids = shard(rank)
         out = engine(ids[:, :-1], labels=ids[:, 1:])
         params = list(model.parameters())
@@ -189,7 +252,7 @@ def _cases_worker(rank: int, world: int, cases, expert_grad_scale: float = 1.0) 
             before = canonical(model, lambda p: p.data, ep_rank)
         engine.backward(total_loss(out, cfg.train))
         grads = canonical(model, full_grad, ep_rank)  # before clipping
-        norm = _grad_norm_before_step(engine, cfg)
+        norm = gn.engine_grad_norm(engine) if mutant == "deepspeed_clips_zero0" else _grad_norm_before_step(engine, cfg)
         engine.step()
         logged = _grad_norm(engine, norm)
         with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
@@ -197,7 +260,7 @@ def _cases_worker(rank: int, world: int, cases, expert_grad_scale: float = 1.0) 
         ds_norm = engine.get_global_grad_norm()
         ep_ranks = (dist.get_process_group_ranks(groups._get_expert_parallel_group(f"ep_size_{EP}"))
                     if backend != "reference" else None)
-        res[(backend, stage)] = {
+        res[case] = {
             "before": before, "after": after, "grads": grads, "norm": norm, "logged": logged,
             "ds_norm": None if ds_norm is None else float(ds_norm), "ds_clip": engine.gradient_clipping(),
             "config_clip": ds_config["gradient_clipping"], "ep_ranks": ep_ranks,
@@ -212,49 +275,85 @@ def reference():
 
 @pytest.fixture(scope="module")
 def distributed_results():
-    return run_distributed(_cases_worker, world_size=WORLD, timeout=TIMEOUT_S, args=(CASES,))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return run_distributed(_cases_worker, world_size=WORLD, timeout=TIMEOUT_S, args=(CASES + MUTANT_CASES,))
 
 
 def check_case(ref: dict, per_rank: list[dict], backend: str, stage: int) -> None:
     """All assertions of one distributed case against the reference (raises AssertionError)."""
     label = f"{backend} ZeRO-{stage}"
     for r, res in enumerate(per_rank):
-        assert res["norm"] == pytest.approx(ref["norm"], rel=NORM_RTOL), f"{label} rank {r}: norm before step"
-        assert res["logged"] == pytest.approx(ref["norm"], rel=NORM_RTOL), f"{label} rank {r}: logged norm"
-        if stage > 0:  # DeepSpeed clips with its own norm at ZeRO-1/2/3: it must be the true one
-            assert res["ds_norm"] == pytest.approx(ref["norm"], rel=NORM_RTOL), f"{label} rank {r}: DeepSpeed's norm"
         ep_zero0 = backend != "reference" and stage == 0  # smelt clips; DeepSpeed's clipping must be off
         assert res["config_clip"] == res["ds_clip"] == (0.0 if ep_zero0 else CLIP), label
         if backend != "reference":
             assert res["ep_ranks"] == [0, 1], f"{label}: expert-parallel group"
             assert res["n_experts_local"] == 4 * 4 // EP, label  # 4 layers x E/ep experts
-    got = {k: merge([res[k] for res in per_rank]) for k in ("before", "grads", "after")}
+    got = merged(per_rank)
     assert set(got["after"]) == set(ref["after"]), f"{label}: {set(got['after']) ^ set(ref['after'])}"
     for key in ref["before"]:
         assert torch.equal(got["before"][key], ref["before"][key]), f"{label}: initial weights differ at {key}"
+    check_grads(ref, got, label)
+    check_norms(per_rank, got, stage, label)
+    check_step(got, label)
+
+
+def check_grads(ref: dict, got: dict, label: str) -> None:
+    """Every gradient element within ``GRAD_TOL`` of its tensor's largest reference gradient."""
     for key, want in ref["grads"].items():
-        torch.testing.assert_close(got["grads"][key], want, rtol=GRAD_RTOL, atol=GRAD_ATOL,
+        torch.testing.assert_close(got["grads"][key], want, rtol=0.0, atol=GRAD_TOL * float(want.abs().max()),
                                    msg=lambda m: f"{label}: gradient {key}: {m}")
-    upd = {k: got["after"][k] - got["before"][k] for k in ref["after"]}
-    ref_upd = {k: ref["after"][k] - ref["before"][k] for k in ref["after"]}
-    for key in ref_upd:
-        assert _rel(upd[key], ref_upd[key]) < UPDATE_RTOL, f"{label}: SGD update of {key}"
-    total = _rel(torch.cat([u.flatten() for u in upd.values()]), torch.cat([u.flatten() for u in ref_upd.values()]))
-    assert total < UPDATE_RTOL, f"{label}: whole update off by {total:.2e}"
+
+
+def own_norm(got: dict) -> float:
+    """The fp64 L2 norm of a run's merged gradients (every element once)."""
+    return math.sqrt(sum(float(g.double().square().sum()) for g in got["grads"].values()))
+
+
+def check_norms(per_rank: list[dict], got: dict, stage: int, label: str) -> None:
+    """The computed, logged and (ZeRO-1/2/3) DeepSpeed norms equal the norm of the run's gradients."""
+    assert sum(g.numel() for g in got["grads"].values()) == NUM_PARAMS, label
+    want = own_norm(got)
+    for r, res in enumerate(per_rank):
+        names = ("norm", "logged") + (("ds_norm",) if stage > 0 else ())  # DeepSpeed clips with its own at 1/2/3
+        for name in names:
+            assert res[name] == pytest.approx(want, rel=NORM_RTOL), f"{label} rank {r}: {name}"
+
+
+def check_step(got: dict, label: str) -> None:
+    """The SGD step is ``-LR * c * g`` with the clip coefficient ``c`` of the run's own norm."""
+    coef = min(1.0, CLIP / (own_norm(got) + 1e-6))
+    for key, g in got["grads"].items():
+        g, before, after = g.double(), got["before"][key].double(), got["after"][key].double()
+        err = (after - before + LR * coef * g).abs()
+        tol = STEP_RTOL * LR * coef * g.abs() + 2 * U * after.abs()
+        worst = float((err / tol.clamp_min(1e-300)).max())
+        assert worst <= 1.0, f"{label}: SGD step of {key} off by {worst:.3g}x its tolerance"
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend,stage", CASES)
 def test_ep2_matches_single_process_with_clipping(distributed_results, reference, backend, stage):
-    """EP=2 (and DP=2 for the reference backend) vs one process: the same norm before clipping
-    (computed, logged, and DeepSpeed's where it clips), the same gradients (every router and
-    expert), the same clipped SGD step."""
+    """EP=2 (and DP=2 for the reference backend) vs one process: the same gradients (every router
+    and expert); the norm before clipping (computed, logged, and DeepSpeed's where it clips) is
+    theirs; the step is SGD clipped by that norm."""
     assert reference["coef"] < 0.1  # clipping is active
     check_case(reference, [r[(backend, stage)] for r in distributed_results], backend, stage)
+
+
+@pytest.mark.distributed
+def test_mutants_fail(distributed_results, reference):
+    """The checks catch the bugs they guard (MUTANT_CASES, run in the same processes): expert
+    gradients scaled by the EP size fail the gradient comparison, DeepSpeed's own ZeRO-0 clipping
+    (its norm 2.9e-4 off) fails the step check though its gradients and smelt's norm are right."""
+    scaled = [r[MUTANT_CASES[0]] for r in distributed_results]
+    got = merged(scaled)
+    with pytest.raises(AssertionError, match=r"gradient \(\d+, 'expert'"):
+        check_grads(reference, got, "expert gradients x EP")
+    ds_clips = [r[MUTANT_CASES[1]] for r in distributed_results]
+    got = merged(ds_clips)
+    check_grads(reference, got, "DeepSpeed clips at ZeRO-0")
+    check_norms(ds_clips, got, 0, "DeepSpeed clips at ZeRO-0")
+    with pytest.raises(AssertionError, match="SGD step"):
+        check_step(got, "DeepSpeed clips at ZeRO-0")
 
 
 # ---------------------------------------------------------------------------------------------
