@@ -36,7 +36,9 @@ from smelt_ds.errors import ConfigError
 
 __all__ = ["GiB", "parse_bytes", "format_bytes", "ParamCounts", "param_counts", "ModelStates", "model_states",
            "ZERO_OPTIONS", "POLICIES", "visit_activation_terms", "outside_activation_terms", "ActivationEstimate",
-           "activation_bytes", "temporary_bytes", "MemoryRow", "MemoryReport", "estimate", "format_table"]
+           "activation_bytes", "temporary_bytes", "MemoryRow", "MemoryReport", "check_cluster", "estimate",
+           "TERM_HINTS", "Term", "Fix", "Verdict", "row_fits", "setting_overrides", "row_terms", "verdict",
+           "format_verdict", "format_headroom", "format_table"]
 
 #: ZeRO stage / offload options of the table: (label, stage, offload_optimizer, offload_param).
 ZERO_OPTIONS = [("zero0", 0, False, False), ("zero1", 1, False, False), ("zero2", 2, False, False),
@@ -57,7 +59,11 @@ SOURCES = {
 @dataclass
 class MemoryRow:
     """One ZeRO option x checkpointing policy. Bytes per GPU unless named ``*_per_node``;
-    ``headroom`` is ``(device - total) / device`` (negative when it does not fit)."""
+    ``fits`` is ``total <= device memory``; ``headroom`` is ``(device - total) / device``
+    (negative when it does not fit); ``visits`` the visits of the plan, ``checkpointed_visits``
+    how many of them the policy recomputes, ``largest_visit`` the most bytes one
+    non-checkpointed visit saves (the activations are mostly ``visits - checkpointed_visits``
+    such visits, :func:`activation_bytes`)."""
 
     option: str
     zero_stage: int
@@ -76,6 +82,9 @@ class MemoryRow:
     total: int
     fits: bool
     headroom: float
+    visits: int = 0
+    checkpointed_visits: int = 0
+    largest_visit: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,16 +147,22 @@ def _with_batch(cfg: RunConfig, seq_len: int | None, micro_batch: int | None) ->
     return config_from_dict(raw, source=f"recipe {cfg.name!r} with --seq-len/--micro-batch")
 
 
-def _check_cluster(cfg: RunConfig, nodes: int, gpus_per_node: int) -> None:
+def check_cluster(cfg: RunConfig, nodes: int, gpus_per_node: int) -> None:
+    """Raise ConfigError unless ``nodes`` and ``gpus_per_node`` are positive integers and their
+    product (the world size) is a multiple of ``moe_runtime.ep_size`` (``1`` for the reference
+    backend, which the config enforces). The message names ``--nodes`` / ``--gpus-per-node`` and a
+    world size that works."""
     for name, v in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"`{name}` ({v!r}) must be a positive integer: e.g. {name} 1")
+            raise ConfigError(f"`{name}` ({v!r}) must be a positive integer, e.g. {name} 1")
     world = nodes * gpus_per_node
     ep = cfg.moe_runtime.ep_size
     if world % ep:
-        raise ConfigError(f"`--nodes` x `--gpus-per-node` ({nodes} x {gpus_per_node} = {world} GPUs) must be "
-                          f"divisible by `moe_runtime.ep_size` ({ep}): expert parallelism shards the experts over groups "
-                          f"of {ep} GPUs; use a multiple of {ep} GPUs or lower moe_runtime.ep_size")
+        fix = next(g for g in range(gpus_per_node + 1, gpus_per_node + ep + 1) if nodes * g % ep == 0)
+        raise ConfigError(f"`moe_runtime.ep_size` ({ep}) does not divide the world size ({nodes} node(s) x "
+                          f"{gpus_per_node} GPU(s) = {world}): expert parallelism splits the experts over groups of "
+                          f"{ep} GPUs; set --nodes / --gpus-per-node to a multiple of {ep} GPUs (e.g. --nodes "
+                          f"{nodes} --gpus-per-node {fix}), or lower moe_runtime.ep_size")
 
 
 def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memory_bytes: int | str = 80 * GiB,
@@ -178,7 +193,7 @@ def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memo
             or precision.
     """
     cfg = _with_batch(cfg, seq_len, micro_batch)
-    _check_cluster(cfg, nodes, gpus_per_node)
+    check_cluster(cfg, nodes, gpus_per_node)
     dev_mem = parse_bytes(device_memory_bytes)
 
     prec = resolve_precision(cfg, precision, target="gpu")  # a GPU target: `auto` is bf16
@@ -208,7 +223,8 @@ def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memo
             total = ms.gpu + acts[p].peak + tmp
             rows.append(MemoryRow(label, stage, off_opt, off_param, p, ms.params, ms.grads, ms.optimizer,
                                   ms.zero3_gathered, ms.gpu, ms.cpu_per_node, acts[p].stored, acts[p].peak, tmp,
-                                  total, total <= dev_mem, (dev_mem - total) / dev_mem))
+                                  total, total <= dev_mem, (dev_mem - total) / dev_mem, len(acts[p].per_visit),
+                                  acts[p].checkpointed, max(acts[p].per_visit, default=0)))
     ds = cfg.deepspeed
     # ZeRO-3 parameter offload uses the zero3_offload_param template, which offloads the optimizer too
     off_opt = ds.offload_optimizer != "none" or ds.offload_param != "none"
@@ -231,6 +247,209 @@ def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memo
 
 
 # ---------------------------------------------------------------------------------------------
+# the verdict on the recipe's own setting
+# ---------------------------------------------------------------------------------------------
+
+#: what lowers each term of a row (the verdict's advice; the fixes it names are estimated rows)
+TERM_HINTS = {
+    "parameters": "ZeRO-3 shards them over all GPUs; zero3+param_off keeps them on the host",
+    "gradients": "ZeRO-2/3 shard them over the data-parallel GPUs (more GPUs, less on each)",
+    "optimizer states": "ZeRO-1/2/3 shard them over the data-parallel GPUs (more GPUs, less on each); "
+                        "offload_optimizer keeps them on the host",
+    "activations": "activation checkpointing of the looped visits (policy looped) or of every visit (full) "
+                   "keeps only each checkpointed visit's input; or a smaller train.micro_batch_size",
+    "ZeRO-3 gathered layer": "the largest module gathered with its gradient: a larger moe_runtime.ep_size "
+                             "splits the experts",
+    "buffers": "logits, ZeRO buckets and the ZeRO-3 gathered window: a smaller train.micro_batch_size or "
+               "reduce_bucket_size",
+}
+#: fixes are ranked by what they cost at run time: GPU-only sharding before offload, then recompute
+_OPTION_COST = ("zero0", "zero1", "zero2", "zero3", "zero2+opt_off", "zero3+opt_off", "zero3+param_off")
+_POLICY_COST = ("none", "looped", "every_n", "full")
+
+
+@dataclass
+class Term:
+    """One contributor to a row's total: ``bytes`` per GPU, ``share`` of the total, ``hint``
+    (:data:`TERM_HINTS`: what lowers it), ``detail`` (for activations: visits and bytes per visit)."""
+
+    name: str
+    bytes: int
+    share: float
+    hint: str
+    detail: str = ""
+
+
+@dataclass
+class Fix:
+    """A setting that fits with the verdict's headroom: ZeRO option ``option`` and checkpointing
+    ``policy`` on ``nodes x gpus_per_node`` GPUs needing ``total`` bytes per GPU. ``overrides``
+    (``--set KEY=VALUE`` strings) and ``flags`` (command-line flags such as ``--nodes 3``) turn the
+    recipe's own setting into it."""
+
+    option: str
+    policy: str
+    nodes: int
+    gpus_per_node: int
+    total: int
+    headroom: float
+    overrides: list[str]
+    flags: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        what = " ".join([*(f"--set {o}" for o in self.overrides), *self.flags])
+        where = f"{self.nodes} node(s) x {self.gpus_per_node} GPU(s)" if self.flags else \
+            f"{self.option} + checkpointing {self.policy}"
+        return f"{where} at {format_bytes(self.total)} per GPU ({what})"
+
+
+@dataclass
+class Verdict:
+    """Whether the recipe's own ZeRO option and checkpointing policy (the report's ``configured``
+    row) fits with ``min_headroom`` (a fraction) of the device memory to spare.
+
+    ``limit`` = ``device_memory * (1 - min_headroom)`` bytes; ``over_by`` = ``total - limit``
+    (0 when it fits); ``terms``: the row's contributors, largest first; ``over``: the fewest
+    largest terms whose bytes together reach ``over_by`` (empty when it fits); ``fixes``: settings
+    that fit, closest to the recipe's first (other rows on the same GPUs, then more nodes);
+    ``nodes_searched``: whether larger node counts were tried for the recipe's own setting.
+    """
+
+    fits: bool
+    option: str
+    policy: str
+    total: int
+    device_memory: int
+    min_headroom: float
+    headroom: float
+    limit: int
+    over_by: int
+    terms: list[Term]
+    over: list[str]
+    fixes: list[Fix]
+    nodes_searched: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def row_fits(row: MemoryRow, min_headroom: float) -> bool:
+    """Whether ``row`` leaves at least ``min_headroom`` (fraction) of the device memory free."""
+    return row.headroom >= min_headroom
+
+
+def setting_overrides(cfg: RunConfig, option: str, policy: str) -> list[str]:
+    """The ``--set KEY=VALUE`` strings that give ``cfg`` ZeRO option ``option`` (a label of
+    :data:`ZERO_OPTIONS`) and checkpointing ``policy``: only the keys that change."""
+    _, stage, off_opt, off_param = next(o for o in ZERO_OPTIONS if o[0] == option)
+    ds = cfg.deepspeed
+    want = {"deepspeed.zero_stage": (ds.zero_stage, stage),
+            "deepspeed.offload_optimizer": (ds.offload_optimizer, "cpu" if off_opt else "none"),
+            "deepspeed.offload_param": (ds.offload_param, "cpu" if off_param else "none"),
+            "train.activation_checkpointing.policy": (cfg.train.activation_checkpointing.policy, policy)}
+    return [f"{k}={new}" for k, (old, new) in want.items() if old != new]
+
+
+def row_terms(row: MemoryRow) -> list[Term]:
+    """The contributors to ``row.total`` (they add up to it), largest first."""
+    stored = row.visits - row.checkpointed_visits
+    detail = (f"{stored} of {row.visits} visits keep their activations, up to {format_bytes(row.largest_visit)} "
+              f"per visit" + (f"; {row.checkpointed_visits} checkpointed" if row.checkpointed_visits else ""))
+    parts = [("parameters", row.params, ""), ("gradients", row.grads, ""), ("optimizer states", row.optimizer, ""),
+             ("ZeRO-3 gathered layer", row.zero3_gathered, ""), ("activations", row.activations_peak, detail),
+             ("buffers", row.temporary, "")]
+    # the parts of DeepSpeed's model-state estimate may differ from its total by rounding: buffers absorb it
+    rounding = row.model_states - row.params - row.grads - row.optimizer - row.zero3_gathered
+    sized = [(n, b + (rounding if n == "buffers" else 0), d) for n, b, d in parts]
+    terms = [Term(n, b, b / max(row.total, 1), TERM_HINTS[n], d) for n, b, d in sized if b or n == "activations"]
+    return sorted(terms, key=lambda t: -t.bytes)
+
+
+def _row_fixes(cfg: RunConfig, report: MemoryReport, own: MemoryRow, min_headroom: float, most: int) -> list[Fix]:
+    """Up to ``most`` rows that fit: the cheapest change of the policy alone, of the ZeRO option
+    alone, of both, then the next cheapest (:data:`_OPTION_COST`, :data:`_POLICY_COST`)."""
+    def key(r: MemoryRow) -> tuple:
+        changed = (r.option != own.option) + (r.policy != own.policy)
+        return changed, _OPTION_COST.index(r.option), _POLICY_COST.index(r.policy), r.total
+
+    ok = sorted((r for r in report.rows if row_fits(r, min_headroom) and r is not own), key=key)
+    kinds = [lambda r: r.option == own.option, lambda r: r.policy == own.policy,
+             lambda r: r.option != own.option and r.policy != own.policy]
+    picked: list[MemoryRow] = []
+    for kind in kinds:
+        first = next((r for r in ok if kind(r) and r not in picked), None)
+        if first is not None:
+            picked.append(first)
+    picked += [r for r in ok if r not in picked]
+    return [Fix(r.option, r.policy, report.nodes, report.gpus_per_node, r.total, r.headroom,
+                setting_overrides(cfg, r.option, r.policy)) for r in sorted(picked[:most], key=key)]
+
+
+def verdict(cfg: RunConfig, report: MemoryReport, min_headroom: float, more_nodes: Fix | None = None,
+            nodes_searched: bool = False, most: int = 3) -> Verdict:
+    """The verdict on ``report.configured`` (the report of ``cfg`` with every option and policy):
+    fits when it leaves ``min_headroom`` of the device memory free; otherwise the terms over and
+    up to ``most`` rows of the report that fit, plus ``more_nodes`` (the recipe's own setting on
+    more nodes, found by the caller; ``nodes_searched``: the caller looked and found none when
+    ``more_nodes`` is None) when given.
+
+    Raises:
+        ConfigError: the recipe's ZeRO option / policy is not among the report's rows.
+    """
+    own = report.configured
+    if own is None:
+        ds = cfg.deepspeed
+        raise ConfigError(f"`deepspeed.zero_stage` ({ds.zero_stage}) with offload_optimizer {ds.offload_optimizer!r} "
+                          f"/ offload_param {ds.offload_param!r} and checkpointing policy "
+                          f"{cfg.train.activation_checkpointing.policy!r} has no memory estimate: use one of "
+                          f"{[o[0] for o in ZERO_OPTIONS]}")
+    limit = int(report.device_memory * (1 - min_headroom))
+    fits = row_fits(own, min_headroom)
+    over_by = max(0, own.total - limit)
+    terms = row_terms(own)
+    over: list[str] = []
+    for t in terms:
+        if sum(x.bytes for x in terms if x.name in over) >= over_by:
+            break
+        over.append(t.name)
+    fixes = [] if fits else _row_fixes(cfg, report, own, min_headroom, most) + ([more_nodes] if more_nodes else [])
+    return Verdict(fits, own.option, own.policy, own.total, report.device_memory, min_headroom, own.headroom, limit,
+                   over_by, terms, over, fixes, nodes_searched or more_nodes is not None)
+
+
+def format_verdict(v: Verdict) -> str:
+    """The verdict as text: FITS with its headroom, or DOES NOT FIT with the terms over, the
+    other terms and the fixes."""
+    own = f"the recipe's own setting, {v.option} + checkpointing {v.policy}"
+    need = f"at least {v.min_headroom:.0%} free, as render-job requires"
+    if v.fits:
+        return (f"verdict: FITS: {own}, needs {format_bytes(v.total)} of {format_bytes(v.device_memory)} per GPU, "
+                f"{format_headroom(v.headroom)} headroom ({need})")
+    out = [f"verdict: DOES NOT FIT: {own}, needs {format_bytes(v.total)} of {format_bytes(v.device_memory)} per GPU, "
+           f"{format_bytes(v.over_by)} over the {format_bytes(v.limit)} that leave {need}"]
+    for t in v.terms:
+        tag = "over" if t.name in v.over else "also"
+        detail = f"; {t.detail}" if t.detail else ""
+        hint = f": {t.hint}" if t.name in v.over else ""
+        out.append(f"  {tag}: {t.name} {format_bytes(t.bytes)} ({t.share:.0%} of the total{detail}){hint}")
+    if v.fixes:
+        out.append("  fits instead: " + "; or ".join(f.describe() for f in v.fixes))
+    if v.nodes_searched and not any(f.flags for f in v.fixes):
+        out.append("  more nodes do not bring the recipe's own setting under (activations per GPU do not shrink "
+                   "with more GPUs; the global batch caps the node count)")
+    if not v.fixes:
+        out.append("  nothing in the table fits on these GPUs: lower train.micro_batch_size or train.seq_len, or use "
+                   "GPUs with more memory")
+    return "\n".join(out)
+
+
+def format_headroom(h: float) -> str:
+    """A headroom fraction as a percentage; a total above 10x the device as ``needs 12.3x``
+    (a percentage of thousands says nothing)."""
+    return f"{h:+.1%}" if h >= -9 else f"needs {1 - h:.3g}x"
+
+
+# ---------------------------------------------------------------------------------------------
 # table
 # ---------------------------------------------------------------------------------------------
 
@@ -240,8 +459,16 @@ def _unit(report: MemoryReport) -> tuple[str, int]:
     return ("GiB", GiB) if max((r.total for r in report.rows), default=0) >= 10 * GiB else ("MiB", 2 ** 20)
 
 
-def format_table(report: MemoryReport) -> str:
-    """The report as a markdown table (GiB or MiB per GPU) with the verdicts and notes."""
+def _row_verdict(row: MemoryRow, min_headroom: float | None) -> str:
+    if not row.fits:
+        return "DOES NOT FIT"
+    return "fits" if min_headroom is None or row_fits(row, min_headroom) else f"tight (<{min_headroom:.0%} free)"
+
+
+def format_table(report: MemoryReport, min_headroom: float | None = None) -> str:
+    """The report as a markdown table (GiB or MiB per GPU) with the verdicts and notes. A row
+    fits when its total is at most the device memory; with ``min_headroom`` (a fraction) a row
+    that fits with less free is marked ``tight``."""
     r = report
     unit, div = _unit(r)
     num = lambda n: f"{n / div:.2f}"  # noqa: E731
@@ -252,7 +479,7 @@ def format_table(report: MemoryReport) -> str:
         mark = " *" if x is r.configured else ""
         rows.append([x.option + mark, x.policy, num(x.params), num(x.grads), num(x.optimizer), num(x.zero3_gathered),
                      num(x.model_states), num(x.activations), num(x.activations_peak), num(x.temporary),
-                     num(x.total), num(x.cpu_per_node), "fits" if x.fits else "DOES NOT FIT", f"{x.headroom:+.1%}"])
+                     num(x.total), num(x.cpu_per_node), _row_verdict(x, min_headroom), format_headroom(x.headroom)])
     widths = [max(len(row[i]) for row in [head] + rows) for i in range(len(head))]
     line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
     out = [f"{r.recipe}: {r.nodes} node(s) x {r.gpus_per_node} GPU(s) of {format_bytes(r.device_memory)}, "
@@ -263,7 +490,8 @@ def format_table(report: MemoryReport) -> str:
     out.append(f"{unit} per GPU (host/node: {unit} of CPU memory per node). activations = saved for backward per "
                "micro-batch at the end of the forward pass; act. peak adds one recomputed visit; total = states + "
                "act. peak + temporary (logits, ZeRO buckets, ZeRO-3 gathered window); headroom = free share of "
-               "device memory. * = the recipe's own setting.")
+               "device memory" + (f" (tight: under the {min_headroom:.0%} render-job requires)" if min_headroom
+                                  is not None else "") + ". * = the recipe's own setting.")
     out.append(f"inference KV cache: {format_bytes(r.kv_cache_bytes)} per sequence of {r.context_len} tokens "
                f"({r.kv_dtype}, every visit keeps its own K and V)")
     for m in r.measured:

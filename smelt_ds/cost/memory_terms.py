@@ -58,7 +58,7 @@ __all__ = ["GiB", "parse_bytes", "format_bytes", "ParamCounts", "param_counts", 
            "activation_bytes", "temporary_bytes", "with_policy"]
 
 GiB = 2 ** 30
-_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 POLICIES = ("none", "full", "looped", "every_n")
 
@@ -69,21 +69,30 @@ POLICIES = ("none", "full", "looped", "every_n")
 
 
 def parse_bytes(text: str | int | float, what: str = "--device-memory") -> int:
-    """``"80GiB"``, ``"141 GB"``, ``"8e10"``, ``80 * 2**30`` -> bytes. GB = 1e9, GiB = 2**30.
+    """A memory size with its unit -> bytes: ``"80GiB"``, ``"141 GB"``, ``"1.5e3MB"``. Units (case
+    ignored): B; KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12 bytes; KiB, MiB, GiB, TiB = 2**10 ... 2**40
+    bytes. A Python ``int`` / ``float`` is taken as bytes (the API); a string must carry its unit.
 
-    Raises ConfigError naming ``what`` for an unknown unit or a non-positive size.
+    Raises:
+        ConfigError: naming ``what`` (the flag or field), the value and the fix, for a string
+            without a unit (``"80"``: 80 bytes or 80 GB?), an unknown unit, or a size that is not
+            positive.
     """
+    example = "e.g. 80GiB (an 80 GB H100/A100 as torch reports it) or 141GB (an H200)"
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
+        value, unit = float(text), "b"
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        if m and not m.group(2):
+            raise ConfigError(f"`{what}` ({text!r}) has no unit: write the number with one of B, KB, MB, GB, TB "
+                              f"(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), {example}")
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigError(f"`{what}` ({text!r}) is not a memory size: write a number with a unit among "
-                              f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, e.g. 80GiB or 141GB")
+                              f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, {example}")
         value, unit = float(m.group(1)), m.group(2).lower()
     out = int(value * _UNITS[unit])
     if out <= 0:
-        raise ConfigError(f"`{what}` ({text!r}) must be a positive memory size, e.g. 80GiB")
+        raise ConfigError(f"`{what}` ({text!r}) must be a positive memory size, {example}")
     return out
 
 

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smelt_ds.config.run import ClusterLayout, RunConfig, resolve_batch
+from smelt_ds.config.run import ClusterLayout, RunConfig
 from smelt_ds.errors import ConfigError
-from smelt_ds.study.recipes import MIN_HEADROOM, REPO_ROOT, memory_report, resolve, zero3_decision
+from smelt_ds.study.placement import place
+from smelt_ds.study.recipes import MIN_HEADROOM, REPO_ROOT, memory_report, zero3_decision
 
 __all__ = ["SCHEDULERS", "LAUNCHERS_DIR", "TEMPLATES", "Host", "parse_hostfile", "expand_nodelist", "JobOptions",
            "JobPlan", "plan_job", "render", "fill_template", "per_node_command", "summary", "main"]
@@ -242,33 +243,6 @@ def _positive(name: str, value: Any) -> None:
         raise ConfigError(f"`{name}` ({value!r}) must be a positive integer, e.g. {name} 2")
 
 
-def _check_world(cfg: RunConfig, layout_name: str, layout: ClusterLayout, nodes: int, gpus: int,
-                 from_layout: bool) -> tuple[int, int]:
-    """Raise ConfigError when the run cannot use ``nodes x gpus`` GPUs; return
-    ``(accumulation, global_batch_tokens)``."""
-    world = nodes * gpus
-    if from_layout and gpus > layout.gpus_per_node:
-        raise ConfigError(f"`--gpus-per-node` ({gpus}) is more GPUs than a node of layout '{layout_name}' has "
-                          f"({layout.gpus_per_node} x {layout.gpu}): use at most {layout.gpus_per_node}, or "
-                          "choose another --layout")
-    ep = cfg.moe_runtime.ep_size if cfg.moe_runtime.backend != "reference" else 1
-    if world % ep:
-        raise ConfigError(f"`moe_runtime.ep_size` ({ep}) does not divide the world size ({nodes} nodes x {gpus} GPUs = "
-                          f"{world}): expert parallelism splits the experts over groups of {ep} GPUs; use a "
-                          f"multiple of {ep} GPUs")
-    t = cfg.train
-    if t.global_batch_tokens is not None:
-        micro_tokens = t.micro_batch_size * t.seq_len
-        micro_batches = t.global_batch_tokens // micro_tokens
-        if world > micro_batches:
-            raise ConfigError(f"{nodes} x {gpus} = {world} GPUs is more than the layout needs: the global batch of "
-                              f"`train.global_batch_tokens` ({t.global_batch_tokens:,}) tokens is {micro_batches} "
-                              f"micro-batches of {t.micro_batch_size} x {t.seq_len} tokens, one per data-parallel "
-                              f"rank at most; use at most {micro_batches} GPUs, or raise train.global_batch_tokens "
-                              "/ lower train.micro_batch_size")
-    return resolve_batch(cfg, world)
-
-
 def _recipe_arg(path: Path, workdir: str) -> str:
     p = path.resolve()
     for base in (Path(workdir), REPO_ROOT):
@@ -308,21 +282,16 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
     o = options
     if o.scheduler not in SCHEDULERS:
         raise ConfigError(f"--scheduler {o.scheduler!r} is unknown: use one of {', '.join(SCHEDULERS)}")
-    res = resolve(recipe, o.layout, o.overrides)
-    cfg, layout = res.config, res.layout
-    from_layout = bool(cfg.cluster.layouts)
     hosts: list[Host] = []
     if o.hostfile is not None:
         hp = Path(o.hostfile)
         if not hp.is_file():
             raise ConfigError(f"--hostfile {o.hostfile!r} does not exist: see launchers/deepspeed/hostfile.example")
         hosts = parse_hostfile(hp.read_text(), str(hp))
-    nodes = o.nodes if o.nodes is not None else (len(hosts) if hosts and not from_layout else layout.nodes)
-    gpus = o.gpus_per_node if o.gpus_per_node is not None else layout.gpus_per_node
-    _positive("--nodes", nodes)
-    _positive("--gpus-per-node", gpus)
-    notes: list[str] = []
-    if o.scheduler == "deepspeed":
+
+    def check_hosts(nodes: int, gpus: int) -> None:
+        if o.scheduler != "deepspeed":
+            return
         if hosts:
             if len(hosts) < nodes:
                 raise ConfigError(f"--hostfile {o.hostfile} lists {len(hosts)} host(s) but the job needs --nodes "
@@ -334,7 +303,11 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
         elif nodes > 1:
             raise ConfigError(f"--nodes {nodes} with --scheduler deepspeed needs --hostfile (the hosts to start ranks "
                               "on): see launchers/deepspeed/hostfile.example")
-    accum, gbt = _check_world(cfg, res.layout_name, layout, nodes, gpus, from_layout)
+
+    pl = place(recipe, o.layout, o.overrides, o.nodes, o.gpus_per_node, default_nodes=len(hosts),
+               before_check=check_hosts)
+    res, cfg, layout, nodes, gpus = pl.resolved, pl.config, pl.layout, pl.nodes, pl.gpus_per_node
+    notes: list[str] = []
     if hosts and o.scheduler != "deepspeed":
         notes.append(f"--hostfile is only used by --scheduler deepspeed; {o.scheduler} finds its hosts itself")
     ep = cfg.moe_runtime.ep_size if cfg.moe_runtime.backend != "reference" else 1
@@ -349,9 +322,10 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
                      "ZeRO stage / checkpointing policy that fits")
     workdir = o.workdir or (K8S_WORKDIR if o.scheduler == "k8s" else str(Path.cwd().resolve()))
     train_args = [x for s in res.overrides for x in ("--set", s)]
+    master = hosts[0].name if hosts else ("127.0.0.1" if nodes == 1 else "")
     return JobPlan(o, res.path, _recipe_arg(res.path, workdir), workdir, cfg, res.layout_name, layout, nodes, gpus,
-                   train_args, accum, gbt, hosts, hosts[0].name if hosts else ("127.0.0.1" if nodes == 1 else ""),
-                   _parse_env(o.env), _job_name(cfg, o.job_name), mem, zero3_decision(cfg, layout, nodes * gpus), notes)
+                   train_args, pl.accumulation, pl.global_batch_tokens, hosts, master, _parse_env(o.env),
+                   _job_name(cfg, o.job_name), mem, zero3_decision(cfg, layout, nodes * gpus), notes)
 
 
 # ---------------------------------------------------------------------------------------------

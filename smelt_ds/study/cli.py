@@ -3,7 +3,7 @@
 ``smelt-ds sweep`` (run or render a scaling-law sweep) and ``smelt-ds scaling fit`` (per-architecture
 Chinchilla fits, compute-optimal frontiers and training-FLOPs savings from finished runs).
 
-    smelt-ds memory recipes/tiny/smelt.yaml [--measure]
+    smelt-ds memory recipes/m/smelt.yaml [--layout h200] [--nodes N] [--device-memory 80GiB] [--measure]
     smelt-ds recipes table [-o docs/recipes.md] [--check]
     smelt-ds recipes derive recipes/xl/baseline.yaml [--check]
     smelt-ds sweep recipes/sweeps/micro.yaml [--dry-run | --render slurm]
@@ -17,12 +17,24 @@ import json
 import sys
 from pathlib import Path
 
-from smelt_ds.config.run import load_config
 from smelt_ds.cost.budget import DTYPE_BYTES
-from smelt_ds.cost.memory import POLICIES, ZERO_OPTIONS, _with_batch, estimate, format_table, parse_bytes
+from smelt_ds.cost.memory import (
+    POLICIES,
+    ZERO_OPTIONS,
+    GiB,
+    _with_batch,
+    estimate,
+    format_bytes,
+    format_table,
+    format_verdict,
+    parse_bytes,
+    row_fits,
+    verdict,
+)
 from smelt_ds.errors import ConfigError
 from smelt_ds.study.memory_profile import measure
-from smelt_ds.study.recipes import DOCS_TABLE, recipes_table, write_variants
+from smelt_ds.study.placement import Placement, nodes_to_fit, place
+from smelt_ds.study.recipes import DOCS_TABLE, MIN_HEADROOM, recipes_table, write_variants
 from smelt_ds.study.scaling import analyse, collect_runs, measured_savings, summarize_exclusions, write_report
 from smelt_ds.study.sweep import (
     estimate_runs,
@@ -34,7 +46,7 @@ from smelt_ds.study.sweep import (
     run_local,
 )
 
-#: default of ``smelt-ds memory --device-memory``: an 80 GB H100 / A100 (as torch reports it, 80 GiB)
+#: ``smelt-ds memory --device-memory`` of recipes without cluster layouts: an 80 GB H100 / A100 (80 GiB)
 DEFAULT_DEVICE_MEMORY = "80GiB"
 
 
@@ -58,19 +70,33 @@ def _names(allowed: list[str], what: str):
     return check
 
 
+#: exit status of ``smelt-ds memory`` when the recipe's own setting does not fit (2: bad input)
+EXIT_DOES_NOT_FIT = 3
+
+
 def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "memory", help="memory per GPU for each ZeRO option and activation-checkpointing policy",
         description="Estimate parameters, gradients, optimizer states, activations, temporary buffers and the "
-                    "inference KV cache per GPU for every ZeRO stage / offload option and checkpointing policy, "
-                    "with a fits / does-not-fit verdict against the device memory. --measure runs a few real "
-                    "steps here and prints measured next to predicted.")
-    p.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny/smelt.yaml")
-    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")
-    p.add_argument("--device-memory", default=DEFAULT_DEVICE_MEMORY,
-                   help="memory per GPU, a number with a unit (GB = 1e9 bytes, GiB = 2^30 bytes), e.g. 80GiB "
-                        f"(H100/A100 80GB), 141GB (H200) (default {DEFAULT_DEVICE_MEMORY} = "
+                    "inference KV cache per GPU for every ZeRO stage / offload option and checkpointing policy on "
+                    "the recipe's cluster layout (the one `smelt-ds render-job` uses: --layout, else "
+                    "cluster.default; its overrides applied), then a verdict on the recipe's own setting: FITS "
+                    f"when it leaves {MIN_HEADROOM:.0%} of the device memory free, as render-job requires, else "
+                    "DOES NOT FIT with the terms over and the settings (ZeRO option, checkpointing policy, node "
+                    "count) that fit. --measure runs a few real steps here and prints measured next to predicted.",
+        epilog=f"exit status: 0 when the recipe's own setting fits, {EXIT_DOES_NOT_FIT} when it does not (gate a "
+               "launch on it), 2 for bad input. Example: smelt-ds memory recipes/m/smelt.yaml --layout h200")
+    p.add_argument("recipe", help="YAML recipe, e.g. recipes/m/smelt.yaml")
+    p.add_argument("--layout", default=None,
+                   help="the recipe's cluster layout (e.g. h100, h200; default cluster.default, else the first); "
+                        "recipes without cluster.layouts (tiny) take 1 x 1 GPU")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: the layout's; 1 without layouts)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs (ranks) per node (default: the layout's; 1 without layouts)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="memory per GPU with its unit: GB = 1e9 bytes, GiB = 2^30 bytes (also B, KB, MB, TB, KiB, "
+                        "MiB, TiB), e.g. 80GiB (H100/A100 80GB), 141GB (H200); a bare number is refused (default: "
+                        f"the layout's device_memory_gib; without layouts {DEFAULT_DEVICE_MEMORY} = "
                         f"{parse_bytes(DEFAULT_DEVICE_MEMORY):,} bytes)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: train.seq_len)")
     p.add_argument("--micro-batch", type=int, default=None, help="samples per GPU (default: train.micro_batch_size)")
@@ -83,16 +109,20 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV-cache element type (default bf16)")
     options = [o[0] for o in ZERO_OPTIONS]
     p.add_argument("--options", default=None, metavar="LIST", type=_names(options, "ZeRO option"),
-                   help=f"comma-separated ZeRO options to show (default all: {','.join(options)})")
+                   help=f"comma-separated ZeRO options to show (default all: {','.join(options)}); the verdict "
+                        "considers all")
     p.add_argument("--policies", default=None, metavar="LIST", type=_names(list(POLICIES), "checkpointing policy"),
-                   help=f"comma-separated checkpointing policies (default all: {','.join(POLICIES)})")
+                   help=f"comma-separated checkpointing policies to show (default all: {','.join(POLICIES)}); the "
+                        "verdict considers all")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe field, e.g. --set train.activation_checkpointing.every_n=3")
+                   help="override a recipe field (after the layout's overrides), e.g. "
+                        "--set train.activation_checkpointing.every_n=3")
     p.add_argument("--measure", action="store_true",
                    help="run a few real steps per policy here and report measured next to predicted "
                         "(CUDA: allocator peak; CPU: saved-tensor bytes and model-state storage)")
     p.add_argument("--steps", type=int, default=2, help="steps per policy with --measure (default 2)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON instead of a table (the report, plus `layout` and `verdict`)")
     p.set_defaults(func=run_memory)
 
 
@@ -100,24 +130,61 @@ def _split(text: str | None) -> list[str] | None:
     return [t.strip() for t in text.split(",") if t.strip()] if text else None
 
 
+def _device_memory(given: str | None, pl: Placement) -> tuple[int, str]:
+    """Bytes per GPU and where they come from: ``--device-memory``, the layout, or the default."""
+    if given is not None:
+        return parse_bytes(given, "--device-memory"), "--device-memory"
+    if pl.from_layout:
+        return int(pl.layout.device_memory_gib * GiB), "the layout's device_memory_gib"
+    return parse_bytes(DEFAULT_DEVICE_MEMORY), "the default"
+
+
+def _layout_note(args: argparse.Namespace, pl: Placement, device_memory: int, source: str) -> str:
+    mem = f"{format_bytes(device_memory)} ({source})"
+    if not pl.from_layout:
+        return (f"{args.recipe} has no `cluster.layouts` (a CPU recipe): estimated for {pl.nodes} node(s) x "
+                f"{pl.gpus_per_node} GPU(s) of {mem}; pass --nodes, --gpus-per-node and --device-memory for "
+                "other GPUs")
+    chosen = "--layout" if args.layout else "the recipe's default"
+    sizes = ", ".join(f"{f} given" for f, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node))
+                      if v is not None)
+    over = f"; layout overrides {', '.join(pl.layout.overrides)}" if pl.layout.overrides else ""
+    return (f"layout '{pl.layout_name}' ({chosen}, as `smelt-ds render-job` resolves it): {pl.nodes} node(s) x "
+            f"{pl.gpus_per_node} {pl.layout.gpu} of {mem}{f' ({sizes})' if sizes else ''}{over}")
+
+
 def run_memory(args: argparse.Namespace) -> int:
-    cfg = load_config(args.recipe, args.set)
-    device_memory = parse_bytes(args.device_memory, "--device-memory")
-    report = estimate(cfg, args.nodes, args.gpus_per_node, device_memory, seq_len=args.seq_len,
-                      micro_batch=args.micro_batch, precision=args.precision, context_len=args.context_len,
-                      kv_dtype=args.kv_dtype, options=_split(args.options), policies=_split(args.policies))
+    pl = place(args.recipe, args.layout, args.set, args.nodes, args.gpus_per_node)
+    cfg = _with_batch(pl.config, args.seq_len, args.micro_batch)
+    device_memory, source = _device_memory(args.device_memory, pl)
+    kw = dict(precision=args.precision, context_len=args.context_len, kv_dtype=args.kv_dtype)
+    full = estimate(cfg, pl.nodes, pl.gpus_per_node, device_memory, **kw)
+    more = None
+    if full.configured is not None and not row_fits(full.configured, MIN_HEADROOM):
+        more = nodes_to_fit(pl, cfg, full, MIN_HEADROOM, precision=args.precision)
+    v = verdict(cfg, full, MIN_HEADROOM, more, nodes_searched=True)
+    options, policies = _split(args.options), _split(args.policies)
+    report = full if options is None and policies is None else \
+        estimate(cfg, pl.nodes, pl.gpus_per_node, device_memory, options=options, policies=policies, **kw)
+    report.notes.insert(0, _layout_note(args, pl, device_memory, source))
     if args.measure:
         import torch
 
-
-        run_cfg = _with_batch(cfg, args.seq_len, args.micro_batch)
-        pols = _split(args.policies)
-        report.measured = [m.as_dict() for m in measure(run_cfg, pols, args.steps)]
+        report.measured = [m.as_dict() for m in measure(cfg, policies, args.steps)]
         if not torch.cuda.is_available():
             report.notes.append("measured on CPU: fp32, ZeRO-0, one process; compare with `estimate(..., "
                                 "precision='fp32', device='cpu')` for exact activation numbers")
-    print(json.dumps(report.as_dict(), indent=2) if args.json else format_table(report))
-    return 0
+    code = 0 if v.fits else EXIT_DOES_NOT_FIT
+    if args.json:
+        layout = {"name": pl.layout_name, "gpu": pl.layout.gpu, "from_recipe": pl.from_layout, "nodes": pl.nodes,
+                  "gpus_per_node": pl.gpus_per_node, "device_memory": device_memory, "device_memory_from": source,
+                  "overrides": pl.resolved.overrides}
+        print(json.dumps({**report.as_dict(), "layout": layout, "verdict": v.as_dict(), "exit_status": code},
+                         indent=2))
+    else:
+        print(format_table(report, MIN_HEADROOM) + "\n\n" + format_verdict(v)
+              + (f"\nexit status {code} (the recipe's own setting does not fit)" if code else ""))
+    return code
 
 
 def _add_recipes_parser(sub: argparse._SubParsersAction) -> None:

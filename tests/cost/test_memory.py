@@ -234,6 +234,7 @@ def test_report_verdicts_kv_cache_and_totals():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"device_memory_bytes": "80 gigs"}, "--device-memory"),
+    ({"device_memory_bytes": "80"}, r"`--device-memory` \('80'\) has no unit"),
     ({"device_memory_bytes": "0GiB"}, "positive"),
     ({"nodes": 0}, "--nodes"),
     ({"seq_len": 100000}, "train.seq_len"),

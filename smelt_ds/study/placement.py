@@ -1,0 +1,154 @@
+"""Where a recipe runs: its cluster layout and world size, resolved one way for ``smelt-ds
+render-job`` and ``smelt-ds memory``.
+
+:func:`place` loads a recipe for a layout (:func:`smelt_ds.study.recipes.resolve`: ``--layout``,
+else ``cluster.default``, else the first layout; the layout's ``overrides`` before the user's
+``--set``), takes the node and GPU counts from ``--nodes`` / ``--gpus-per-node`` or the layout,
+and checks that the run can use that many GPUs (:func:`check_world`). :func:`nodes_to_fit` finds
+the fewest nodes on which the recipe's own ZeRO option and checkpointing policy fit.
+
+Recipes without ``cluster.layouts`` (the CPU recipes) resolve to
+:data:`smelt_ds.study.recipes.CPU_LAYOUT` (``cpu``: 1 node x 1 process). Units: counts of nodes,
+GPUs (ranks) and tokens; memory in bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from smelt_ds.config.run import ClusterLayout, RunConfig, resolve_batch
+from smelt_ds.cost.memory import Fix, MemoryReport, check_cluster, estimate, row_fits
+from smelt_ds.errors import ConfigError
+from smelt_ds.study.recipes import Resolved, resolve
+
+__all__ = ["Placement", "place", "check_world", "nodes_to_fit"]
+
+
+@dataclass
+class Placement:
+    """A recipe resolved for ``nodes x gpus_per_node`` GPUs of a layout. ``from_layout``: the
+    recipe has ``cluster.layouts`` (else the layout is the CPU stand-in); ``accumulation`` and
+    ``global_batch_tokens`` (tokens per optimizer step) at that world size."""
+
+    resolved: Resolved
+    nodes: int
+    gpus_per_node: int
+    from_layout: bool
+    accumulation: int
+    global_batch_tokens: int
+
+    @property
+    def config(self) -> RunConfig:
+        return self.resolved.config
+
+    @property
+    def layout_name(self) -> str:
+        return self.resolved.layout_name
+
+    @property
+    def layout(self) -> ClusterLayout:
+        return self.resolved.layout
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def check_world(cfg: RunConfig, layout_name: str, layout: ClusterLayout, nodes: int, gpus: int,
+                from_layout: bool) -> tuple[int, int]:
+    """Raise ConfigError when the run cannot use ``nodes x gpus`` GPUs: non-positive counts, more
+    GPUs per node than a node of the layout has, a world size ``moe_runtime.ep_size`` does not
+    divide (:func:`smelt_ds.cost.memory.check_cluster`), more ranks than the global batch has
+    micro-batches. Returns ``(accumulation, global_batch_tokens)``."""
+    check_cluster(cfg, nodes, gpus)
+    world = nodes * gpus
+    if from_layout and gpus > layout.gpus_per_node:
+        raise ConfigError(f"`--gpus-per-node` ({gpus}) is more GPUs than a node of layout '{layout_name}' has "
+                          f"({layout.gpus_per_node} x {layout.gpu}): use at most {layout.gpus_per_node}, or "
+                          "choose another --layout")
+    t = cfg.train
+    if t.global_batch_tokens is not None:
+        micro_tokens = t.micro_batch_size * t.seq_len
+        micro_batches = t.global_batch_tokens // micro_tokens
+        if world > micro_batches:
+            raise ConfigError(f"{nodes} x {gpus} = {world} GPUs is more than the layout needs: the global batch of "
+                              f"`train.global_batch_tokens` ({t.global_batch_tokens:,}) tokens is {micro_batches} "
+                              f"micro-batches of {t.micro_batch_size} x {t.seq_len} tokens, one per data-parallel "
+                              f"rank at most; use at most {micro_batches} GPUs, or raise train.global_batch_tokens "
+                              "/ lower train.micro_batch_size")
+    return resolve_batch(cfg, world)
+
+
+def place(recipe: str | Path, layout: str | None = None, overrides: list[str] | None = None,
+          nodes: int | None = None, gpus_per_node: int | None = None, default_nodes: int | None = None,
+          before_check: Callable[[int, int], None] | None = None) -> Placement:
+    """Resolve ``recipe`` for a layout and a world size, as ``render-job`` and ``memory`` do.
+
+    Args:
+        recipe: the recipe file.
+        layout: ``--layout`` (default ``cluster.default``, else the first layout, else ``cpu``).
+        overrides: ``--set KEY=VALUE`` strings (after the layout's own overrides).
+        nodes, gpus_per_node: ``--nodes`` / ``--gpus-per-node`` (default: the layout's).
+        default_nodes: the node count when ``nodes`` is None and the recipe has no layouts (e.g.
+            the hosts of a hostfile).
+        before_check: called with ``(nodes, gpus_per_node)`` before :func:`check_world` (render-job
+            checks its hostfile there, so that a host short of slots is the error it reports).
+
+    Raises:
+        ConfigError: an unknown layout, an invalid recipe, or a world size the run cannot use
+            (:func:`check_world`).
+    """
+    res = resolve(recipe, layout, overrides)
+    from_layout = bool(res.config.cluster.layouts)
+    if nodes is None:
+        nodes = default_nodes if default_nodes and not from_layout else res.layout.nodes
+    gpus = gpus_per_node if gpus_per_node is not None else res.layout.gpus_per_node
+    if before_check is not None:
+        check_cluster(res.config, nodes, gpus)  # positive counts first
+        before_check(nodes, gpus)
+    accum, gbt = check_world(res.config, res.layout_name, res.layout, nodes, gpus, from_layout)
+    return Placement(res, nodes, gpus, from_layout, accum, gbt)
+
+
+def nodes_to_fit(pl: Placement, cfg: RunConfig, report: MemoryReport, min_headroom: float, max_nodes: int = 1024,
+                 **estimate_kwargs) -> Fix | None:
+    """The fewest nodes (more than ``pl.nodes``, ``pl.gpus_per_node`` GPUs each, a world size
+    :func:`check_world` accepts, at most ``max_nodes``) on which the recipe's own row of
+    ``report`` (``report.configured``, estimated for ``cfg``: the placement's config, with any
+    ``--seq-len`` / ``--micro-batch`` applied) leaves ``min_headroom`` of the device memory free,
+    re-estimated at each node count; None when there is none.
+
+    ``estimate_kwargs``: the other :func:`smelt_ds.cost.memory.estimate` arguments ``report`` was
+    made with (precision, device). Model states per GPU shrink with the data-parallel size,
+    activations per GPU do not: when the most nodes do not fit, no other count is tried;
+    otherwise the counts are tried in order up to the first that fits.
+    """
+    own = report.configured
+    if own is None:
+        return None
+
+    def fitting_row(n: int):
+        rep = estimate(cfg, n, pl.gpus_per_node, report.device_memory, options=[own.option], policies=[own.policy],
+                       **estimate_kwargs)
+        return rep.configured if rep.configured is not None and row_fits(rep.configured, min_headroom) else None
+
+    def usable(n: int) -> bool:
+        try:
+            check_world(cfg, pl.layout_name, pl.layout, n, pl.gpus_per_node, pl.from_layout)
+        except ConfigError:  # ep_size or the global batch does not divide, or too many ranks
+            return False
+        return True
+
+    t = cfg.train
+    if t.global_batch_tokens is not None:  # at most one micro-batch per rank
+        max_nodes = min(max_nodes, t.global_batch_tokens // (t.micro_batch_size * t.seq_len) // pl.gpus_per_node)
+    counts = [n for n in range(pl.nodes + 1, max_nodes + 1) if usable(n)]
+    if not counts or fitting_row(counts[-1]) is None:
+        return None
+    for n in counts:
+        row = fitting_row(n)
+        if row is not None:
+            return Fix(own.option, own.policy, n, pl.gpus_per_node, row.total, row.headroom, [], ["--nodes", str(n)])
+    return None
