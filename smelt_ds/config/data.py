@@ -16,14 +16,23 @@ from pydantic import Field, model_validator
 from smelt_ds.config.schema import StrictModel
 from smelt_ds.errors import ConfigError
 
-__all__ = ["SourceConfig", "TokenizerConfig", "DataConfig", "BUILTIN_DOMAINS", "DOMAIN_PATTERN"]
+__all__ = ["SourceConfig", "TokenizerConfig", "DataConfig", "BUILTIN_DOMAINS", "DOMAIN_PATTERN", "SOURCE_KINDS",
+           "TOKEN_KINDS", "TOKEN_FIELDS", "TEXT_FIELDS"]
 
 BUILTIN_DOMAINS = ("code", "text")
 DOMAIN_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
+SOURCE_KINDS = ("path", "dataset", "builtin", "megatron", "tokens")
+#: kinds whose files hold token ids already (no tokenising; the recipe's tokenizer must be theirs)
+TOKEN_KINDS = ("megatron", "tokens")
+#: fields only token sources take, and fields only text sources take
+TOKEN_FIELDS = ("megatron", "tokens", "token_dtype", "eot_id")
+TEXT_FIELDS = ("format", "text_field", "sample_by", "dataset_config", "split", "revision", "max_documents")
+_GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 class SourceConfig(StrictModel):
-    """One corpus. Set exactly one of ``path``, ``dataset`` or ``builtin``."""
+    """One corpus. Set exactly one of ``path``, ``dataset``, ``builtin`` (text, tokenised here) or
+    ``megatron``, ``tokens`` (token ids already, read in place)."""
 
     path: str | None = Field(
         None, description="local file or directory; files are text, JSONL or Parquet (see `format`)")
@@ -48,13 +57,30 @@ class SourceConfig(StrictModel):
                                "multiple of its own window count (2.0 = every window twice, 0.5 = half)")
     max_documents: int | None = Field(
         None, gt=0, description="read at most this many documents (documents, before the split)")
+    megatron: str | None = Field(
+        None, description="Megatron-LM indexed dataset (MMIDIDX .bin + .idx, read in place): a path prefix "
+                          "(PREFIX.bin, PREFIX.idx), an .idx or .bin path, a directory (its .idx files matching "
+                          "`glob`) or a glob pattern; token dtype from the index")
+    tokens: str | None = Field(
+        None, description="flat token files (OLMo-core style, read in place): a raw or .npy file of token ids, a "
+                          "directory (its files matching `glob`) or a glob pattern; documents end with `eot_id`")
+    token_dtype: Literal["uint16", "uint32"] | None = Field(
+        None, description="`tokens` sources: dtype of the token ids in raw files (they have no header; required "
+                          "for them); a file written by np.save carries its own, which must agree")
+    eot_id: int | None = Field(
+        None, ge=0, description="token sources: the end-of-text id (token id) that ends every document; required "
+                                "for `tokens`, optional for `megatron`; must be the id of `data.tokenizer.eot_token`")
 
     def kind(self) -> str:
-        """``path``, ``dataset`` or ``builtin``."""
-        return "path" if self.path is not None else "dataset" if self.dataset is not None else "builtin"
+        """``path``, ``dataset``, ``builtin``, ``megatron`` or ``tokens`` (the first one set)."""
+        return next((k for k in SOURCE_KINDS if getattr(self, k) is not None), "builtin")
+
+    def is_token_source(self) -> bool:
+        """Whether the files hold token ids already (``megatron`` or ``tokens``)."""
+        return self.kind() in TOKEN_KINDS
 
     def label(self) -> str:
-        """A short human name: ``path=...``, ``dataset=...`` or ``builtin=...``."""
+        """A short human name: ``path=...``, ``dataset=...``, ``builtin=...``, ``megatron=...`` or ``tokens=...``."""
         return f"{self.kind()}={getattr(self, self.kind())}"
 
     def resolved_domain(self) -> str:
@@ -63,8 +89,12 @@ class SourceConfig(StrictModel):
             return self.domain
         if self.builtin is not None:
             return self.builtin
-        name = (self.path or self.dataset or "").rstrip("/").split("/")[-1]
-        stem = name.split(".")[0] if self.path is not None else name
+        if self.is_token_source():  # a glob pattern: its last component without wildcards
+            parts = [p for p in str(self.megatron or self.tokens).split("/") if p and not _GLOB_CHARS.search(p)]
+            stem = parts[-1].split(".")[0] if parts else ""
+        else:
+            name = (self.path or self.dataset or "").rstrip("/").split("/")[-1]
+            stem = name.split(".")[0] if self.path is not None else name
         return re.sub(r"[^A-Za-z0-9_.-]", "_", stem) or "default"
 
 
@@ -72,7 +102,9 @@ class TokenizerConfig(StrictModel):
     """The tokenizer: an existing ``tokenizer.json`` or a byte-level BPE trained on the sources."""
 
     path: str | None = Field(
-        None, description="existing tokenizer.json (Hugging Face tokenizers); unset = train one")
+        None, description="existing tokenizer: a tokenizer.json (Hugging Face tokenizers) or a transformers "
+                          "tokenizer directory (AutoTokenizer, its fast backend); unset = train one; required with "
+                          "token sources (megatron, tokens): the tokenizer their ids were made with")
     vocab_size: int = Field(4096, ge=260, description="vocabulary size to train (tokens, specials included)")
     min_frequency: int = Field(2, ge=1, description="BPE: a pair merges only if seen this many times (occurrences)")
     max_train_bytes: int | None = Field(
@@ -132,6 +164,11 @@ class DataConfig(StrictModel):
                               "e.g. `- builtin: code` or `- path: corpus.txt`")
         for i, src in enumerate(self.sources):
             _check_source(src, f"data.sources[{i}]")
+        token_sources = [f"data.sources[{i}]" for i, s in enumerate(self.sources) if s.is_token_source()]
+        if token_sources and self.tokenizer.path is None:
+            raise ConfigError(f"`data.tokenizer.path` (unset): token sources ({', '.join(token_sources)}) hold ids of "
+                              "the tokenizer they were made with, and one tokenizer serves all sources: set "
+                              "data.tokenizer.path to that tokenizer.json or transformers tokenizer directory")
         if self.tokenizer.eot_token == self.tokenizer.pad_token:
             raise ConfigError(f"`data.tokenizer.pad_token` ({self.tokenizer.pad_token!r}) equals "
                               "`data.tokenizer.eot_token`: give padding its own token")
@@ -139,10 +176,20 @@ class DataConfig(StrictModel):
 
 
 def _check_source(src: SourceConfig, where: str) -> None:
-    given = {k: getattr(src, k) for k in ("path", "dataset", "builtin") if getattr(src, k) is not None}
+    given = {k: getattr(src, k) for k in SOURCE_KINDS if getattr(src, k) is not None}
     if len(given) != 1:
-        raise ConfigError(f"`{where}` ({given or 'nothing'}) must set exactly one of path, dataset, builtin: "
+        raise ConfigError(f"`{where}` ({given or 'nothing'}) must set exactly one of {', '.join(SOURCE_KINDS)}: "
                           "keep one of them (one source per list entry)")
+    kind = src.kind()
+    foreign = TEXT_FIELDS if kind in TOKEN_KINDS else TOKEN_FIELDS
+    misplaced = [k for k in foreign if getattr(src, k) != SourceConfig.model_fields[k].default]
+    if misplaced:
+        what = "token sources read ids, not text" if kind in TOKEN_KINDS else "only token sources (megatron, tokens) take it"
+        raise ConfigError(f"`{where}.{misplaced[0]}` ({getattr(src, misplaced[0])!r}) does not apply to a {kind} "
+                          f"source ({what}): remove it")
+    if kind == "tokens" and src.eot_id is None:
+        raise ConfigError(f"`{where}.eot_id` (unset): flat token files are cut into documents at the end-of-text id, "
+                          "which they do not record: set it (e.g. eot_id: 50256 for GPT-2's <|endoftext|>)")
     if src.domain is not None and not re.fullmatch(DOMAIN_PATTERN, src.domain):
         raise ConfigError(f"`{where}.domain` ({src.domain!r}) must match {DOMAIN_PATTERN} (it names files): "
                           "use letters, digits, '_', '.', '-'")

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from smelt_ds.errors import ConfigError
 
-__all__ = ["COMPLETE_MARKER", "cache_root", "sha256_bytes", "sha256_file", "sha256_json", "is_complete",
+__all__ = ["COMPLETE_MARKER", "cache_root", "sha256_bytes", "sha256_file", "sha256_sample", "sha256_json", "is_complete",
            "build_dir_atomically", "host_tag", "remove_stale_temporaries", "write_json"]
 
 COMPLETE_MARKER = "_COMPLETE"
@@ -51,6 +51,22 @@ def sha256_file(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK_BYTES):
             h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_sample(path: str | os.PathLike, blocks: int = 16, block_bytes: int = 1 << 16) -> str:
+    """Hex sha256 of a bounded sample of a file: its size and ``blocks`` blocks of ``block_bytes``
+    at evenly spaced offsets, the first and the last block included (the whole file when it is
+    at most ``blocks * block_bytes`` bytes). Reads at most 1 MiB by default, whatever the size."""
+    size = os.stat(path).st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= blocks * block_bytes:
+            h.update(f.read())
+            return h.hexdigest()
+        for k in range(blocks):
+            f.seek(k * (size - block_bytes) // (blocks - 1))
+            h.update(f.read(block_bytes))
     return h.hexdigest()
 
 

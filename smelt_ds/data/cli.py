@@ -1,15 +1,18 @@
-"""``smelt-ds data``: build the built-in corpus, train a tokenizer, prepare shards, verify them.
+"""``smelt-ds data``: build the built-in corpus, train a tokenizer, prepare shards, verify them,
+inspect token files made elsewhere.
 
     smelt-ds data builtin OUT_DIR [--max-bytes N]
     smelt-ds data tokenizer --input PATH|builtin[:DOMAIN] ... --vocab-size N -o tokenizer.json
     smelt-ds data prepare [--recipe R.yaml] [--set data.KEY=VALUE ...] [--source SPEC ...] [-o DIR]
     smelt-ds data verify DIR
+    smelt-ds data inspect PATH ... [--eot-id N] [--token-dtype uint16|uint32] [--tokenizer T]
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,9 @@ import yaml
 from smelt_ds.config.run import apply_overrides, config_from_dict, load_config
 from smelt_ds.data.builtin import build_builtin_corpus
 from smelt_ds.data.prepare import PreparedData, build_tokenizer, prepare_from_config
-from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash
+from smelt_ds.data.token_files import ScanStats, TokenFile
+from smelt_ds.data.token_sources import check_ids, inspect_file, open_any
+from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash, tokenizer_id_space
 from smelt_ds.errors import ConfigError
 
 __all__ = ["add_parser", "parse_source_spec"]
@@ -42,7 +47,7 @@ def parse_source_spec(spec: str) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ConfigError(f"--source {spec!r}: {item!r} is not KEY=VALUE: write e.g. "
                               "--source path=corpus.jsonl,domain=web,weight=2")
-        out[key.strip()] = value if key.strip() in ("path", "dataset", "domain", "text_field", "glob") \
+        out[key.strip()] = value if key.strip() in ("path", "dataset", "domain", "text_field", "glob", "megatron", "tokens") \
             else yaml.safe_load(value)
     return out
 
@@ -129,6 +134,39 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _describe(tf: TokenFile, st: ScanStats, eot_id: int | None) -> list[str]:
+    fmt = {"megatron": "Megatron-LM indexed dataset (.bin + .idx, MMIDIDX version 1)",
+           "npy": "flat token file (np.save header)", "raw": "flat token file (raw, no header)"}[tf.format]
+    if tf.format == "megatron" or eot_id is not None:
+        ended = f", {st.ended_by_eot:,} ended by end-of-text id {eot_id}" if eot_id is not None else ""
+        docs = f"{st.documents:,} ({st.empty_documents:,} empty{ended})"
+    else:
+        docs = "unknown: give --eot-id (flat files are cut into documents at the end-of-text id)"
+    return [f"{tf.name}", f"  format       {fmt}", f"  dtype        {tf.dtype.name}", f"  documents    {docs}",
+            f"  tokens       {tf.num_tokens:,}", f"  largest id   {st.max_id:,}",
+            f"  needs        a tokenizer with ids up to {st.max_id:,} (vocabulary of at least {st.max_id + 1:,} "
+            f"tokens) and model.vocab_size >= {st.max_id + 1:,}"]
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+
+    tok = load_tokenizer(args.tokenizer, "--tokenizer") if args.tokenizer else None
+    failed = 0
+    for path in args.paths:
+        try:
+            tf = open_any(path, args.token_dtype)
+            st = inspect_file(tf, args.eot_id)
+            lines = _describe(tf, st, args.eot_id)
+            if tok is not None:
+                check_ids(tf, st, "--tokenizer", tokenizer_id_space(tok), f"--tokenizer {args.tokenizer!r}")
+                lines.append(f"  tokenizer    fits: {args.tokenizer} has ids 0..{tokenizer_id_space(tok) - 1:,}")
+            print("\n".join(lines))
+        except ConfigError as e:
+            failed += 1
+            print(f"smelt-ds data inspect: {path}: {e}", file=sys.stderr)
+    return 2 if failed else 0
+
+
 # --------------------------------------------------------------------------------------------
 # parser
 # --------------------------------------------------------------------------------------------
@@ -141,7 +179,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``smelt-ds data {builtin,tokenizer,prepare,verify}``."""
+    """Register ``smelt-ds data {builtin,tokenizer,prepare,verify,inspect}``."""
     data = subparsers.add_parser("data", help="build the built-in corpus, train a tokenizer, prepare shards",
                                  description="Data pipeline: built-in corpus, tokenizer, token shards.")
     sub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
@@ -179,3 +217,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check a prepared directory's shard sizes and checksums, print counts")
     p.add_argument("dir", help="prepared directory (holds meta.json)")
     p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("inspect", help="format, dtype, documents, tokens and largest id of token files made elsewhere",
+                       description="Per file: format, dtype, documents, tokens, largest token id and the vocabulary "
+                                   "it needs. A PATH is a Megatron-LM prefix (or its .idx / .bin) or a flat token "
+                                   "file (np.save or raw). Exits 2 naming the problem for a damaged file (truncated, "
+                                   "bad magic, wrong version, unknown dtype code, sizes that disagree, empty).")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="Megatron prefixes or token files")
+    p.add_argument("--eot-id", type=int, help="end-of-text id: counts flat files' documents, and Megatron documents "
+                                              "that end with it")
+    p.add_argument("--token-dtype", choices=("uint16", "uint32"), help="dtype of raw flat files (they have no header)")
+    p.add_argument("--tokenizer", help="a tokenizer.json or transformers directory: check that every id is one of its")
+    p.set_defaults(func=_cmd_inspect)

@@ -27,6 +27,7 @@ import torch
 
 from smelt_ds.data.distributed import rank_info
 from smelt_ds.data.prepare import PreparedData
+from smelt_ds.data.token_sources import PackedTokens
 from smelt_ds.errors import ConfigError
 
 __all__ = ["check_compatible", "windows_in", "TrainLoader", "ValidationLoader", "validation_loaders"]
@@ -40,9 +41,16 @@ def check_compatible(prepared: PreparedData, model_vocab_size: int, tokenizer_ha
     - the tokenizer's vocabulary (tokens) is at most ``model_vocab_size`` (``model.vocab_size``; a
       larger model vocabulary is a padded one, as Megatron-LM pads to a multiple of 128 and
       Qwen3-MoE's 151,936 rows hold a 151,669-token tokenizer);
-    - every token id in the shards is below ``model_vocab_size``;
+    - every token id in the shards is below ``model_vocab_size`` (for token sources, the largest id
+      of each file, from the manifest, naming the file; checked first);
     - when given, ``tokenizer_hash`` (e.g. from a checkpoint) equals the shards' tokenizer hash.
     """
+    for f in prepared.meta.get("token_files", []):  # token sources: name the user's file
+        if f["max_token_id"] >= model_vocab_size:
+            raise ConfigError(f"{f['name']!r} (data.sources[{f['source']}]) holds token id {f['max_token_id']}, not below "
+                              f"`model.vocab_size` ({model_vocab_size}): the model has no row for it; set "
+                              f"model.vocab_size to at least {f['max_token_id'] + 1} (a multiple of 128 is usual), or "
+                              "drop the file from the source")
     if prepared.vocab_size > model_vocab_size:
         raise ConfigError(f"`model.vocab_size` ({model_vocab_size}) is smaller than the tokenizer of the prepared "
                           f"data ({prepared.vocab_size} tokens, tokenizer {prepared.tokenizer_hash[:12]}, "
@@ -78,12 +86,12 @@ class _Windows:
         self.offsets = np.concatenate([[0], np.cumsum(counts)])  # (num_shards + 1,)
         self.remainder_tokens = int(sum(s["tokens"] - (c * seq_len + 1) if c else s["tokens"]
                                         for s, c in zip(shards, counts)))
-        self._memmaps: dict[int, np.memmap] = {}
+        self._memmaps: dict[int, np.memmap | PackedTokens] = {}
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def _tokens(self, k: int) -> np.memmap:
+    def _tokens(self, k: int) -> np.memmap | PackedTokens:
         if k not in self._memmaps:
             self._memmaps[k] = self.prepared.tokens(self.shards[k])
         return self._memmaps[k]

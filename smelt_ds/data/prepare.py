@@ -24,6 +24,11 @@ grouped up to that size and longer ones are cut into pieces at whitespace
 
 Token dtype: uint16 when every id of the tokenizer's vocabulary and every id produced is below
 65,536, else uint32; an id is never wrapped.
+
+Token sources (``megatron``, ``tokens``) are not tokenised: :mod:`smelt_ds.data.token_sources`
+writes their per-split stream indexes (``streams/``) and a manifest of their files
+(``token_files``); their virtual shards (``stream``, ``offset``) sit in ``shards`` beside the
+text sources' shards, and :meth:`PreparedData.tokens` reads them in place.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import tokenizers
 from tokenizers import Tokenizer
 
 import smelt_ds
-from smelt_ds.config.data import DataConfig
+from smelt_ds.config.data import DataConfig, SourceConfig
 from smelt_ds.data.cache import (
     cache_root,
     host_tag,
@@ -63,6 +68,14 @@ from smelt_ds.data.cache import (
 from smelt_ds.data.builtin import builtin_key
 from smelt_ds.data.distributed import rank_info, run_once
 from smelt_ds.data.sources import SourceData, read_sources, source_fingerprint
+from smelt_ds.data.token_sources import (
+    TOKEN_SPLIT_SCHEME,
+    PackedStream,
+    PackedTokens,
+    scan_source,
+    verify_token_files,
+    write_source,
+)
 from smelt_ds.data.tokenizer import (
     TOKENIZER_FILE,
     cached_tokenizer,
@@ -71,8 +84,10 @@ from smelt_ds.data.tokenizer import (
     load_tokenizer,
     special_ids,
     tokenizer_hash,
+    tokenizer_id_space,
     tokenizer_key,
     utf8_len,
+    write_tokenizer_file,
 )
 from smelt_ds.errors import ConfigError
 
@@ -411,6 +426,7 @@ class PreparedData:
     root: Path
     meta: dict
     created: bool = False
+    _streams: dict[str, PackedStream] = field(default_factory=dict, repr=False)
 
     @classmethod
     def load(cls, root: str | Path, verify: str = "checksum") -> "PreparedData":
@@ -471,22 +487,34 @@ class PreparedData:
         return [s for s in self.meta["shards"] if s["split"] == split
                 and (domain is None or s["domain"] == domain) and (source is None or s["source"] == source)]
 
-    def tokens(self, shard: dict) -> np.memmap:
-        """Token ids of a shard, shape (shard["tokens"],), read-only memmap."""
-        return np.memmap(self.root / shard["file"], dtype=self.dtype, mode="r", shape=(shard["tokens"],))
+    def tokens(self, shard: dict) -> np.memmap | PackedTokens:
+        """Token ids of a shard, shape (shard["tokens"],): a read-only memmap of a text source's
+        shard, or a :class:`~smelt_ds.data.token_sources.PackedTokens` view of a token source's
+        virtual shard (slicing it reads that range of the user's files, as a uint32 array)."""
+        if shard.get("stream") is None:
+            return np.memmap(self.root / shard["file"], dtype=self.dtype, mode="r", shape=(shard["tokens"],))
+        name = shard["stream"]
+        if name not in self._streams:
+            self._streams[name] = PackedStream(self.root, self.meta["streams"][name], self.meta["token_files"],
+                                               self.eot_id)
+        return PackedTokens(self._streams[name], shard["offset"], shard["tokens"])
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_file(str(self.root / TOKENIZER_FILE))
 
     # -- checks --------------------------------------------------------------------------------
     def verify(self, level: str = "checksum") -> None:
-        """Check the tokenizer hash and every shard's size (and sha256 with ``level="checksum"``)."""
+        """Check the tokenizer hash and every shard's size (and sha256 with ``level="checksum"``);
+        for token sources, their files' sizes (and sampled sha256) and stream indexes
+        (:func:`~smelt_ds.data.token_sources.verify_token_files`)."""
         tok_hash = tokenizer_hash(self.tokenizer())
         if tok_hash != self.tokenizer_hash:
             raise ConfigError(f"{str(self.root / TOKENIZER_FILE)!r}: tokenizer hash {tok_hash[:12]} does not match "
                               f"meta.json ({self.tokenizer_hash[:12]}): the directory was modified; prepare again")
         for shard in self.meta["shards"]:
-            self._verify_shard(shard, level)
+            if shard.get("stream") is None:
+                self._verify_shard(shard, level)
+        verify_token_files(self.root, self.meta, level)
 
     def _verify_shard(self, shard: dict, level: str) -> None:
         path = self.root / shard["file"]
@@ -538,9 +566,10 @@ def preparation_key(cfg: DataConfig) -> str:
     fps = [source_fingerprint(s, i, cfg) for i, s in enumerate(cfg.sources)]
     settings = cfg.model_dump(mode="json", include={"validation_share", "seed", "non_utf8", "max_invalid_utf8_share",
                                                      "bad_jsonl_lines", "shard_max_tokens", "builtin_max_bytes"})
+    token_split = {"token_split": TOKEN_SPLIT_SCHEME} if any(s.is_token_source() for s in cfg.sources) else {}
     return sha256_json({"format": FORMAT_VERSION, "split": SPLIT_SCHEME, "sources": fps,
                         "tokenizer": _tokenizer_identity(cfg, fps),
-                        "eot": cfg.tokenizer.eot_token, "pad": cfg.tokenizer.pad_token, **settings})
+                        "eot": cfg.tokenizer.eot_token, "pad": cfg.tokenizer.pad_token, **settings, **token_split})
 
 
 def _text_batches(sources: list[SourceData], max_bytes: int) -> Iterator[list[str]]:
@@ -578,7 +607,7 @@ def build_tokenizer(cfg: DataConfig, cache_dir: str | Path | None = None,
 def _shard_dtype(tok: Tokenizer, ids: list[datasets.Dataset]) -> np.dtype:
     """The smallest of uint16 / uint32 that holds every id of the vocabulary and every id produced
     (a vocabulary can be small but sparse: get_vocab_size() is not the largest id + 1)."""
-    top = max(tok.get_vocab_size() - 1, max(tok.get_vocab(with_added_tokens=True).values(), default=-1))
+    top = tokenizer_id_space(tok) - 1
     for d in ids:
         values = pc.list_flatten(d.data.table.column("input_ids"))
         if len(values):
@@ -615,7 +644,7 @@ def _prepare_into(tmp: Path, cfg: DataConfig, root: Path, key: str) -> None:
     for sd in sources:  # before the tokenizer is trained: fail fast
         validation_count(len(sd.dataset), cfg.validation_share, sd.where)
     tok_path, trained = build_tokenizer(cfg, root, sources)
-    shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
+    write_tokenizer_file(tok_path, tmp / TOKENIZER_FILE)
     tok = load_tokenizer(tmp / TOKENIZER_FILE)
     eot_id, pad_id = special_ids(tok, cfg.tokenizer)
     ids = [tokenise(sd.dataset, tok, eot_id, cfg.num_proc, work / f"ids-{sd.index}.arrow", sd.where,
@@ -628,6 +657,9 @@ def _prepare_into(tmp: Path, cfg: DataConfig, root: Path, key: str) -> None:
         shards += new
         source_meta.append(_source_meta(sd, val, new, sd.report["fingerprint"]))
     del ids
+    token_meta = _prepare_token_sources(tmp, cfg, tok, eot_id, work)
+    shards += token_meta.pop("shards")
+    source_meta = sorted(source_meta + token_meta.pop("sources"), key=lambda s: s["index"])
     shutil.rmtree(work, ignore_errors=True)
     info = rank_info()
     write_json(tmp / META_FILE, {
@@ -636,12 +668,44 @@ def _prepare_into(tmp: Path, cfg: DataConfig, root: Path, key: str) -> None:
                       "eot_token": cfg.tokenizer.eot_token, "eot_id": eot_id, "pad_token": cfg.tokenizer.pad_token,
                       "pad_id": pad_id, "trained_now": trained},
         "validation_share": cfg.validation_share, "seed": cfg.seed, "splits": _split_counts(shards),
-        "sources": source_meta, "shards": shards,
+        "sources": source_meta, "shards": shards, **token_meta,
         "created": {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(time.time() - t0, 3),
                     "host": socket.gethostname(), "pid": os.getpid(), "rank": info.rank},
         "versions": {"smelt_ds": smelt_ds.__version__, "datasets": datasets.__version__,
                      "tokenizers": tokenizers.__version__, "numpy": np.__version__},
         "config": cfg.model_dump(mode="json")})
+
+
+def _check_eot_id(src: SourceConfig, where: str, tok: Tokenizer, eot_id: int, cfg: DataConfig) -> None:
+    if src.eot_id is not None and src.eot_id != eot_id:
+        token = tok.id_to_token(src.eot_id)
+        raise ConfigError(f"`{where}.eot_id` ({src.eot_id}, token {token!r}) is not the id of `data.tokenizer.eot_token` "
+                          f"({cfg.tokenizer.eot_token!r} = {eot_id}): one end-of-text id separates the documents of all "
+                          f"sources: set data.tokenizer.eot_token to {token!r}, or fix {where}.eot_id")
+
+
+def _prepare_token_sources(tmp: Path, cfg: DataConfig, tok: Tokenizer, eot_id: int, work: Path) -> dict[str, Any]:
+    """Scan, split and index every token source: ``{"sources", "shards", "streams", "token_files"}``
+    (empty when the recipe has none)."""
+    out: dict[str, Any] = {"sources": [], "shards": []}
+    if not any(s.is_token_source() for s in cfg.sources):
+        return out
+    out.update(streams={}, token_files=[])
+    for i, src in enumerate(cfg.sources):
+        if not src.is_token_source():
+            continue
+        where = f"data.sources[{i}]"
+        _check_eot_id(src, where, tok, eot_id, cfg)
+        _say(f"scanning {src.label()} (token ids, documents, split keys; nothing is copied)")
+        scan = scan_source(src, i, eot_id, tokenizer_id_space(tok), cfg, work / f"tokens-s{i:02d}")
+        n_val = validation_count(scan.num_documents, cfg.validation_share, f"{where} ({src.label()})")
+        source, shards, streams, files = write_source(tmp, scan, n_val, src.resolved_domain(),
+                                                      len(out["token_files"]), cfg.shard_max_tokens)
+        out["sources"].append(source)
+        out["shards"] += shards
+        out["streams"].update(streams)
+        out["token_files"] += files
+    return out
 
 
 def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None) -> PreparedData:

@@ -34,9 +34,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from datasets.exceptions import DatasetGenerationError
 
-from smelt_ds.config.data import DataConfig, SourceConfig
+from smelt_ds.config.data import TOKEN_FIELDS, DataConfig, SourceConfig
 from smelt_ds.data.builtin import builtin_corpus_dir, builtin_key
 from smelt_ds.data.cache import sha256_json
+from smelt_ds.data.token_sources import token_source_files
 from smelt_ds.data.tokenizer import UncuttableDocument, cut_document, utf8_len
 from smelt_ds.errors import ConfigError
 
@@ -261,12 +262,16 @@ def _stat_list(files: list[Path]) -> list[tuple[str, int, int]]:
 
 
 def source_fingerprint(src: SourceConfig, index: int, cfg: DataConfig) -> str:
-    """Identity of a source for cache keys: its settings plus, for files, path/size/mtime of each
-    file (like make and rsync), for the built-in corpus the interpreter identity and cap, for a
+    """Identity of a source for cache keys: its settings plus, for files (token files too),
+    path/size/mtime of each file (like make and rsync), for the built-in corpus the interpreter identity and cap, for a
     dataset name its name/config/split/revision (pin ``revision`` to notice upstream changes)."""
-    parts: dict[str, Any] = {"source": src.model_dump(mode="json"), "domain": src.resolved_domain()}
+    unset_token_fields = {k for k in TOKEN_FIELDS if getattr(src, k) is None}  # keys of text sources as before them
+    parts: dict[str, Any] = {"source": src.model_dump(mode="json", exclude=unset_token_fields),
+                             "domain": src.resolved_domain()}
     where = f"data.sources[{index}]"
-    if src.path is not None:
+    if src.is_token_source():
+        parts["files"] = _stat_list(token_source_files(src, where))
+    elif src.path is not None:
         parts["files"] = _stat_list(resolve_files(src, where))
     elif src.builtin is not None:
         parts["builtin"] = builtin_key(cfg.builtin_max_bytes)
@@ -404,6 +409,8 @@ def read_source(src: SourceConfig, index: int, cfg: DataConfig, work_dir: Path,
 
 
 def read_sources(cfg: DataConfig, work_dir: Path, cache_dir: str | Path | None = None) -> list[SourceData]:
-    """All sources of ``cfg`` in order (see :func:`read_source`)."""
+    """All text sources of ``cfg`` in order (see :func:`read_source`); token sources are not read here
+    (:mod:`smelt_ds.data.token_sources`)."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    return [read_source(src, i, cfg, work_dir, cache_dir) for i, src in enumerate(cfg.sources)]
+    return [read_source(src, i, cfg, work_dir, cache_dir) for i, src in enumerate(cfg.sources)
+            if not src.is_token_source()]

@@ -40,7 +40,7 @@ from smelt_ds.errors import ConfigError
 
 __all__ = ["TOKENIZER_FILE", "train_tokenizer", "tokenizer_hash", "load_tokenizer", "special_ids",
            "tokenizer_key", "cached_tokenizer", "utf8_len", "cut_document", "cut_batches", "cut_problem",
-           "UncuttableDocument"]
+           "UncuttableDocument", "write_tokenizer_file", "tokenizer_id_space"]
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -90,16 +90,52 @@ def tokenizer_hash(tok: Tokenizer) -> str:
 
 
 def load_tokenizer(path: str | Path, where: str = "tokenizer") -> Tokenizer:
-    """Load a ``tokenizer.json``. Raises ConfigError naming ``where`` for a missing or bad file."""
+    """Load a ``tokenizer.json``, or a transformers tokenizer directory (``AutoTokenizer``, its fast
+    backend ``tokenizers.Tokenizer``). Raises ConfigError naming ``where`` for a missing or bad one."""
     p = Path(path).expanduser()
+    if p.is_dir():
+        return _transformers_backend(p, where)
     if not p.is_file():
-        raise ConfigError(f"`{where}` ({str(path)!r}): no such tokenizer file: give the path of a "
-                          "tokenizer.json, or unset it to train one")
+        raise ConfigError(f"`{where}` ({str(path)!r}): no such tokenizer file or directory: give the path of a "
+                          "tokenizer.json or of a transformers tokenizer directory, or unset it to train one")
     try:
         return Tokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises a plain Exception for bad JSON
         raise ConfigError(f"`{where}` ({str(path)!r}) is not a tokenizers JSON file ({e}): "
                           "save it with Tokenizer.save() or train one with `smelt-ds data tokenizer`") from None
+
+
+def _transformers_backend(directory: Path, where: str) -> Tokenizer:
+    """The fast backend of ``AutoTokenizer.from_pretrained(directory)`` (local files only)."""
+    import transformers  # seconds to import: only for a tokenizer directory
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for a bad directory
+        raise ConfigError(f"`{where}` ({str(directory)!r}): transformers.AutoTokenizer cannot load this directory "
+                          f"({type(e).__name__}: {e}): give a directory written by save_pretrained, or a "
+                          "tokenizer.json") from None
+    backend = getattr(tok, "backend_tokenizer", None)
+    if not getattr(tok, "is_fast", False) or not isinstance(backend, Tokenizer):
+        raise ConfigError(f"`{where}` ({str(directory)!r}): {type(tok).__name__} is a slow tokenizer without a "
+                          "`tokenizers` backend: convert it (AutoTokenizer.from_pretrained(dir, use_fast=True)"
+                          ".save_pretrained(dir) writes tokenizer.json) and give that directory")
+    return backend
+
+
+def write_tokenizer_file(path: str | Path, dst: Path) -> None:
+    """Write the tokenizer at ``path`` (file: copied as is; directory: its backend saved) to ``dst``."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        load_tokenizer(p).save(str(dst))
+    else:
+        shutil.copyfile(p, dst)
+
+
+def tokenizer_id_space(tok: Tokenizer) -> int:
+    """The largest id of the tokenizer (added tokens included) + 1. A vocabulary can be small but
+    sparse, so ``get_vocab_size()`` is not always the largest id + 1."""
+    return 1 + max(tok.get_vocab_size() - 1, max(tok.get_vocab(with_added_tokens=True).values(), default=-1))
 
 
 def special_ids(tok: Tokenizer, cfg: TokenizerConfig, where: str = "data.tokenizer") -> tuple[int, int]:
@@ -109,9 +145,10 @@ def special_ids(tok: Tokenizer, cfg: TokenizerConfig, where: str = "data.tokeniz
         token = getattr(cfg, name)
         tid = tok.token_to_id(token)
         if tid is None:
+            specials = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
             raise ConfigError(f"`{where}.{name}` ({token!r}) is not in the tokenizer's vocabulary: "
-                              f"set {where}.{name} to one of its special tokens, or train a tokenizer "
-                              "with `smelt-ds data tokenizer`")
+                              f"set {where}.{name} to one of its special tokens ({specials[:12] or 'it has none'}), "
+                              "or train a tokenizer with `smelt-ds data tokenizer`")
         ids.append(tid)
     return ids[0], ids[1]
 
