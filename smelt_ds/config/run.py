@@ -203,6 +203,13 @@ class TrainConfig(StrictModel):
     eval_every: int = Field(50, gt=0, description="steps between validation runs (and at the end)")
     save_every: int = Field(50, gt=0, description="steps between checkpoints (and at the end)")
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
+    reference_weights: Literal["every_save", "newest", "minimal"] = Field(
+        "every_save", description="which checkpoints carry the fp32 reference-layout weights `smelt-ds export` reads "
+                                  "(4 bytes per parameter per checkpoint): every_save; newest (written at every save, "
+                                  "removed from a checkpoint once a newer one is complete); minimal (as newest, except "
+                                  "on the reference backend at ZeRO 1-3, whose DeepSpeed files export every checkpoint: "
+                                  "only the run's last save). The newest and the final checkpoint always export; "
+                                  "docs/checkpoint_cost.md")
     exit_after_steps: int | None = Field(
         None, gt=0, description="stop after this many steps of this invocation, saving a checkpoint "
                                 "(time-boxed jobs; the LR schedule still follows max_steps)")

@@ -6,15 +6,19 @@ Layout under ``<run_dir>/checkpoints/``::
     step00000050/client_rank{r}.pt   step, tokens seen, data-loader state and RNG states of rank r
     step00000050/reference/rank{r}.pt   rank r's shard of the fp32 weights in the reference
                              layout (:mod:`smelt_ds.train.reference_weights`), what ``smelt-ds export``
-                             reads for every MoE backend and ZeRO stage
+                             reads for every MoE backend and ZeRO stage; which checkpoints carry
+                             them is ``train.reference_weights`` (:func:`writes_reference`)
     step00000050/COMPLETE    written by rank 0 after every rank finished: the only mark of a
-                             usable checkpoint; JSON with the step, tokens seen and the layout
-                             that wrote it (world size, ZeRO stage, MoE backend, expert-parallel
-                             size), which a resume must match
+                             usable checkpoint; JSON with the step, tokens seen, the layout that
+                             wrote it (world size, ZeRO stage, MoE backend, expert-parallel size),
+                             which a resume must match, and every file with its SHA-256 and size
 
 A run killed during a save (SIGKILL, node loss) leaves a directory without ``COMPLETE``, which
 ``--resume auto`` ignores: it continues from the newest complete checkpoint. Only the newest
-``keep_last`` complete checkpoints are kept.
+``keep_last`` complete checkpoints are kept. With ``train.reference_weights`` ``newest`` or
+``minimal``, the reference shards of the older checkpoints are removed once a newer checkpoint is
+complete: their marker is rewritten without them (atomically) before the files are deleted, so no
+marker ever lists a missing file, and the newest complete checkpoint is exportable at every moment.
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ import numpy as np
 import torch
 
 from smelt_ds.errors import ConfigError
-from smelt_ds.train.reference_weights import gather_reference_shard, shard_path
+from smelt_ds.train.reference_weights import REFERENCE_DIR, gather_reference_shard, shard_path
 
 __all__ = ["checkpoint_dir", "save", "load", "latest_complete", "rng_state", "restore_rng", "MARKER", "run_layout",
-           "check_layout"]
+           "check_layout", "REFERENCE_CHOICES", "offline_exportable", "writes_reference", "reference_files",
+           "newest_with_reference"]
 
 MARKER = "COMPLETE"
+#: the values of ``train.reference_weights`` (:func:`writes_reference`)
+REFERENCE_CHOICES = ("every_save", "newest", "minimal")
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -196,9 +203,35 @@ def _gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def _write_rank_files(engine, root: Path, tag: str, rank: int, client: dict[str, Any], backend: str) -> dict:
-    """DeepSpeed's files, the client state and the reference shard of this rank; their digests."""
+def offline_exportable(layout: dict[str, Any]) -> bool:
+    """Whether DeepSpeed's own files of a checkpoint written with ``layout`` (:func:`run_layout`)
+    give its fp32 weights without the reference shards: the reference backend at ZeRO 1-3, whose
+    fp32 master partitions DeepSpeed's ``zero_to_fp32`` consolidates. Not the expert-parallel
+    backends (``zero_to_fp32`` reads neither their per-expert files nor AutoEP at ZeRO-3), nor
+    ZeRO-0 (its model file holds the bf16 weights under bf16, not the fp32 master)."""
+    return layout.get("moe_backend", "reference") == "reference" and int(layout.get("zero_stage", 0)) >= 1
 
+
+def writes_reference(choice: str, layout: dict[str, Any], final: bool) -> bool:
+    """Whether a save writes the reference shards under ``train.reference_weights`` = ``choice``.
+
+    ``every_save`` and ``newest``: every save (``newest`` then removes them from the older
+    checkpoints). ``minimal``: only the run's last save (``final``: ``train.max_steps`` or a stop)
+    where DeepSpeed's files export every checkpoint (:func:`offline_exportable`), else every save
+    (the newest checkpoint must be exportable after a crash at any moment). Raises ValueError
+    for another choice."""
+    if choice not in REFERENCE_CHOICES:
+        raise ValueError(f"train.reference_weights {choice!r} is not one of {REFERENCE_CHOICES}")
+    return final or choice != "minimal" or not offline_exportable(layout)
+
+
+def _write_rank_files(engine, root: Path, tag: str, rank: int, client: dict[str, Any], backend: str,
+                      reference: bool) -> dict:
+    """DeepSpeed's files, the client state and (``reference``) the reference shard of this rank;
+    their digests."""
+
+    if not reference and rank == 0:  # no shard of an abandoned earlier attempt may enter the marker
+        shutil.rmtree(root / tag / REFERENCE_DIR, ignore_errors=True)
     hashing = _hashing_engine(engine)
     if hashing is not None:
         hashing.written = {}
@@ -208,6 +241,8 @@ def _write_rank_files(engine, root: Path, tag: str, rank: int, client: dict[str,
     written = {str(Path(p).relative_to(ckpt)): d for p, d in (hashing.written if hashing else {}).items()
                if Path(p).is_relative_to(ckpt)}
     written[f"client_rank{rank}.pt"] = _atomic_save(client, root / tag / f"client_rank{rank}.pt")
+    if not reference:
+        return written
     shard = gather_reference_shard(engine, backend)
     path = shard_path(root / tag, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -216,15 +251,22 @@ def _write_rank_files(engine, root: Path, tag: str, rank: int, client: dict[str,
 
 
 def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state: dict[str, Any],
-         keep_last: int, layout: dict[str, Any] | None = None) -> Path:
+         keep_last: int, layout: dict[str, Any] | None = None, reference_weights: str = "every_save",
+         final: bool = False, reference: bool | None = None) -> Path:
     """Save a checkpoint on every rank (collective). Returns the checkpoint directory.
 
-    Writes DeepSpeed's files, this rank's client state and its shard of the reference-layout
-    weights (:func:`smelt_ds.train.reference_weights.gather_reference_shard`), each with a SHA-256
-    computed while writing and fsynced; then, once every rank is done, rank 0 fsyncs the
-    directory and writes the ``COMPLETE`` marker: JSON with the step, tokens seen, ``layout``
-    (see :func:`run_layout`; its ``moe_backend``, default ``reference``, names the backend whose
-    parameters are mapped) and ``files`` (relative path -> sha256, bytes, writing rank).
+    Writes DeepSpeed's files, this rank's client state and, when :func:`writes_reference` says
+    so for ``reference_weights`` (``train.reference_weights``) and ``final`` (the run's last save:
+    ``train.max_steps`` or a stop), its shard of the reference-layout weights
+    (:func:`smelt_ds.train.reference_weights.gather_reference_shard`, 4 bytes per parameter over
+    all ranks), each with a SHA-256 computed while writing and fsynced; then, once every rank is
+    done, rank 0 fsyncs the directory and writes the ``COMPLETE`` marker: JSON with the step,
+    tokens seen, ``layout`` (see :func:`run_layout`; its ``moe_backend``, default ``reference``,
+    names the backend whose parameters are mapped) and ``files`` (relative path -> sha256, bytes,
+    writing rank). Then it prunes to the newest ``keep_last`` complete checkpoints and, unless
+    ``every_save``, removes the reference shards of the older ones (:func:`_drop_reference`).
+    ``reference`` True/False writes the shards or not whatever the choice says (bench/checkpoint_cost.py
+    measures both); None follows the choice.
 
     Raises :class:`CheckpointWriteError` on every rank when any rank could not write (e.g. a
     full disk); no marker is written, so the previous complete checkpoint stays the newest.
@@ -237,8 +279,11 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = {"world_size": world, **(layout or {})}
     client = {"step": step, "tokens_seen": tokens_seen, "loader": loader_state, "rng": rng_state()}
+    if reference is None:
+        reference = writes_reference(reference_weights, layout, final)
     try:
-        written, error = _write_rank_files(engine, root, tag, rank, client, layout.get("moe_backend", "reference")), None
+        written, error = _write_rank_files(engine, root, tag, rank, client, layout.get("moe_backend", "reference"),
+                                           reference), None
     except CheckpointWriteError as e:
         written, error = {}, str(e)
     gathered = _gather_objects((written, error))
@@ -254,15 +299,8 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
             if p.is_file() and name not in files and name != MARKER and not name.endswith(".tmp"):
                 files[name] = {**file_digest(p), "rank": 0}
         _fsync_dir(root / tag)
-        marker = root / tag / MARKER
-        tmp = marker.with_name(MARKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"step": step, "tokens_seen": tokens_seen, **layout, "files": files}))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, marker)
-        _fsync_dir(root / tag)
-        _prune(root, keep_last)
+        _write_marker(root / tag, {"step": step, "tokens_seen": tokens_seen, **layout, "files": files})
+        _prune(root, keep_last, drop_reference=reference_weights != "every_save")
     if dist.is_initialized():
         dist.barrier()
     return root / tag
@@ -331,7 +369,54 @@ def _complete_tags(root: Path) -> list[Path]:
     return sorted((p for p in root.glob("step*") if (p / MARKER).is_file()), key=lambda p: p.name)
 
 
-def _prune(root: Path, keep_last: int) -> None:
+def _write_marker(ckpt: Path, meta: dict[str, Any]) -> None:
+    """Write (or replace) the ``COMPLETE`` marker of ``ckpt`` atomically: a temporary file,
+    fsynced, renamed over the marker, then the directory fsynced."""
+    marker = ckpt / MARKER
+    tmp = marker.with_name(MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(meta))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, marker)
+    _fsync_dir(ckpt)
+
+
+def reference_files(ckpt: str | Path) -> list[str] | None:
+    """The reference shards (relative paths) the ``COMPLETE`` marker of ``ckpt`` lists; None for
+    a marker without file digests (older smelt-ds), whose shards are whatever ``reference/`` holds."""
+    files = json.loads((Path(ckpt) / MARKER).read_text()).get("files")
+    return None if files is None else sorted(n for n in files if n.startswith(REFERENCE_DIR + "/"))
+
+
+def newest_with_reference(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (a ``checkpoints/`` directory) whose marker
+    lists reference shards, or None."""
+    return next((p for p in reversed(_complete_tags(Path(root))) if reference_files(p)), None)
+
+
+def _drop_reference(ckpt: Path, newer: str) -> None:
+    """Remove the reference shards of the complete checkpoint ``ckpt`` (``newer``: the checkpoint
+    that made them redundant, recorded in the marker as ``reference_removed_by``).
+
+    The marker is rewritten without the shards first (atomically), then the files are deleted:
+    a crash in between leaves unlisted files, never a listed file missing (which :func:`verify`
+    would call damaged). Checkpoints whose marker has no digests (older smelt-ds) are left alone."""
+    meta = json.loads((ckpt / MARKER).read_text())
+    files = meta.get("files")
+    if files is None:
+        return
+    listed = [n for n in files if n.startswith(REFERENCE_DIR + "/")]
+    if listed:
+        meta["files"] = {n: d for n, d in files.items() if n not in listed}
+        meta["reference_removed_by"] = newer
+        _write_marker(ckpt, meta)
+    shutil.rmtree(ckpt / REFERENCE_DIR, ignore_errors=True)  # also what a crash here left last time
+
+
+def _prune(root: Path, keep_last: int, drop_reference: bool = False) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints (and a newer partial one being written);
+    with ``drop_reference``, the kept older ones lose their reference shards."""
     complete = _complete_tags(root)
     keep = set(complete[-keep_last:])
     newest = complete[-1].name if complete else ""
@@ -340,6 +425,9 @@ def _prune(root: Path, keep_last: int) -> None:
             continue
         if (p / MARKER).is_file() or p.name < newest:  # old complete, or an abandoned partial save
             shutil.rmtree(p, ignore_errors=True)
+    if drop_reference:
+        for p in complete[-keep_last:-1]:
+            _drop_reference(p, newest)
     latest = root / "latest"  # DeepSpeed's pointer; keep it on a complete tag
     if complete:
         latest.write_text(complete[-1].name)

@@ -21,7 +21,7 @@ from smelt_ds.files import staged_directory
 from smelt_ds.model import SmeltLM
 from smelt_ds.train import checkpoint as ckpt
 from smelt_ds.train.provenance import RUN_TOKENIZER
-from smelt_ds.train.reference_weights import REFERENCE_DIR, has_reference_shards, merge_reference_shards
+from smelt_ds.train.reference_weights import has_reference_shards, merge_reference_shards
 
 __all__ = ["REFERENCE_OVERRIDES", "consolidated_state_dict", "export_checkpoint", "load_exported", "load_initial_weights"]
 
@@ -48,30 +48,30 @@ def _resolve(path: str | Path) -> tuple[Path, Path]:
 def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
     """fp32 state dict of the model in the reference layout, from any ZeRO stage and backend.
 
-    Checkpoints carry the weights in the reference layout, gathered on the live engine at save
-    time (:mod:`smelt_ds.train.reference_weights`); they are merged and checked for completeness here.
-    Reference-backend checkpoints written before those shards existed fall back to DeepSpeed's
+    A checkpoint whose marker lists reference-layout shards (gathered on the live engine at save
+    time: :mod:`smelt_ds.train.reference_weights`) is merged from them, checked for completeness.
+    One without them (``train.reference_weights`` ``newest``/``minimal`` keep them only where
+    needed, or an older smelt-ds) is read from DeepSpeed's own files on the reference backend:
     ``zero_to_fp32`` (ZeRO 1-3) or the rank-0 model file (ZeRO-0). Raises ConfigError naming the
-    file for a missing or damaged shard, and for an expert-parallel checkpoint without shards.
+    file for a missing or damaged shard, and for an expert-parallel checkpoint without shards
+    (naming the newest checkpoint of the run that has them).
     """
 
     meta = json.loads((ckpt_dir / ckpt.MARKER).read_text())
     if ckpt_dir.name.startswith("damaged-") and (problems := ckpt.verify(ckpt_dir)):
         raise ConfigError(f"checkpoint {ckpt_dir} was moved aside as damaged ({'; '.join(problems[:3])}): export "
                           f"an intact checkpoint ({ckpt_dir.parent}/stepNNNNNNNN)")
-    if has_reference_shards(ckpt_dir):
-        shards = [n for n in meta.get("files", {}) if n.startswith(REFERENCE_DIR + "/")]
-        problems = ckpt.verify(ckpt_dir, names=shards)
+    shards = ckpt.reference_files(ckpt_dir)
+    if shards or (shards is None and has_reference_shards(ckpt_dir)):
+        problems = ckpt.verify(ckpt_dir, names=shards or [])
         if problems:
             raise ConfigError(f"checkpoint {ckpt_dir} is damaged ({'; '.join(problems[:3])}): export an earlier "
                               f"checkpoint ({ckpt_dir.parent}/stepNNNNNNNN)")
         return merge_reference_shards(ckpt_dir, cfg, int(meta.get("world_size", 1)))
-    if cfg.moe_runtime.backend != "reference":
-        raise ConfigError(f"{ckpt_dir} has no reference weights ({ckpt_dir}/reference/): it was written by an "
-                          f"older smelt-ds, and a moe_runtime.backend {cfg.moe_runtime.backend!r} checkpoint cannot be converted "
-                          "offline; resume it for one step with this version (--resume auto, raising "
-                          "train.max_steps by 1) and export the new checkpoint")
-    if cfg.deepspeed.zero_stage == 0:
+    backend = meta.get("moe_backend", cfg.moe_runtime.backend)
+    if backend != "reference":
+        raise _no_reference_weights(ckpt_dir, meta, backend)
+    if int(meta.get("zero_stage", cfg.deepspeed.effective_zero_stage)) == 0:
         files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
         if not files:
             raise ConfigError(f"{ckpt_dir}: no mp_rank_*_model_states.pt; is this a DeepSpeed checkpoint?")
@@ -80,6 +80,26 @@ def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.T
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)
+
+
+def _no_reference_weights(ckpt_dir: Path, meta: dict, backend: str) -> ConfigError:
+    """The error for an expert-parallel checkpoint without reference shards: why it has none, and
+    the checkpoint to export instead (the run's newest one with them)."""
+    if "reference_removed_by" in meta:
+        why = (f"they were removed when the newer {meta['reference_removed_by']} was saved (train.reference_weights "
+               "keeps them in the newest checkpoint only)")
+    elif "files" in meta:
+        why = "the save did not write them"
+    else:
+        why = "it was written by an older smelt-ds"
+    head = (f"{ckpt_dir} has no reference weights ({ckpt_dir}/reference/): {why}, and a moe_runtime.backend "
+            f"{backend!r} checkpoint cannot be converted from DeepSpeed's files offline")
+    instead = ckpt.newest_with_reference(ckpt_dir.parent)
+    if instead is not None:
+        return ConfigError(f"{head}: export {instead} instead (`smelt-ds export {instead} -o EXPORT_DIR`), the "
+                           "newest checkpoint of the run that has them")
+    return ConfigError(f"{head}: resume it for one step with this version (--resume auto, raising train.max_steps "
+                       "by 1) and export the new checkpoint")
 
 
 EXPORT_FILES = frozenset({"model.pt", "config.yaml", "SOURCE", "tokenizer.json"})

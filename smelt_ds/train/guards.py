@@ -124,11 +124,12 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
     _check_resume_overrides(old, new, out_dir, resume)
 
 
-# what a resume may change: how long, how often to log/evaluate/save, where data are cached,
+# what a resume may change: how long, how often to log/evaluate/save (and which checkpoints keep
+# the reference weights), where data are cached,
 # evaluation settings and compilation (the same computation, compiled or not); everything else would change the optimisation it continues (the LR, the
 # batch, the data) while the checkpoint restores the old state, so config.yaml would lie
 RESUME_MAY_CHANGE = ("name", "train.max_steps", "train.log_every", "train.eval_every", "train.save_every",
-                     "train.keep_last", "train.exit_after_steps", "train.run_dir", "train.init_from", "eval",
+                     "train.keep_last", "train.reference_weights", "train.exit_after_steps", "train.run_dir", "train.init_from", "eval",
                      "cluster", "data.num_proc", "data.cache_dir", "data.output_dir", "data.offline", "data.verify",
                      "data.shared_filesystem", "data.prepare_timeout_s", "deepspeed.comms_logger", "train.compile",
                      "train.compile_backend", "train.deterministic")

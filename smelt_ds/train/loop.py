@@ -382,7 +382,8 @@ def _save_or_stop(fit: _Fit, signalled: bool) -> bool:
     stop = signalled or (cfg.train.exit_after_steps is not None and step - fit.start >= cfg.train.exit_after_steps)
     if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop:
         ckpt.save(fit.built.engine, fit.out_dir, step, fit.tokens_seen, fit.data.train.state_dict(),
-                  cfg.train.keep_last, fit.built.layout)
+                  cfg.train.keep_last, fit.built.layout, reference_weights=cfg.train.reference_weights,
+                  final=stop or step == cfg.train.max_steps)
     if not stop:
         return False
     result.stopped_early = step < cfg.train.max_steps

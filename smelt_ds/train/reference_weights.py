@@ -1,8 +1,9 @@
 """Reference-layout fp32 weights of a live DeepSpeed engine, for every MoE backend and ZeRO stage.
 
-Every checkpoint carries, next to DeepSpeed's own files, the model's weights in the reference
-layout (the parameter names and shapes of :class:`smelt_ds.model.SmeltLM` with the reference MoE
-backend), split into one shard per rank::
+A checkpoint carries, next to DeepSpeed's own files, the model's weights in the reference layout
+(the parameter names and shapes of :class:`smelt_ds.model.SmeltLM` with the reference MoE
+backend), split into one shard per rank (which checkpoints: ``train.reference_weights``,
+:func:`smelt_ds.train.checkpoint.writes_reference`)::
 
     step00000050/reference/rank00000.pt   {"format", "rank", "dense": {name: tensor},
                                            "experts": {name: {expert_index: tensor}}}
@@ -22,7 +23,7 @@ under their *global* expert indices (``deepspeed``: ``ep_rank * E / ep_size + j`
 placement AutoEP records on each expert parameter). Expert ``i`` of layer ``l`` lands at index
 ``i`` of layer ``l``'s ``gate_up_proj [E, 2F, H]`` (gate rows first, then up rows, as in
 transformers' Qwen3-MoE) and ``down_proj [E, H, F]``. Cost: 4 bytes per parameter per checkpoint
-on disk (a bf16 + AdamW DeepSpeed checkpoint takes about 16).
+that carries them (DeepSpeed's own bf16 + AdamW files take 14: docs/checkpoint_cost.md).
 
 :func:`merge_reference_shards` (used by ``smelt-ds export``; :func:`merge_shards` for shards held
 in memory, as the in-loop harness evaluation gathers them) checks that the shards are complete:
