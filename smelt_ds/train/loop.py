@@ -28,6 +28,7 @@ from smelt_ds.cost.budget import compute_budget
 from smelt_ds.cost.zero_config import write_zero3_tuning
 from smelt_ds.errors import ConfigError
 from smelt_ds.model.moe import TopKRouter
+from smelt_ds.parallel.build_lock import check_build_lock
 from smelt_ds.parallel.distributed import init_distributed, on_rank0, sync_flag
 from smelt_ds.parallel.engine import resolve_precision
 from smelt_ds.parallel.grad_norm import clip_before_step, logged_grad_norm
@@ -181,7 +182,9 @@ def _deepspeed_op_notices(builders: tuple[str, ...]) -> list[str]:
     on its first use on this machine (a C++ JIT build with ninja: about 35 s of compiler time, a
     minute or more on a small shared machine) or reuses from torch's extension cache
     (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/<python>_<device>/<op>``).
-    No line for an op the accelerator does not use, or one the DeepSpeed install ships prebuilt."""
+    No line for an op the accelerator does not use, or one the DeepSpeed install ships prebuilt.
+    Raises ConfigError naming the file to remove when an interrupted build left the op's build
+    lock behind (:func:`smelt_ds.parallel.build_lock.check_build_lock`)."""
     try:
         import deepspeed.ops
         from deepspeed.accelerator import get_accelerator
@@ -195,6 +198,7 @@ def _deepspeed_op_notices(builders: tuple[str, ...]) -> list[str]:
         if b is None or installed_ops.get(b.name, False) or not deepspeed.ops.__compatible_ops__.get(b.NAME, False):
             continue
         where = Path(_get_build_directory(b.name, verbose=False))
+        check_build_lock(where, b.name)  # a lock left by an interrupted build: torch would wait forever
         if (where / f"{b.name}.so").is_file():
             lines.append(f"deepspeed op {b.name} ({_DS_OPS[cls]}): reusing the build cached in {where}")
         else:
