@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from smelt_ds.model.grouped_gemm import _grouped_linear_op, grouped_linear
+from tests.numerics import assert_close_chain
 
 
 def _case(seed=0, N=40, K=16, M=24, counts=(5, 0, 17, 18)):
@@ -36,8 +37,9 @@ def test_grouped_linear_equals_per_group_matmul(fn):
          "compiled": torch.compile(grouped_linear, backend="aot_eager", fullgraph=True)}[fn]
     y1 = f(x, w, offs)
     gx1, gw1 = torch.autograd.grad(y1, (x, w), dy)
-    for a, b in ((y0, y1), (gx0, gx1), (gw0, gw1)):
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    # reductions over K = 16 (y), M = 24 (dx) and a group's rows, <= 18 (dw); tests/numerics.py
+    for a, b, n in ((y0, y1, 16), (gx0, gx1, 24), (gw0, gw1, 18)):
+        assert_close_chain(b, a, n)
     assert gw1[1].abs().sum() == 0  # the empty group gets a zero gradient
 
 

@@ -10,8 +10,21 @@ import torch.nn.functional as F
 
 from smelt_ds.model.moe import MoE, SwiGLU, has_grouped_mm, load_balancing_loss, router_z_loss
 from smelt_ds.train.objective import total_loss
+from tests.numerics import FP32_U, assert_close_chain
 
 H, E, K, FF = 16, 6, 2, 8
+# Tolerances (tests/numerics.py: two computations in other orders within 2 n u of the tensor's
+# largest value). Forward: router H, softmax E, gate/up H, down FF, top-k renormalisation and
+# combine 2K, a shared expert (gate/up H, down 12, sigmoid gate H): n = 94 (1.1e-5). Backward
+# adds each transposed reduction (as many again) and a weight gradient's sum over <= 21 tokens:
+# n = 209 (2.5e-5). An output or gradient scaled by 1.0001 fails.
+N_FWD = 4 * H + E + FF + 12 + 2 * K
+N_BWD = 2 * N_FWD + 21
+# By-hand checks against Python doubles: about 20 fp32 roundings (inputs |x| <= 3.5 rounded: 3.5u
+# in exp; exp and log within 1 ulp = 2u; softmax over 3, means over 4, the square of the z-loss
+# doubles its error): 32u = 1.9e-6 relative. A wrong normalisation (T vs T*K, a missing factor E)
+# is off by 2x or more.
+BY_HAND_RTOL = 32 * FP32_U
 
 
 def make_moe(impl="loop", score_func="softmax", norm=True, shared=0, num_experts=E, top_k=K, hidden=H, ffn=FF):
@@ -64,7 +77,7 @@ def test_moe_equals_naive_per_token_loop(impl, score_func, norm, shared):
     with torch.no_grad():
         got = moe(x)
         want = naive_moe(moe, x.reshape(-1, H), score_func, norm).reshape(2, 5, H)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_close_chain(got, want, N_FWD)
     assert got.abs().max() > 0.1  # not a trivially small output
 
 
@@ -92,15 +105,15 @@ def test_grouped_mm_equals_loop_forward_and_grads_with_empty_experts(score_func,
     ya, yb = loop(xa), grouped(xb)
     counts = torch.bincount(grouped.last_route.topk_idx_TK.reshape(-1), minlength=E)
     assert counts[0] == counts[3] == counts[E - 1] == 0 and counts.sum() == 21 * K
-    torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-6)
+    assert_close_chain(yb, ya, N_FWD)
 
     # a loss that touches the aux and z losses too, so the router gradient is compared as well
     w = torch.randn_like(ya)
     ((ya * w).sum() + loop.last_losses["aux"] + loop.last_losses["z"]).backward()
     ((yb * w).sum() + grouped.last_losses["aux"] + grouped.last_losses["z"]).backward()
-    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-6)
+    assert_close_chain(xb.grad, xa.grad, N_BWD)
     for (n, pa), (_, pb) in zip(loop.named_parameters(), grouped.named_parameters()):
-        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-5, atol=1e-6, msg=n)
+        assert_close_chain(pb.grad, pa.grad, N_BWD, msg=n)
     for e in (0, 3, E - 1):  # experts without tokens get exactly zero gradient on both paths
         assert torch.count_nonzero(grouped.experts.gate_up_proj.grad[e]) == 0
         assert torch.count_nonzero(grouped.experts.down_proj.grad[e]) == 0
@@ -118,7 +131,7 @@ def test_grouped_mm_single_token_and_all_on_one_expert():
         x = torch.rand(*shape) + 0.1
         ya, yb = loop(x), grouped(x)
         assert set(grouped.last_route.topk_idx_TK.reshape(-1).tolist()) == {2}
-        torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-6)
+        assert_close_chain(yb, ya, N_FWD)
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,13 +164,13 @@ def test_moe_equals_transformers_qwen3_moe_block(hf_impl, norm, impl):
     x = torch.randn(2, 9, H)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = ref(xa), ours(xb)
-    torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
+    assert_close_chain(yb, ya, N_FWD)
     w = torch.randn_like(ya)
     (ya * w).sum().backward()
     (yb * w).sum().backward()
-    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-5)
+    assert_close_chain(xb.grad, xa.grad, N_BWD)
     for n, p in ref.named_parameters():
-        torch.testing.assert_close(dict(ours.named_parameters())[n].grad, p.grad, rtol=1e-5, atol=1e-5, msg=n)
+        assert_close_chain(dict(ours.named_parameters())[n].grad, p.grad, N_BWD, msg=n)
 
 
 def test_moe_with_shared_expert_equals_transformers_qwen2_moe_block():
@@ -173,7 +186,7 @@ def test_moe_with_shared_expert_equals_transformers_qwen2_moe_block():
     ref.load_state_dict(ours.state_dict())  # strict: same names, same shapes
     x = torch.randn(3, 4, H)
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+        assert_close_chain(ours(x), ref(x), N_FWD)
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,10 +219,10 @@ def test_aux_and_z_loss_softmax_by_hand():
     aux = 3 * (f[0] * P[0] + f[1] * P[1] + f[2] * P[2])
     z = ((math.log(6) + 0.0) ** 2 + (math.log(8) + 1.5) ** 2 + (math.log(8) - 2.0) ** 2
          + (math.log(8) + 0.25) ** 2) / 4
-    assert moe.last_losses["aux"].item() == pytest.approx(aux, rel=1e-6)
-    assert moe.last_losses["z"].item() == pytest.approx(z, rel=1e-6)
+    assert moe.last_losses["aux"].item() == pytest.approx(aux, rel=BY_HAND_RTOL)
+    assert moe.last_losses["z"].item() == pytest.approx(z, rel=BY_HAND_RTOL)
     # combine weights: renormalised top-2 probabilities of token 0: 3/5 for expert 2, 2/5 for expert 1
-    assert route.topk_weight_TK[0].tolist() == pytest.approx([3 / 5, 2 / 5], rel=1e-6)
+    assert route.topk_weight_TK[0].tolist() == pytest.approx([3 / 5, 2 / 5], rel=BY_HAND_RTOL)
 
 
 def test_aux_loss_sigmoid_by_hand():
@@ -220,10 +233,10 @@ def test_aux_loss_sigmoid_by_hand():
     top = [sorted(range(3), key=lambda e: -row[e])[:2] for row in sig]
     f = [sum(e in t for t in top) / 8 for e in range(3)]
     P = [sum(p[e] for p in probs) / 4 for e in range(3)]
-    assert moe.last_losses["aux"].item() == pytest.approx(3 * sum(fe * pe for fe, pe in zip(f, P)), rel=1e-6)
+    assert moe.last_losses["aux"].item() == pytest.approx(3 * sum(fe * pe for fe, pe in zip(f, P)), rel=BY_HAND_RTOL)
     assert [set(t) for t in moe.last_route.topk_idx_TK.tolist()] == [set(t) for t in top]
     w0 = [sig[0][top[0][0]], sig[0][top[0][1]]]
-    assert moe.last_route.topk_weight_TK[0].tolist() == pytest.approx([w / sum(w0) for w in w0], rel=1e-6)
+    assert moe.last_route.topk_weight_TK[0].tolist() == pytest.approx([w / sum(w0) for w in w0], rel=BY_HAND_RTOL)
 
 
 def test_load_balancing_loss_uniform_is_one_and_collapsed_is_E():
@@ -232,7 +245,7 @@ def test_load_balancing_loss_uniform_is_one_and_collapsed_is_E():
     onehot = torch.tensor([[1.0, 0, 0, 0]] * 4)
     assert load_balancing_loss(onehot, torch.zeros(4, 1, dtype=torch.long)).item() == pytest.approx(4.0)
     logits = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]])
-    assert router_z_loss(logits).item() == pytest.approx((math.log(2) ** 2 + math.log(4) ** 2) / 2)
+    assert router_z_loss(logits).item() == pytest.approx((math.log(2) ** 2 + math.log(4) ** 2) / 2, rel=BY_HAND_RTOL)
 
 
 def test_aux_loss_free_bias_steers_selection_not_weights():
@@ -244,7 +257,7 @@ def test_aux_loss_free_bias_steers_selection_not_weights():
     idx = moe.last_route.topk_idx_TK.tolist()
     assert all(row[0] == 0 for row in idx)
     # token 0: expert 0 (p=1/6) and expert 2 (p=3/6) -> weights 1/4, 3/4 from the unbiased scores
-    assert moe.last_route.topk_weight_TK[0].tolist() == pytest.approx([1 / 4, 3 / 4], rel=1e-6)
+    assert moe.last_route.topk_weight_TK[0].tolist() == pytest.approx([1 / 4, 3 / 4], rel=BY_HAND_RTOL)
     assert moe.gate.tokens_per_expert.tolist() == [4, sum(r[1] == 1 for r in idx), sum(r[1] == 2 for r in idx)]
     moe.gate.update_bias(0.5)  # load [4, a, b], mean 8/3: expert 0 overloaded -> bias down
     assert moe.gate.expert_bias[0].item() == pytest.approx(9.5)
@@ -270,7 +283,7 @@ def test_swiglu_by_hand():
     m = SwiGLU(4, 3)
     x = torch.randn(5, 4)
     g, u = x @ m.gate_proj.weight.T, x @ m.up_proj.weight.T
-    torch.testing.assert_close(m(x), (g / (1 + torch.exp(-g)) * u) @ m.down_proj.weight.T)
+    assert_close_chain(m(x), (g / (1 + torch.exp(-g)) * u) @ m.down_proj.weight.T, 4 + 5 + 3)  # H, silu, F
 
 
 @pytest.mark.skipif(not has_grouped_mm(), reason="torch._grouped_mm not available in this torch")
@@ -436,11 +449,11 @@ def test_compiled_moe_fullgraph_equals_eager_and_compiles_once(score_func):
             ((y * w).sum() + mod.last_losses["aux"] + mod.last_losses["z"]).backward()
             outs[name] = (y.detach(), xg.grad, {n: p.grad for n, p in mod.named_parameters()})
         (ye, gxe, gpe), (yc, gxc, gpc) = outs["eager"], outs["compiled"]
-        torch.testing.assert_close(yc, ye, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(gxc, gxe, rtol=1e-5, atol=1e-6)
+        assert_close_chain(yc, ye, N_FWD)
+        assert_close_chain(gxc, gxe, N_BWD)
         assert gpc.keys() == gpe.keys() and all(v is not None for v in gpc.values())
         for n in gpe:
-            torch.testing.assert_close(gpc[n], gpe[n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+            assert_close_chain(gpc[n], gpe[n], N_BWD, msg=lambda m, n=n: f"{n}: {m}")
         assert len(graphs) == 1, f"call {call}: {len(graphs)} graphs compiled (a graph break or recompile)"
     torch._dynamo.reset()
 
