@@ -416,7 +416,8 @@ def _cheap(cmd: Command) -> list[str] | None:
     a, p = cmd.args, cmd.path
     if cmd.module is not None and cmd.module not in ("smelt_ds", "smelt_ds.cli"):
         return None
-    if p in (("budget",), ("match",), ("render-job",)) or (p == ("memory",) and "--measure" not in a):
+    if p in (("budget",), ("match",), ("render-job",), ("config", "show"), ("config", "validate")) or (
+            p == ("memory",) and "--measure" not in a):
         return a
     if p == ("recipes", "table"):  # it would rewrite the checkout's docs/recipes.md: print it instead
         return a if {"-o", "--output"} & set(a) else [*a, "-o", "-"]

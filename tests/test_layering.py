@@ -1,12 +1,14 @@
 """The package's import layering (DESIGN §2, docs/architecture.md), read from the source with ``ast``.
 
-Layers, bottom to top: ``base`` (errors, package data, test helpers) -> ``config`` -> ``model`` ->
+Layers, bottom to top: ``base`` (errors, package data, argparse conventions, test helpers) -> ``config`` -> ``model`` ->
 ``cost`` -> ``parallel`` -> ``run`` (data, train, eval) -> ``study`` (study, launch) -> ``cli``. An
 import may point down or sideways, never up. The tests fail on any upward import, on an import
 cycle at module level, on DeepSpeed under ``model/`` or ``cost/``, and on any import of the
 package's own modules inside a function (own modules are imported at module level, where the
 layering keeps them acyclic; heavy optional third-party imports such as ``deepspeed`` may stay
-lazy). A test of the test plants each violation in a scratch package and checks it is caught.
+lazy). The one import by name, ``smelt_ds/cli.py``'s command table (``COMMANDS``: command ->
+(module, help), imported only when its command runs), is read as module-level imports of
+``smelt_ds.cli``. A test of the test plants each violation in a scratch package and checks it is caught.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "smelt_ds"
 
 LAYERS = {
-    "base": ["errors", "files", "resources", "testing"],
+    "base": ["errors", "files", "resources", "arguments", "testing"],
     "config": ["config"],
     "model": ["model"],
     "cost": ["cost"],
@@ -59,7 +61,7 @@ def imports_of(source: str, module: str) -> list[tuple[str, bool]]:
     tree = ast.parse(source)
     top = {id(n) for n in tree.body}
     top |= {id(n) for stmt in tree.body if isinstance(stmt, (ast.If, ast.Try)) for n in ast.walk(stmt)}
-    out = []
+    out = [(m, True) for m in command_table_modules(tree)]
     for node in ast.walk(tree):
         names = []
         if isinstance(node, ast.ImportFrom):
@@ -72,6 +74,21 @@ def imports_of(source: str, module: str) -> list[tuple[str, bool]]:
         for n in names:
             if n == "smelt_ds" or n.startswith("smelt_ds.") or n == "deepspeed" or n.startswith("deepspeed."):
                 out.append((n, id(node) in top))
+    return out
+
+
+def command_table_modules(tree: ast.Module) -> list[str]:
+    """The modules named in a module-level ``COMMANDS = {command: ("smelt_ds.x.cli", help), ...}``
+    (smelt_ds/cli.py's table, imported by name when the command runs): imports of that module."""
+    out = []
+    for stmt in tree.body:
+        target = stmt.target if isinstance(stmt, ast.AnnAssign) else (stmt.targets[0] if isinstance(stmt, ast.Assign)
+                                                                        and len(stmt.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id == "COMMANDS" and isinstance(stmt.value, ast.Dict):
+            for v in stmt.value.values:
+                first = v.elts[0] if isinstance(v, ast.Tuple) and v.elts else v
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    out.append(first.value)
     return out
 
 
@@ -196,6 +213,19 @@ def test_checks_catch_planted_violations(tmp_path):
     assert function_level_counts(graph) == Counter({"smelt_ds.train": 1})
     assert deepspeed_imports(graph) == [("smelt_ds.cost.memory", "deepspeed"),
                                         ("smelt_ds.model.lm", "deepspeed")]
+
+
+def test_the_command_table_is_read_as_imports_of_the_cli():
+    """smelt_ds/cli.py imports each command's module by name; the graph holds those edges, and a
+    table below the top layer naming a module above it is an upward import."""
+    from smelt_ds.cli import COMMANDS
+
+    edges = {t for t, top in _graph()["smelt_ds.cli"] if top}
+    assert {m for m, _ in COMMANDS.values()} <= edges
+    tree = ast.parse('COMMANDS: dict = {"train": ("smelt_ds.train.cli", "train a recipe")}\n')
+    graph = _resolve({"smelt_ds.model.lm": imports_of(ast.unparse(tree), "smelt_ds.model.lm"),
+                      "smelt_ds.train.cli": []})
+    assert upward_imports(graph) == {("smelt_ds.model.lm", "smelt_ds.train.cli")}
 
 
 def _module_name_in(path: Path, root: Path) -> str:

@@ -8,13 +8,12 @@ Pure functions of the recipe (no DeepSpeed import, no engine), shared by the eng
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
 import torch
 
-from smelt_ds.config.run import RunConfig
+from smelt_ds.config.run import RunConfig, deep_merge
 from smelt_ds.errors import ConfigError
 from smelt_ds.resources import DS_CONFIG_DIR
 
@@ -40,17 +39,6 @@ def load_template(name: str) -> dict[str, Any]:
         choices = sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json"))
         raise ConfigError(f"`deepspeed.template` ({name!r}): no file {path}; choose one of {choices}")
     return json.loads(path.read_text())
-
-
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Recursive dict merge; values of ``override`` win (dicts merge, everything else replaces)."""
-    out = copy.deepcopy(base)
-    for k, v in override.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
 
 
 def resolve_precision(cfg: RunConfig, precision: str | None = None, target: str = "here") -> str:

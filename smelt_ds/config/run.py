@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from smelt_ds.arguments import looks_like_override, override_hint
 from smelt_ds.config.data import DataConfig
 from smelt_ds.config.schedule import LoopSchedule, build_schedule
 from smelt_ds.config.schema import StrictModel
@@ -44,6 +46,8 @@ __all__ = [
     "build_schedule",
     "check_moe_backend",
     "load_config",
+    "read_recipe",
+    "deep_merge",
     "config_from_dict",
     "apply_overrides",
     "dump_config",
@@ -566,12 +570,17 @@ def resolve_batch(cfg: RunConfig, data_parallel_size: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 
 
-class _Origin:
-    """Where each value of a raw recipe came from: a line of the YAML file, or a ``--set``."""
+#: key path (``model.num_layers``, ``data.sources[0].path``) -> its line in the recipe file, or
+#: ``(file, line)`` for a recipe assembled from several files (:func:`read_recipe`)
+KeyLines = Mapping[str, "int | tuple[str, int]"]
 
-    def __init__(self, file: str | None, lines: dict[str, int] | None, overrides: list[str] | None):
-        self.file = file if lines else None
-        self.lines = dict(lines or {})
+
+class _Origin:
+    """Where each value of a raw recipe came from: a line of a YAML file, or a ``--set``."""
+
+    def __init__(self, file: str | None, lines: KeyLines | None, overrides: list[str] | None):
+        #: key path -> (file, line); a bare line number is a line of ``file``
+        self.lines = {k: v if isinstance(v, tuple) else (str(file), v) for k, v in (lines or {}).items()}
         self.overrides = _override_paths(overrides)
 
     def override_for(self, path: str) -> str | None:
@@ -579,8 +588,9 @@ class _Origin:
         hits = [item for p, item in self.overrides if _related(path, p)]
         return hits[-1] if hits else None
 
-    def line_of(self, path: str) -> int | None:
-        """The file line of ``path`` (or of the nearest section above it that is in the file)."""
+    def line_of(self, path: str) -> tuple[str, int] | None:
+        """``(file, line)`` of ``path`` (or of the nearest section above it that is in a file): the
+        recipe's, or with ``base:`` the file of the chain that set it last."""
         while path:
             if path in self.lines:
                 return self.lines[path]
@@ -588,11 +598,15 @@ class _Origin:
         return None
 
     def at(self, paths: list[str]) -> str:
-        """`` (line N of FILE)`` / `` (lines N, M of FILE)`` for the paths read from the file."""
-        found = sorted({n for n in (self.line_of(p) for p in paths) if n is not None})
-        if not found or self.file is None:
+        """`` (line N of FILE)`` / `` (lines N, M of FILE; line K of BASE)`` for the paths read from files."""
+        by_file: dict[str, set[int]] = {}
+        for where in (self.line_of(p) for p in paths):
+            if where is not None:
+                by_file.setdefault(where[0], set()).add(where[1])
+        if not by_file:
             return ""
-        return f" (line{'s' if len(found) > 1 else ''} {', '.join(map(str, found))} of {self.file})"
+        return " (" + "; ".join(f"line{'s' if len(ns) > 1 else ''} {', '.join(map(str, sorted(ns)))} of {f}"
+                                for f, ns in by_file.items()) + ")"
 
 
 def _parent_path(path: str) -> str:
@@ -687,10 +701,13 @@ def _blame_config_error(e: ConfigError, source: str, origin: _Origin) -> str:
     blamed = list(dict.fromkeys(item for path, item in origin.overrides if any(_related(f, path) for f in fields)))
     if not blamed:
         return f"{source}: {msg}"
-    from_file = [f for f in fields if origin.override_for(f) is None and origin.line_of(f) is not None]
+    from_file = {f: w for f in fields if origin.override_for(f) is None and (w := origin.line_of(f)) is not None}
     where = ""
-    if from_file and origin.file is not None:
-        where = " (" + ", ".join(f"`{f}` at line {origin.line_of(f)}" for f in from_file) + f" of {origin.file})"
+    if from_file:
+        files = {w[0] for w in from_file.values()}
+        one = files.pop() if len(files) == 1 else None
+        where = " (" + ", ".join(f"`{f}` at line {line}" + ("" if one else f" of {file}")
+                                 for f, (file, line) in from_file.items()) + (f" of {one})" if one else ")")
     return f"{' '.join(_set_flag(b) for b in blamed)}: {msg}{where}"
 
 
@@ -716,7 +733,7 @@ def _allowed_keys(path: str, root: type[BaseModel]) -> list[str]:
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>", overrides: list[str] | None = None,
-                     key_lines: dict[str, int] | None = None) -> RunConfig:
+                     key_lines: KeyLines | None = None) -> RunConfig:
     """Validate a raw recipe dict. Raises ConfigError naming ``source`` and the bad fields (see
     :func:`validate_model` for ``overrides`` and ``key_lines``)."""
     if not isinstance(raw, dict):
@@ -725,7 +742,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>", overrides: lis
 
 
 def validate_model(cls: type[BaseModel], raw: Any, source: str, overrides: list[str] | None = None,
-                   key_lines: dict[str, int] | None = None):
+                   key_lines: KeyLines | None = None):
     """``cls.model_validate(raw)``; a pydantic or cross-field error becomes one ConfigError
     naming each bad field, its value and the fix.
 
@@ -733,8 +750,8 @@ def validate_model(cls: type[BaseModel], raw: Any, source: str, overrides: list[
     allowed keys when none is close. A problem is blamed on where its value came from: the
     ``--set`` item of ``overrides`` (the ``--set KEY=VALUE`` strings applied to ``raw``) that set
     the field or a section holding it (``--set model.hiden_size=64: unknown key ...``), else
-    ``source``, naming the line when ``key_lines`` (key path -> line, from
-    :func:`read_yaml_with_lines`) knows it: ``(line 5 of SOURCE)``. A cross-field error naming a
+    ``source``, naming the line when ``key_lines`` (:data:`KeyLines`, from
+    :func:`read_yaml_with_lines` or :func:`read_recipe`) knows it: ``(line 5 of SOURCE)``. A cross-field error naming a
     field a ``--set`` set starts with that ``--set``."""
     origin = _Origin(source, key_lines, overrides)
     try:
@@ -880,6 +897,8 @@ def read_yaml_with_lines(path: str | Path, what: str = "recipe file", example: s
     :func:`validate_model`'s messages. Raises ConfigError as :func:`read_yaml_mapping` does."""
     path = Path(path)
     if not path.is_file():
+        if looks_like_override(str(path)):
+            raise ConfigError(override_hint(str(path)))
         raise ConfigError(f"{what} {str(path)!r} does not exist: pass the path of a YAML file, e.g. {example}")
     loader = _UniqueKeyLoader(path.read_text())
     loader.source = f"{what} {str(path)!r}"
@@ -894,13 +913,73 @@ def read_yaml_with_lines(path: str | Path, what: str = "recipe file", example: s
     return raw, dict(getattr(loader, "key_lines", {}))
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML recipe, apply ``--set`` overrides and validate.
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; values of ``override`` win (dicts merge, everything else, lists
+    included, replaces)."""
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
 
-    Raises ConfigError for a missing file, bad YAML, unknown keys or invalid values, naming the
-    file's line, or the ``--set`` item, the bad value came from (:func:`validate_model`).
+
+def _replaced_paths(base: Any, override: Any, path: str = "") -> list[str]:
+    """Key paths where :func:`deep_merge` of ``override`` over ``base`` replaces a value whole."""
+    if not (isinstance(base, dict) and isinstance(override, dict)):
+        return [path]
+    return [p for k, v in override.items() for p in _replaced_paths(base.get(k), v, f"{path}.{k}" if path else str(k))]
+
+
+def read_recipe(path: str | Path, what: str = "recipe file", example: str = "recipes/tiny/smelt.yaml"
+                ) -> tuple[dict[str, Any], dict[str, tuple[str, int]]]:
+    """A recipe file with its ``base:`` chain resolved: ``(raw, key_lines)``, ``key_lines`` mapping
+    each key path to ``(file, line)`` of the file that set it (for :func:`validate_model`).
+
+    ``base: PATH`` (relative to the recipe file) names another recipe; this file's keys are
+    deep-merged over it (:func:`deep_merge`: sections merge key by key, every other value, lists
+    included, replaces the base's whole). The base may name a base in turn; a chain that comes
+    back to a file is refused naming the files. Raises ConfigError as :func:`read_yaml_with_lines`
+    does, and for a ``base`` that is not a path string or names no file."""
+    return _read_recipe(Path(path), what, example, ())
+
+
+def _read_recipe(path: Path, what: str, example: str, chain: tuple[Path, ...]
+                 ) -> tuple[dict[str, Any], dict[str, tuple[str, int]]]:
+    raw, lines = read_yaml_with_lines(path, what, example)
+    shown = os.path.normpath(path) if chain else str(path)  # the recipe as given; its bases as found
+    own = {k: (shown, n) for k, n in lines.items() if k != "base" and not k.startswith(("base.", "base["))}
+    if "base" not in raw:
+        return raw, own
+    rel = raw.pop("base")
+    where = f"{what} {shown!r}: `base` ({rel!r}, line {lines.get('base')})"
+    if not isinstance(rel, str) or not rel.strip():
+        raise ConfigError(f"{where} must be the path of the recipe this one extends, relative to this file, "
+                          "e.g. base: baseline.yaml")
+    base_path = path.parent / rel
+    if not base_path.is_file():
+        raise ConfigError(f"{where} does not exist (looked for {os.path.normpath(base_path)}); the path is "
+                          "relative to the recipe file")
+    chain += (path.resolve(),)
+    if base_path.resolve() in chain:
+        loop = " -> ".join(os.path.normpath(p) for p in chain + (base_path.resolve(),))
+        raise ConfigError(f"{where} makes a cycle of bases: {loop}: remove one of these `base:` keys")
+    base_raw, base_lines = _read_recipe(base_path, what, example, chain)
+    replaced = _replaced_paths(base_raw, raw)
+    kept = {k: v for k, v in base_lines.items() if not any(_related(k, r) for r in replaced)}
+    return deep_merge(base_raw, raw), {**kept, **own}
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML recipe (its ``base:`` chain resolved: :func:`read_recipe`), apply ``--set``
+    overrides and validate.
+
+    Raises ConfigError for a missing file, bad YAML, a bad ``base``, unknown keys or invalid
+    values, naming the file and line, or the ``--set`` item, the bad value came from
+    (:func:`validate_model`).
     """
-    raw, lines = read_yaml_with_lines(path)
+    raw, lines = read_recipe(path)
     return config_from_dict(apply_overrides(raw, overrides), source=str(path), overrides=overrides, key_lines=lines)
 
 

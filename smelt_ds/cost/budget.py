@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from smelt_ds.config.run import LoopConfig, RunConfig, config_from_dict
+from smelt_ds.config.schedule import LoopSchedule
 from smelt_ds.errors import ConfigError
-from smelt_ds.model.looping import LoopSchedule
 
 __all__ = ["Budget", "compute_budget", "layer_params", "kv_cache_bytes_per_token", "relative_deviation",
            "MatchResult", "match_baseline", "DTYPE_BYTES"]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from smelt_ds.config.run import load_config
+from smelt_ds.arguments import CommaList
+from smelt_ds.config.run import load_config, read_recipe
 from smelt_ds.cost.budget import DTYPE_BYTES, Budget, compute_budget, deviations, match_baseline
 from smelt_ds.errors import ConfigError
 
@@ -35,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("baseline", help="Baseline recipe (loop.position: none)")
     m.add_argument("--position", required=True,
                    choices=["uniform", "bottom", "middle", "top", "asymmetric", "custom"], help="loop position")
-    m.add_argument("--ranges", default=None, metavar="START:END:REPEATS[,...]",
+    m.add_argument("--ranges", default=None, action=CommaList, metavar="START:END:REPEATS[,...]",
                    help="explicit loop ranges of the looped model (with --position custom or asymmetric), "
                         "e.g. 0:1:2,1:2:3")
     m.add_argument("--repeats", type=int, default=2, help="visits per looped layer (default 2)")
@@ -113,7 +114,7 @@ def run_match(args: argparse.Namespace) -> int:
     path = Path(args.baseline)
     if not path.is_file():
         raise ConfigError(f"Baseline recipe {str(path)!r} does not exist: pass a YAML recipe path")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = read_recipe(path)[0]  # its `base:` chain merged
     ranges = parse_ranges(args.ranges) if args.ranges else None
     res = match_baseline(raw, args.position, args.repeats, args.ep_size, args.fraction, ranges=ranges,
                          seq_len=args.seq_len,

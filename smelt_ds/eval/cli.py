@@ -23,6 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from smelt_ds.arguments import CommaList
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.config.run import loop_with_repeats
 from smelt_ds.errors import ConfigError
@@ -64,7 +65,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                                                            "the first is the reference (Baseline)")
     p.add_argument("-o", "--output", default=None,
                    help="output directory (default: evals/<run1>_vs_<run2>...)")
-    p.add_argument("--names", default=None, help="comma-separated column names, one per run (default: recipe names)")
+    p.add_argument("--names", default=None, action=CommaList,
+                   help="comma-separated column names, one per run (default: recipe names)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per validation window (default: the first run's train.seq_len)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -91,10 +93,10 @@ def _add_harness_arguments(e: argparse.ArgumentParser) -> None:
                              "writes harness/<run>[_r<R>]_k<K>/results.json (the harness's own JSON) and "
                              "samples_<task>.jsonl, harness.json + harness.md, and with several runs or k the "
                              "stratified report (stratified.json/.md + PNGs)")
-    h.add_argument("--harness", default=None, metavar="TASKS",
+    h.add_argument("--harness", default=None, action=CommaList, metavar="TASKS",
                    help="comma-separated harness tasks, groups or tags, e.g. smelt_offline (see `smelt-ds eval "
                         "build-tasks`) or hellaswag when its data are reachable")
-    h.add_argument("--num-fewshot", default=None, metavar="K[,K...]",
+    h.add_argument("--num-fewshot", default=None, action=CommaList, metavar="K[,K...]",
                    help="numbers of in-context examples, each evaluated (default: the tasks' own)")
     h.add_argument("--include-path", default=None, metavar="DIR", help="directory of extra task YAML files")
     h.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N examples of each task")
@@ -103,7 +105,7 @@ def _add_harness_arguments(e: argparse.ArgumentParser) -> None:
     t = e.add_argument_group("test-time loop count", "run looped runs with other repeats of their loop ranges "
                              "(same weights; a Baseline is evaluated once, its row says 'no loop'); without "
                              "--harness: a loss table per repeat count (loop_repeats.json/.md)")
-    t.add_argument("--loop-repeats", default=None, metavar="R[,R...]",
+    t.add_argument("--loop-repeats", default=None, action=CommaList, metavar="R[,R...]",
                    help="repeat counts of every loop range, e.g. 1,2,3 (1: the looped layers run once)")
     t.add_argument("--exit-after", type=int, default=None, metavar="P",
                    help="early exit: every loop range stops after at most P passes, then the layers above it")
@@ -131,17 +133,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "summary.txt): train.seq_len tokens, the first eval.eval_batches x train.micro_batch_size "
                         "x ranks windows of each domain, so the losses equal training's; not with --batches, "
                         "--micro-batch, --seq-len or --corpus")
-    e.add_argument("--corpus", nargs="+", default=None, metavar="PATH",
+    e.add_argument("--corpus", nargs="+", action="extend", default=None, metavar="PATH",
                    help="evaluate on these text/JSONL/Parquet files or directories instead of the run's "
                         "validation data: every document of them, tokenised with the run's tokenizer, one "
-                        "domain per path (its file or directory stem)")
+                        "domain per path (its file or directory stem); repeatable: --corpus a --corpus b reads both")
     e.add_argument("--micro-batch", type=int, default=None, help="windows per micro-batch (default 8)")
-    e.add_argument("--buckets", default=None, help="position bucket ends in tokens, e.g. 64,256,1024 "
+    e.add_argument("--buckets", default=None, action=CommaList, help="position bucket ends in tokens, e.g. 64,256,1024 "
                                                    "(default: powers of two from 8)")
-    e.add_argument("--shots", default=None, help="numbers of in-context examples (default 0,1,2,4,8,16)")
+    e.add_argument("--shots", default=None, action=CommaList,
+                   help="numbers of in-context examples (default 0,1,2,4,8,16)")
     e.add_argument("--episodes", type=int, default=64, help="episodes per task and k (default 64)")
-    e.add_argument("--tasks", default=None, help="comma-separated in-context tasks: kv_recall,pattern,word_case,"
-                                                 "complete (default: all)")
+    e.add_argument("--tasks", default=None, action=CommaList,
+                   help="comma-separated in-context tasks: kv_recall,pattern,word_case,complete (default: all)")
     e.add_argument("--seed", type=int, default=0, help="seed of the in-context episodes and of the harness "
                                                        "(Python, NumPy, torch, few-shot sampling, sampled generation)")
     _add_harness_arguments(e)
@@ -156,7 +159,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_common(a)
     a.add_argument("--batches", type=int, default=4, help="validation micro-batches per domain (default 4)")
     a.add_argument("--micro-batch", type=int, default=4, help="windows per micro-batch (default 4)")
-    a.add_argument("--domains", default=None, help="comma-separated validation domains (default: all)")
+    a.add_argument("--domains", default=None, action=CommaList,
+                   help="comma-separated validation domains (default: all)")
     a.add_argument("--top", type=int, default=3, help="how many highest-mass positions to report (default 3)")
     a.set_defaults(func=run_analyze)
 

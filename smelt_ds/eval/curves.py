@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smelt_ds.arguments import CommaList
 from smelt_ds.config.run import RunConfig, load_config
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
@@ -468,7 +469,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="PNG file (ending in .png) or directory; default: the first RUN's directory, file "
                         "curves.png (one run) or curves_vs_<label 2>....png")
     p.add_argument("--csv", default=None, help="CSV file (default: the PNG's path with .csv)")
-    p.add_argument("--labels", default=None,
+    p.add_argument("--labels", default=None, action=CommaList,
                    help="comma-separated legend names, one per RUN (default: the recipe names)")
     p.add_argument("--x", choices=X_AXES, default="both",
                    help="x-axis of the loss panels: tokens, training FLOPs, or both (default: both)")

@@ -3,5 +3,6 @@ Chinchilla fits, and measured memory profiling (real steps next to the estimate)
 
 - :mod:`smelt_ds.study.recipes`, :mod:`smelt_ds.study.sweep`, :mod:`smelt_ds.study.scaling`,
   :mod:`smelt_ds.study.memory_profile`.
-- Commands: ``smelt-ds memory``, ``recipes``, ``sweep``, ``scaling`` (:mod:`smelt_ds.study.cli`).
+- Commands: ``smelt-ds memory``, ``recipes``, ``scaling`` (:mod:`smelt_ds.study.cli`), ``sweep``
+  (:mod:`smelt_ds.study.sweep`).
 """

@@ -1,12 +1,12 @@
 """The study's commands: ``smelt-ds memory`` (what fits before launch, estimated and measured),
-``smelt-ds recipes`` (the table of shipped recipes, ablations derived from a Baseline),
-``smelt-ds sweep`` (run or render a scaling-law sweep) and ``smelt-ds scaling fit`` (per-architecture
-Chinchilla fits, compute-optimal frontiers and training-FLOPs savings from finished runs).
+``smelt-ds recipes`` (the table of shipped recipes, ablations derived from a Baseline) and
+``smelt-ds scaling fit`` (per-architecture Chinchilla fits, compute-optimal frontiers and
+training-FLOPs savings from finished runs). ``smelt-ds sweep`` lives in :mod:`smelt_ds.study.sweep`,
+so that these commands start without the training stack.
 
     smelt-ds memory recipes/m/smelt.yaml [--layout h200] [--nodes N] [--device-memory 80GiB] [--measure]
     smelt-ds recipes table [-o docs/recipes.md] [--check]
     smelt-ds recipes derive recipes/xl/baseline.yaml [--check]
-    smelt-ds sweep recipes/sweeps/micro.yaml [--dry-run | --render slurm]
     smelt-ds scaling fit RUNS_DIR
 """
 
@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from smelt_ds.arguments import CommaList, Once
 from smelt_ds.cost.budget import DTYPE_BYTES
 from smelt_ds.cost.memory import (
     POLICIES,
@@ -36,22 +37,13 @@ from smelt_ds.study.memory_profile import measure
 from smelt_ds.study.placement import Placement, nodes_to_fit, place
 from smelt_ds.study.recipes import DOCS_TABLE, MIN_HEADROOM, recipes_table, write_variants
 from smelt_ds.study.scaling import analyse, collect_runs, measured_savings, summarize_exclusions, write_report
-from smelt_ds.study.sweep import (
-    estimate_runs,
-    load_sweep,
-    plan_sweep,
-    plan_table,
-    render_k8s,
-    render_slurm,
-    run_local,
-)
 
 #: ``smelt-ds memory --device-memory`` of recipes without cluster layouts: an 80 GB H100 / A100 (80 GiB)
 DEFAULT_DEVICE_MEMORY = "80GiB"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Register ``memory``, ``recipes``, ``sweep`` and ``scaling``."""
+    """Register ``memory``, ``recipes`` and ``scaling``."""
     _add_memory_parser(sub)
     _add_recipes_parser(sub)
     _add_scaling_parser(sub)
@@ -108,10 +100,11 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-dtype", default="bf16", choices=list(DTYPE_BYTES),
                    help="KV-cache element type (default bf16)")
     options = [o[0] for o in ZERO_OPTIONS]
-    p.add_argument("--options", default=None, metavar="LIST", type=_names(options, "ZeRO option"),
+    p.add_argument("--options", default=None, action=CommaList, metavar="LIST", type=_names(options, "ZeRO option"),
                    help=f"comma-separated ZeRO options to show (default all: {','.join(options)}); the verdict "
                         "considers all")
-    p.add_argument("--policies", default=None, metavar="LIST", type=_names(list(POLICIES), "checkpointing policy"),
+    p.add_argument("--policies", default=None, action=CommaList, metavar="LIST",
+                   type=_names(list(POLICIES), "checkpointing policy"),
                    help=f"comma-separated checkpointing policies to show (default all: {','.join(POLICIES)}); the "
                         "verdict considers all")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -240,32 +233,6 @@ def run_derive(args: argparse.Namespace) -> int:
 
 
 def _add_scaling_parser(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("sweep", help="run (locally, one after another) or render (Slurm / Kubernetes) a scaling sweep",
-                       description="Expand a sweep file (sizes x token budgets x architectures; looped recipes "
-                                   "matched to each size's Baseline) and train its runs one after another, skipping "
-                                   "finished runs and resuming interrupted ones; or render cluster jobs.")
-    s.add_argument("sweep", help="sweep YAML, e.g. recipes/sweeps/micro.yaml")
-    s.add_argument("--dry-run", action="store_true",
-                   help="print the planned runs with each run's estimated training time (from tokens/s measured in "
-                        "the sweep's run directories, else analytic) and write nothing")
-    s.add_argument("--render", choices=["slurm", "k8s", "all"], default=None,
-                   help="write cluster job files under <output_dir>/launch/ instead of training (default: none, "
-                        "train here)")
-    s.add_argument("--limit", type=int, default=None,
-                   help="train at most this many unfinished runs now (default: all)")
-    s.add_argument("--steps-scale", type=float, default=1.0,
-                   help="multiply every run's steps and warmup (quick checks; writes to <output_dir>-x<F> "
-                        "unless --output-dir is given; default 1)")
-    s.add_argument("--output-dir", default=None, help="override the sweep's output_dir (default: the sweep file's)")
-    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe field of every size's Baseline, e.g. --set data.builtin_max_bytes=150000")
-    s.add_argument("--executor", choices=["subprocess", "inprocess"], default="subprocess",
-                   help="subprocess: one `python -m smelt_ds.train` per run (log in <run_dir>/train.log); "
-                        "inprocess: train in this process (default subprocess)")
-    s.add_argument("--nproc", type=int, default=1,
-                   help="local ranks per run (deepspeed launcher when > 1; default 1)")
-    s.set_defaults(func=run_sweep)
-
     sc = sub.add_parser("scaling", help="scaling-law analysis of finished runs (smelt-ds scaling fit)",
                         description="Scaling-law analysis of finished runs.")
     ssub = sc.add_subparsers(dest="scaling_command", metavar="SUBCOMMAND", required=True)
@@ -282,47 +249,9 @@ def _add_scaling_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--loss-key", default="all", help="validation domain of summary.json (default: all)")
     f.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the 95%% CIs (0: none; default 200)")
     f.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
-    f.add_argument("--c-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+    f.add_argument("--c-range", type=float, nargs=2, action=Once, default=None, metavar=("LOW", "HIGH"),
                    help="training FLOPs range of the frontier and savings tables (default: measured range to 100x)")
     f.set_defaults(func=run_fit)
-
-
-def _plan(args: argparse.Namespace):
-
-    sweep = load_sweep(args.sweep)
-    out = args.output_dir
-    if out is None and args.steps_scale != 1.0:
-        out = sweep.output_dir.format(name=sweep.name).rstrip("/") + f"-x{args.steps_scale:g}"
-    return plan_sweep(sweep, args.sweep, output_dir=out, overrides=args.set, steps_scale=args.steps_scale)
-
-
-def run_sweep(args: argparse.Namespace) -> int:
-
-    if args.limit is not None and args.limit < 0:
-        raise ConfigError(f"--limit ({args.limit}) must be >= 0")
-    plan = _plan(args)
-    print(plan_table(plan, estimate_runs(plan, nproc=args.nproc)))
-    if args.dry_run:
-        return 0
-    if args.render:
-        written = []
-        if args.render in ("slurm", "all"):
-            written += render_slurm(plan)
-        if args.render in ("k8s", "all"):
-            written += render_k8s(plan)
-        for p in written:
-            print(f"wrote {p}")
-        if args.render in ("slurm", "all"):
-            print("submit: " + "; ".join(f"sbatch {p}" for p in written if p.suffix == ".sbatch"))
-        if args.render in ("k8s", "all"):
-            print(f"submit: kubectl apply -f {plan.output_dir / 'launch' / 'k8s'}  "
-                  "(output_dir must be on the runs volume)")
-        return 0
-    outcomes = run_local(plan, limit=args.limit, executor=args.executor, nproc=args.nproc)
-    print(f"fit: smelt-ds scaling fit {plan.output_dir}")
-    if any(o.status == "interrupted" for o in outcomes):
-        return 130
-    return 1 if any(o.status == "failed" for o in outcomes) else 0
 
 
 def run_fit(args: argparse.Namespace) -> int:

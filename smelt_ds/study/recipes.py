@@ -21,7 +21,6 @@ Units: parameters are counts, FLOPs per token, bytes per token (KV cache) or per
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,8 @@ from smelt_ds.config.run import (
     RunConfig,
     apply_overrides,
     config_from_dict,
-    read_yaml_mapping,
+    deep_merge,
+    read_recipe,
     resolve_batch,
 )
 from smelt_ds.cost.budget import Budget, compute_budget, deviations, match_baseline
@@ -93,8 +93,9 @@ def shipped_recipes(root: Path = RECIPES_DIR) -> list[RecipeEntry]:
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:
-    """The YAML mapping of a recipe file. Raises ConfigError for a missing file or bad YAML."""
-    return read_yaml_mapping(path, "recipe file", "recipes/xl/smelt.yaml")
+    """The YAML mapping of a recipe file, its ``base:`` chain merged
+    (:func:`smelt_ds.config.run.read_recipe`). Raises ConfigError for a missing file or bad YAML."""
+    return read_recipe(path, "recipe file", "recipes/xl/smelt.yaml")[0]
 
 
 @dataclass
@@ -186,34 +187,6 @@ def memory_report(cfg: RunConfig, layout: ClusterLayout, nodes: int | None = Non
 # ---------------------------------------------------------------------------------------------
 
 
-def _header_and_body(text: str) -> tuple[list[str], str]:
-    lines = text.splitlines(keepends=True)
-    i = 0
-    while i < len(lines) and (lines[i].startswith("#") or not lines[i].strip()):
-        i += 1
-    return [l.rstrip("\n") for l in lines[:i]], "".join(lines[i:])
-
-
-def _sources_paragraph(header: list[str]) -> list[str]:
-    """The header's lines from ``# Sources:`` to the end of the header."""
-    for i, line in enumerate(header):
-        if line.startswith("# Sources:"):
-            return [l for l in header[i:] if l.strip()]
-    return []
-
-
-def _replace_value_line(body: str, key: str, value: Any, comment: str) -> str:
-    """Replace the first two-space-indented ``key: ...`` line, keeping the comment column."""
-    pat = re.compile(rf"^  {key}: [^\n#]*?(\s*)(#[^\n]*)?$", re.M)
-    m = pat.search(body)
-    if m is None:
-        raise ConfigError(f"Baseline recipe has no `  {key}:` line to rewrite: keep model.{key} / moe.{key} "
-                          "on their own lines")
-    col = m.start(2) - m.start(0) if m.group(2) else 27
-    head = f"  {key}: {value}"
-    return body[:m.start()] + head.ljust(max(col, len(head) + 1)) + f"# {comment}" + body[m.end():]
-
-
 def _loop_block(loop: dict[str, Any]) -> str:
     return "loop:\n" + "".join("  " + l + "\n" for l in yaml.safe_dump(loop, sort_keys=False).splitlines())
 
@@ -222,19 +195,21 @@ def derive_variants(baseline_path: str | Path, tolerance: float = 0.01) -> dict[
     """The YAML text of each looped variant (:data:`POSITIONS`) of a Baseline recipe file.
 
     Each is :func:`smelt_ds.cost.budget.match_baseline` of the Baseline (``smelt-ds match --position P
-    --ep-size <moe_runtime.ep_size> --tolerance 0.01``), written as the Baseline's own text with only
-    ``name``, ``model.num_layers``, ``moe.num_experts`` and the ``loop`` block replaced, so that the
-    comments citing sources carry over. Raises ConfigError when a variant deviates beyond
-    ``tolerance`` or when the rewritten text does not parse back to the matcher's recipe.
+    --ep-size <moe_runtime.ep_size> --tolerance 0.01``), written as ``base: baseline.yaml`` plus what
+    the match changes: ``name``, ``model.num_layers``, ``moe.num_experts`` and the ``loop`` section
+    (every other field, and the comments citing its sources, stay in the Baseline's file). Raises
+    ConfigError when a variant deviates beyond ``tolerance``, when the Baseline's ``loop`` section
+    holds more than ``position: none`` (it would reach every variant through ``base:``), or when
+    the written text, its base merged (:func:`smelt_ds.config.run.read_recipe`), is not the
+    matcher's recipe.
     """
     path = Path(baseline_path)
-    text = path.read_text()
     raw = load_raw(path)
     base = config_from_dict(raw, source=str(path))
     size = path.parent.name
-    header, body = _header_and_body(text)
-    if not re.search(r"^loop:\n  position: none\n", body, re.M):
-        raise ConfigError(f"{path}: the Baseline's loop section must read exactly `loop:` / `  position: none`")
+    if raw.get("loop") != {"position": "none"}:
+        raise ConfigError(f"{path}: the Baseline's loop section must be exactly `loop: {{position: none}}` "
+                          f"(got {raw.get('loop')!r}): its other keys would reach every variant through `base:`")
     ep = base.moe_runtime.ep_size
     out = {}
     for variant, position in POSITIONS.items():
@@ -248,19 +223,23 @@ def derive_variants(baseline_path: str | Path, tolerance: float = 0.01) -> dict[
                 f"# {cfg.model.num_layers} unique layers, {res.matched.visits} visits per forward pass, "
                 f"{cfg.moe.num_experts} experts per layer. Deviations from the Baseline:",
                 f"# FLOPs/token {d['flops']:+.3%}, non-embedding params {d['params']:+.3%}, "
-                f"KV cache {d['kv_cache']:+.3%}. Everything else is the Baseline's.", "#"]
-        new = re.sub(r"^name: .*$", f"name: {name}", body, count=1, flags=re.M)
-        new = _replace_value_line(new, "num_layers", cfg.model.num_layers,
-                                  f"unique layers; {res.matched.visits} visits = the Baseline's depth")
-        new = _replace_value_line(new, "num_experts", cfg.moe.num_experts,
-                                  "matched: total non-embedding parameters equal the Baseline's")
-        new = re.sub(r"^loop:\n  position: none\n", lambda _: _loop_block(res.raw["loop"]), new, count=1, flags=re.M)
-        full = "\n".join(head + _sources_paragraph(header)) + "\n" + new
-        if _plain(yaml.safe_load(full)) != _plain(res.raw):
-            raise ConfigError(f"{path}: rewriting the Baseline text for '{variant}' did not reproduce the matched "
-                              "recipe (keep `name:`, `  num_layers:`, `  num_experts:` and the loop block simple)")
+                f"KV cache {d['kv_cache']:+.3%}.", "#",
+                f"# Sources: those of {path.name}, which this recipe extends (`base:`); every field not set",
+                "# here is the Baseline's. `smelt-ds config show` prints the whole recipe."]
+        body = [f"base: {path.name}", f"name: {name}", "model:",
+                f"  num_layers: {cfg.model.num_layers}".ljust(27) + f"# unique layers; {res.matched.visits} visits = "
+                "the Baseline's depth", "moe:",
+                f"  num_experts: {cfg.moe.num_experts}".ljust(27) + "# matched: total non-embedding parameters equal "
+                "the Baseline's"]
+        full = "\n".join(head + body) + "\n" + _loop_block(res.raw["loop"])
+        if _plain(deep_merge(raw, _without_base(yaml.safe_load(full)))) != _plain(res.raw):
+            raise ConfigError(f"{path}: the '{variant}' text with its base merged is not the matched recipe")
         out[variant] = full
     return out
+
+
+def _without_base(raw: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in raw.items() if k != "base"}
 
 
 def _plain(d: Any) -> Any:

@@ -38,6 +38,7 @@ id picks the run; for Kubernetes one PyTorchJob manifest per unfinished run.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -645,7 +646,6 @@ class RunOutcome:
 
 
 def _train_subprocess(r: PlannedRun, resume: str, nproc: int) -> tuple[int, bool]:
-    import argparse
 
     if nproc > 1:
         cmd = launcher_command(argparse.Namespace(nproc=nproc, recipe=str(r.recipe_path), resume=resume, set=[],
@@ -822,3 +822,75 @@ def render_k8s(plan: SweepPlan) -> list[Path]:
         path.write_text(text)
         out.append(path)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the command: smelt-ds sweep SWEEP [--dry-run | --render slurm]
+# ---------------------------------------------------------------------------------------------
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``smelt-ds sweep``."""
+    s = sub.add_parser("sweep", help="run (locally, one after another) or render (Slurm / Kubernetes) a scaling sweep",
+                       description="Expand a sweep file (sizes x token budgets x architectures; looped recipes "
+                                   "matched to each size's Baseline) and train its runs one after another, skipping "
+                                   "finished runs and resuming interrupted ones; or render cluster jobs.")
+    s.add_argument("sweep", help="sweep YAML, e.g. recipes/sweeps/micro.yaml")
+    s.add_argument("--dry-run", action="store_true",
+                   help="print the planned runs with each run's estimated training time (from tokens/s measured in "
+                        "the sweep's run directories, else analytic) and write nothing")
+    s.add_argument("--render", choices=["slurm", "k8s", "all"], default=None,
+                   help="write cluster job files under <output_dir>/launch/ instead of training (default: none, "
+                        "train here)")
+    s.add_argument("--limit", type=int, default=None,
+                   help="train at most this many unfinished runs now (default: all)")
+    s.add_argument("--steps-scale", type=float, default=1.0,
+                   help="multiply every run's steps and warmup (quick checks; writes to <output_dir>-x<F> "
+                        "unless --output-dir is given; default 1)")
+    s.add_argument("--output-dir", default=None, help="override the sweep's output_dir (default: the sweep file's)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field of every size's Baseline, e.g. --set data.builtin_max_bytes=150000")
+    s.add_argument("--executor", choices=["subprocess", "inprocess"], default="subprocess",
+                   help="subprocess: one `python -m smelt_ds.train` per run (log in <run_dir>/train.log); "
+                        "inprocess: train in this process (default subprocess)")
+    s.add_argument("--nproc", type=int, default=1,
+                   help="local ranks per run (deepspeed launcher when > 1; default 1)")
+    s.set_defaults(func=run_sweep)
+
+
+def _plan(args: argparse.Namespace):
+
+    sweep = load_sweep(args.sweep)
+    out = args.output_dir
+    if out is None and args.steps_scale != 1.0:
+        out = sweep.output_dir.format(name=sweep.name).rstrip("/") + f"-x{args.steps_scale:g}"
+    return plan_sweep(sweep, args.sweep, output_dir=out, overrides=args.set, steps_scale=args.steps_scale)
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+
+    if args.limit is not None and args.limit < 0:
+        raise ConfigError(f"--limit ({args.limit}) must be >= 0")
+    plan = _plan(args)
+    print(plan_table(plan, estimate_runs(plan, nproc=args.nproc)))
+    if args.dry_run:
+        return 0
+    if args.render:
+        written = []
+        if args.render in ("slurm", "all"):
+            written += render_slurm(plan)
+        if args.render in ("k8s", "all"):
+            written += render_k8s(plan)
+        for p in written:
+            print(f"wrote {p}")
+        if args.render in ("slurm", "all"):
+            print("submit: " + "; ".join(f"sbatch {p}" for p in written if p.suffix == ".sbatch"))
+        if args.render in ("k8s", "all"):
+            print(f"submit: kubectl apply -f {plan.output_dir / 'launch' / 'k8s'}  "
+                  "(output_dir must be on the runs volume)")
+        return 0
+    outcomes = run_local(plan, limit=args.limit, executor=args.executor, nproc=args.nproc)
+    print(f"fit: smelt-ds scaling fit {plan.output_dir}")
+    if any(o.status == "interrupted" for o in outcomes):
+        return 130
+    return 1 if any(o.status == "failed" for o in outcomes) else 0

@@ -130,8 +130,9 @@ def test_size_variants_are_their_derivation_and_differ_only_in_loop_and_experts(
         assert "# Sources:" in text and f"--position {'middle' if variant == 'smelt' else variant}" in text
 
 
-def test_derive_refuses_a_baseline_it_cannot_rewrite(tmp_path):
-    text = open("recipes/s/baseline.yaml").read().replace("loop:\n  position: none\n", "loop: {position: none}\n")
+def test_derive_refuses_a_baseline_whose_loop_section_would_reach_the_variants(tmp_path):
+    text = open("recipes/s/baseline.yaml").read().replace("loop:\n  position: none\n",
+                                                          "loop: {position: none, order: layer}\n")
     p = tmp_path / "s" / "baseline.yaml"
     p.parent.mkdir()
     p.write_text(text)

@@ -13,6 +13,7 @@ import yaml
 from smelt_ds.config.run import config_from_dict, load_config
 from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.errors import ConfigError
+from smelt_ds.study.recipes import load_raw
 from smelt_ds.study.sweep import (
     format_duration,
     load_sweep,
@@ -192,7 +193,7 @@ def test_cluster_sweep_smelt_equals_the_shipped_matched_recipes():
     for r in plan.runs:
         shipped = ROOT / "recipes" / r.size / "smelt.yaml"
         if r.architecture == "smelt" and r.budget == "t20" and shipped.is_file():
-            ref = yaml.safe_load(shipped.read_text())
+            ref = load_raw(shipped)  # its `base:` (the size's baseline.yaml) merged
             assert {k: r.raw[k] for k in ("model", "moe", "loop")} == {k: ref[k] for k in ("model", "moe", "loop")}
             checked += 1
     assert checked == 4
