@@ -19,11 +19,16 @@ import pytest
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel.build_lock import check_build_lock, lock_holders, stale_lock
 
-#: a builder: takes torch's FileBaton on the lock, says so, then waits (killed or told to release)
+#: a builder: takes torch's FileBaton on the lock, says so, then waits (killed or told to release);
+#: torch/utils/file_baton.py is loaded by path (it needs only os and time), sparing the child torch's import
 BUILDER = """
-import sys
-from torch.utils.file_baton import FileBaton
-baton = FileBaton(sys.argv[1])
+import importlib.util, os, sys
+root = os.path.dirname(importlib.util.find_spec("torch").origin)
+spec = importlib.util.spec_from_file_location("file_baton", os.path.join(root, "utils", "file_baton.py"))
+file_baton = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(file_baton)
+assert "torch" not in sys.modules
+baton = file_baton.FileBaton(sys.argv[1])
 assert baton.try_acquire()
 print("acquired", flush=True)
 if sys.stdin.readline().strip() == "release":
