@@ -14,7 +14,8 @@ pruning) and the newest complete one must export. The cells:
 - ``reference`` ZeRO-2 on 2 data-parallel ranks, ``minimal``: no shards before the last save; a
   crash right after the save of step 2 leaves a newest checkpoint without shards that exports
   (DeepSpeed's ``zero_to_fp32``) and resumes (a file an abandoned attempt at step 3 left in
-  ``reference/`` does not enter that save's marker); the final save carries them, and ``zero_to_fp32``
+  ``reference/`` does not enter that save's marker); a stop (``train.exit_after_steps``, the
+  path of a SIGTERM) and the final save carry them, and ``zero_to_fp32``
   of that checkpoint equals its shards bit for bit (both are the fp32 master weights, copied).
 """
 
@@ -192,14 +193,15 @@ def _expert_parallel_cell(rank: int, tmp: Path, cache: Path, backend: str, zero:
 
 
 def _reference_cell(rank: int, tmp: Path, cache: Path) -> dict:
-    """``minimal`` on the reference backend at ZeRO-2: saves at 1, 2, a crash, a resume to 4."""
+    """``minimal`` on the reference backend at ZeRO-2: saves at 1, 2, a crash; a resume saving at 3
+    and stopping at 4 (``train.exit_after_steps``, the stop path a SIGTERM takes); a resume to 5."""
     import torch.distributed as dist
 
     from smelt_ds.train import checkpoint as ckpt
     from smelt_ds.train.export import consolidated_state_dict
 
     run_dir = tmp / "reference"
-    raw = _raw(run_dir, cache, "reference", 2, max_steps=4, save_every=1, keep_last=3)
+    raw = _raw(run_dir, cache, "reference", 2, max_steps=5, save_every=1, keep_last=3)
     cfg = config_from_dict(raw)
 
     def crash_after_step_2(step):
@@ -215,14 +217,22 @@ def _reference_cell(rank: int, tmp: Path, cache: Path) -> dict:
         stale.parent.mkdir(parents=True)              # what an abandoned attempt at step 3 would leave
         stale.write_bytes(b"not a shard")
     dist.barrier()
-    second, w2 = _train_with(rank, raw, "auto")
-    out["second_step"] = second.step
+    stopped, w2 = _train_with(rank, {**raw, "train": {**raw["train"], "exit_after_steps": 2}}, "auto")
+    dist.barrier()
+    out["stopped"] = (stopped.step, stopped.stop_reason)
+    if rank == 0:
+        out["after_stop"] = _summary(run_dir, cfg)
+    dist.barrier()
+    last, w3 = _train_with(rank, raw, "auto")
+    out["last_step"] = last.step
     dist.barrier()
     if rank == 0:
-        out.update(summary=_summary(run_dir, cfg), checks=w1.checks + w2.checks, problems=w1.problems + w2.problems)
-        final = run_dir / "checkpoints" / "step00000004"
+        watches = (w1, w2, w3)
+        out.update(summary=_summary(run_dir, cfg), checks=sum(w.checks for w in watches),
+                   problems=[p for w in watches for p in w.problems])
+        final = run_dir / "checkpoints" / "step00000005"
         shards = consolidated_state_dict(final, cfg)
-        copy = shutil.copytree(final, tmp / "no-shards" / "step00000004")
+        copy = shutil.copytree(final, tmp / "no-shards" / "step00000005")
         ckpt._drop_reference(Path(copy), "test")
         out["same"] = {k: torch.equal(v, consolidated_state_dict(Path(copy), cfg)[k]) for k, v in shards.items()}
         out["same_keys"] = sorted(shards) == sorted(consolidated_state_dict(Path(copy), cfg))
@@ -262,17 +272,20 @@ def test_expert_parallel_keeps_the_newest_exportable_and_the_older_ones_resumabl
 
 def test_reference_backend_writes_shards_only_at_the_last_save_and_exports_every_checkpoint(runs):
     r0 = runs[0]["reference"]
-    assert r0["crashed"] and r0["second_step"] == 4
+    assert r0["crashed"] and r0["stopped"] == (4, "exit_after_steps") and r0["last_step"] == 5
     crash = r0["after_crash"]
     assert sorted(crash) == ["step00000001", "step00000002"]
     for c in crash.values():                               # no shards, yet every one verifies and exports
         assert c["shards"] == [] and c["verify"] == [] and c["export"] == "exported"
-    assert r0["checks"] > 20 and r0["problems"] == []
+    both = ["reference/rank00000.pt", "reference/rank00001.pt"]
+    assert r0["after_stop"]["step00000004"]["shards"] == both   # the stop's save is the run's last
+    assert r0["checks"] > 30 and r0["problems"] == []
     s = r0["summary"]
-    assert sorted(s) == ["step00000002", "step00000003", "step00000004"]
-    assert s["step00000004"]["shards"] == ["reference/rank00000.pt", "reference/rank00001.pt"]
-    for k in ("step00000002", "step00000003"):           # step 3's save removed the abandoned attempt's file
+    assert sorted(s) == ["step00000003", "step00000004", "step00000005"]
+    assert s["step00000005"]["shards"] == both
+    for k in ("step00000003", "step00000004"):           # step 3's save removed the abandoned attempt's file
         assert s[k]["shards"] == [] and s[k]["on_disk"] == [] and s[k]["export"] == "exported", s[k]
+    assert s["step00000004"]["removed_by"] == "step00000005"
     assert r0["same_keys"] and all(r0["same"].values())   # zero_to_fp32 == the shards, bit for bit
 
 
