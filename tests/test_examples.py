@@ -70,6 +70,11 @@ EXPENSIVE = {
     # README: the main job, training, launcher, resume, export
     "smelt-ds train recipes/tiny/smelt.yaml": "tests/train/test_golden_losses.py::test_fresh_run_matches_golden_losses",
     "smelt-ds train RECIPE [--set train.max_steps=200 ...]": _RUN_EXPORT_INIT,
+    "smelt-ds train recipes/tiny/smelt.yaml --set tracking.trackers=[wandb,csv] --set tracking.wandb.mode=offline":
+        "tests/train/test_trackers.py::test_wandb_offline_history_equals_metrics_jsonl_and_resume_continues_the_run",
+    "smelt-ds train recipes/tiny/smelt.yaml --set profile.enabled=true --set profile.start_step=100 "
+    "--set profile.ranks=[0,1] --nproc 2":
+        "tests/train/test_profiler.py::test_trace_holds_one_range_per_visit_and_moe_stage_per_profiled_step",
     "smelt-ds train RECIPE --nproc 2": f"{_LOOP}::test_deepspeed_launcher_two_ranks",
     "deepspeed --num_gpus 8 --module smelt_ds.train RECIPE": f"{_LOOP}::test_deepspeed_launcher_two_ranks",
     "smelt-ds train RECIPE --resume auto": f"{_LOOP}::test_resume_equals_uninterrupted_zero2",
@@ -294,8 +299,12 @@ _PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*$")
 
 
 def _unbracket(tok: str) -> str:
-    """`[--set` -> `--set`, `...]` -> `...`, `RUN...` -> `RUN` (optional and repeated parts of a synopsis)."""
-    tok = tok.strip("[]")
+    """`[--set` -> `--set`, `...]` -> `...`, `RUN...` -> `RUN` (optional and repeated parts of a synopsis);
+    a balanced bracket is a value's own (`tracking.trackers=[wandb,csv]`) and stays."""
+    if tok.startswith("[") and tok.count("[") > tok.count("]"):
+        tok = tok[1:]
+    if tok.endswith("]") and tok.count("]") > tok.count("["):
+        tok = tok[:-1]
     return tok[:-3] if tok.endswith("...") and len(tok) > 3 else tok
 
 

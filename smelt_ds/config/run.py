@@ -24,8 +24,10 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from smelt_ds.arguments import looks_like_override, override_hint
 from smelt_ds.config.data import DataConfig
+from smelt_ds.config.profile import ProfileConfig
 from smelt_ds.config.schedule import LoopSchedule, build_schedule
 from smelt_ds.config.schema import StrictModel
+from smelt_ds.config.tracking import TrackingConfig
 from smelt_ds.errors import ConfigError, fail
 
 __all__ = [
@@ -359,6 +361,8 @@ class RunConfig(StrictModel):
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
     @model_validator(mode="before")
     @classmethod

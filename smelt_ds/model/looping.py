@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from smelt_ds.config.schedule import LoopSchedule, LoopSpan, Visit, preset_ranges
+from smelt_ds.model.ranges import named_range
 
 __all__ = ["Visit", "LoopSpan", "LoopSchedule", "LoopingBlockManager", "VisitContext", "CheckpointConfig",
            "CheckpointFn", "ProbsHook", "VisitRecorderLike", "preset_ranges"]
@@ -199,7 +200,9 @@ class LoopingBlockManager(nn.Module):
 
         ``cos``, ``sin``, ``kv_cache``, ``recorder``, ``probs_hook`` go into every visit's
         :class:`VisitContext`. ``visit_hook(visit, x)`` (optional) sees the residual stream
-        ``(B, S, H)`` after each visit (logit lens).
+        ``(B, S, H)`` after each visit (logit lens). While a profiler records, each visit is the
+        named range ``layer L visit V`` (:mod:`smelt_ds.model.ranges`; an activation-checkpoint
+        recompute in backward runs outside it).
         """
         frees_inputs = self._checkpointing is not None and self._checkpointing.frees_inputs
         block_input: dict[int, torch.Tensor] = {}
@@ -211,7 +214,8 @@ class LoopingBlockManager(nn.Module):
                 else:
                     x = x + block_input[span.start]
             ctx = VisitContext(visit, cos, sin, kv_cache, recorder, probs_hook)
-            x = self._run_visit(ctx, x)
+            with named_range("layer {} visit {}", visit.layer, visit.visit):  # a profiler range (off: a flag check)
+                x = self._run_visit(ctx, x)
             if visit_hook is not None:
                 visit_hook(visit, x)
         return x

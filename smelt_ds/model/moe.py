@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smelt_ds.model.grouped_gemm import grouped_linear
+from smelt_ds.model.ranges import named_range
 
 __all__ = ["RouterOutput", "TopKRouter", "GroupedExperts", "MoE", "SwiGLU",
            "load_balancing_loss", "router_z_loss", "has_grouped_mm", "topk_lowest_index"]
@@ -384,18 +385,26 @@ class MoE(nn.Module):
 
         Stages: route -> :meth:`dispatch` -> gather the copies (``index_select``) -> experts ->
         weighted K-sum per token; gather and combine have
-        hand-written backwards without scatter-adds (``_GatherCopies``, ``_CombineCopies``)."""
+        hand-written backwards without scatter-adds (``_GatherCopies``, ``_CombineCopies``). While a
+        profiler records, the stages are the named ranges ``moe route``, ``moe dispatch`` (sort and
+        gather), ``moe experts`` and ``moe combine`` (K-sum and shared expert) of
+        :mod:`smelt_ds.model.ranges`."""
         B, S, H = x_BSH.shape
         x_TH = x_BSH.reshape(B * S, H)
-        route = RouterOutput(*self.gate(x_TH, count_tokens))
+        with named_range("moe route"):  # profiler ranges (smelt_ds.model.ranges; off: a flag check)
+            route = RouterOutput(*self.gate(x_TH, count_tokens))
         K = route.topk_idx_TK.shape[1]
-        order_N, counts_E, token_N = self.dispatch(route.topk_idx_TK)
-        inv_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(order_N.shape[0], device=order_N.device))
-        y_NH = self.experts(_GatherCopies.apply(x_TH, token_N, inv_N, K), counts_E)
-        out_TH = _CombineCopies.apply(y_NH, route.topk_weight_TK, inv_N, order_N)
-        if self.shared_expert is not None:
-            assert self.shared_expert_gate is not None  # built together with shared_expert
-            out_TH = out_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+        with named_range("moe dispatch"):
+            order_N, counts_E, token_N = self.dispatch(route.topk_idx_TK)
+            inv_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(order_N.shape[0], device=order_N.device))
+            x_NH = _GatherCopies.apply(x_TH, token_N, inv_N, K)
+        with named_range("moe experts"):
+            y_NH = self.experts(x_NH, counts_E)
+        with named_range("moe combine"):
+            out_TH = _CombineCopies.apply(y_NH, route.topk_weight_TK, inv_N, order_N)
+            if self.shared_expert is not None:
+                assert self.shared_expert_gate is not None  # built together with shared_expert
+                out_TH = out_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
         T, E = route.probs_TE.shape
         aux = E * torch.sum(counts_E.to(route.probs_TE.dtype) / (T * K) * route.probs_TE.mean(dim=0))
         losses = {"aux": aux,  # = load_balancing_loss(probs, topk_idx), from the dispatch counts

@@ -17,8 +17,10 @@ from smelt_ds.interop.cli import add_export_arguments, run_export_hf
 from smelt_ds.train.export import export_checkpoint
 from smelt_ds.train.guards import check_optional_packages, check_run_dir
 from smelt_ds.train.loop import add_train_arguments, launcher_command, run_and_report
+from smelt_ds.train.profiler import check_profile
 from smelt_ds.train.provenance import init_from_tokenizer
 from smelt_ds.train.run_lock import RunLock
+from smelt_ds.train.trackers import check_trackers
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -67,7 +69,9 @@ def run_train(args: argparse.Namespace) -> int:
 def check_before_launch(args: argparse.Namespace) -> RunConfig:
     """What every rank would refuse, checked once in the launching process: the recipe with its
     ``--set`` overrides (:func:`smelt_ds.config.run.load_config`), optional packages
-    (:func:`smelt_ds.train.guards.check_optional_packages`), the run directory's lock (another
+    (:func:`smelt_ds.train.guards.check_optional_packages`), the trackers' packages
+    (:func:`smelt_ds.train.trackers.check_trackers`), the profiled window and ranks
+    (:func:`smelt_ds.train.profiler.check_profile`), the run directory's lock (another
     training using it) and the run-directory guards for ``--resume`` with ``--nproc`` ranks
     (:func:`smelt_ds.train.guards.check_run_dir`, changing nothing). Returns the config as the ranks
     will train it; raises ConfigError."""
@@ -77,6 +81,8 @@ def check_before_launch(args: argparse.Namespace) -> RunConfig:
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(args.run_dir)})})
     cfg = init_from_tokenizer(cfg)
     check_optional_packages(cfg)
+    check_trackers(cfg)
+    check_profile(cfg.profile, cfg.train.max_steps, args.nproc)
     if not out_dir.is_dir():
         check_run_dir(out_dir, cfg, args.resume, args.nproc, take_over=False)
         return cfg

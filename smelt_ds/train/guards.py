@@ -24,11 +24,12 @@ __all__ = ["check_run_dir", "check_optional_packages", "earlier_run_files", "RUN
 
 #: what a run writes into its run directory besides checkpoints/, its lock and its tokenizer
 #: (loop._fit before the first checkpoint: zero3_tuning.json (ZeRO-3), config.yaml, ds_config.json,
-#: tb/ and metrics.jsonl; summary.* at the end). A new run refuses a directory holding any of them;
+#: tb/, metrics.jsonl, trackers/ (tracking) and profile/ (profiling); summary.* at the end). A new
+#: run refuses a directory holding any of them;
 #: ``--resume auto`` without a checkpoint removes them. The lock (run_lock.LOCK_NAME) and the
 #: tokenizer (provenance.RUN_TOKENIZER) may be left by a run refused before it trained.
 RUN_FILES = ("config.yaml", "ds_config.json", "metrics.jsonl", "tb", "summary.json", "summary.txt",
-             "zero3_tuning.json")
+             "zero3_tuning.json", "trackers", "profile")
 
 
 # recipe fields a checkpoint depends on: a resume with other values cannot load it, or would
@@ -132,7 +133,7 @@ RESUME_MAY_CHANGE = ("name", "train.max_steps", "train.log_every", "train.eval_e
                      "train.keep_last", "train.reference_weights", "train.exit_after_steps", "train.run_dir", "train.init_from", "eval",
                      "cluster", "data.num_proc", "data.cache_dir", "data.output_dir", "data.offline", "data.verify",
                      "data.shared_filesystem", "data.prepare_timeout_s", "deepspeed.comms_logger", "train.compile",
-                     "train.compile_backend", "train.deterministic")
+                     "train.compile_backend", "train.deterministic", "tracking", "profile")
 
 
 def _same_tokenizer_same_path(old: dict, new: dict) -> None:

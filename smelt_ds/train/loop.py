@@ -6,8 +6,9 @@
 The run directory (``train.run_dir``) receives the resolved recipe (``config.yaml``), the final
 DeepSpeed config (``ds_config.json``), TensorBoard events (``tb/``), ``metrics.jsonl``,
 checkpoints (``checkpoints/<tag>/``), ``zero3_tuning.json`` (ZeRO-3 runs: the loop-aware
-prefetch/persistence values chosen from the visit plan) and ``summary.json`` / ``summary.txt`` at
-the end.
+prefetch/persistence values chosen from the visit plan), ``trackers/`` (the experiment trackers'
+files and run ids, :mod:`smelt_ds.train.trackers`), ``profile/`` (traces of the ``profile``
+window, :mod:`smelt_ds.train.profiler`) and ``summary.json`` / ``summary.txt`` at the end.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ from smelt_ds.train.metrics import (
     write_summary,
 )
 from smelt_ds.train.objective import total_loss
+from smelt_ds.train.profiler import StepProfiler, check_profile
 from smelt_ds.train.provenance import init_from_tokenizer, record_run_tokenizer
+from smelt_ds.train.trackers import check_trackers, start_trackers
 from smelt_ds.train.validation import evaluate
 
 __all__ = ["main", "train", "build", "Built", "parse_args", "RunResult", "evaluate"]
@@ -216,6 +219,8 @@ def _train(cfg: RunConfig, resume: str, run_dir: str | None, threads: ThreadChoi
     if run_dir is not None:  # config.yaml says where the run lives, so the recipe resumes it as it is
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(run_dir)})})
     cfg = init_from_tokenizer(cfg)  # a run started from an export trains on with its tokenizer
+    check_profile(cfg.profile, cfg.train.max_steps, world)
+    on_rank0(rank, lambda: check_trackers(cfg))  # a missing tracker package: refused before the run directory
     lock, created = lock_run_dir(out_dir, rank)
     try:
         check_run_dir(out_dir, cfg, resume, world)
@@ -267,6 +272,7 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
     fit.t_last = time.perf_counter()  # the first window starts at step 1
     with _Terminator() as term:
         while fit.step < cfg.train.max_steps:
+            fit.profiler.before_step(fit.step + 1)
             lr, ids, grad_norm, means = _train_step(fit)
             fit.result.losses.append(means["loss"])
             fit.result.lrs.append(lr)
@@ -280,8 +286,11 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
             if harness_due(cfg, fit.step):  # lm-eval tasks on rank 0's gathered copy of the model
                 run_harness_eval(built.engine, cfg, data.prepared, fit.step, fit.tokens_seen, fit.writer)
             fit.eval_s += time.perf_counter() - t_eval
-            if _save_or_stop(fit, sync_flag(term.requested)):
+            stop = _save_or_stop(fit, sync_flag(term.requested))
+            fit.profiler.after_step(fit.step)  # the profiled step spans the whole iteration
+            if stop:
                 break
+    fit.profiler.close()
     fit.console.close()
     fit.writer.close()
     result = fit.result
@@ -307,8 +316,8 @@ def _restore(built: Built, data, out_dir: Path, resume: str) -> tuple[int, int]:
 
 
 class _Fit:
-    """What the steps of one fit share: the run, the engine, counters (optimizer steps, tokens)
-    and the loggers."""
+    """What the steps of one fit share: the run, the engine, counters (optimizer steps, tokens),
+    the loggers (files, TensorBoard and the experiment trackers, rank 0) and the profiler."""
 
     def __init__(self, cfg: RunConfig, out_dir: Path, rank: int, world: int, data, built: Built, step: int,
                  tokens_seen: int):
@@ -319,7 +328,9 @@ class _Fit:
         self.budget = compute_budget(cfg, cfg.train.seq_len)
         self.precision = resolve_precision(cfg)
         self.result = RunResult(out_dir, step, tokens_seen, [], [], {}, [])
-        self.writer = MetricsWriter(out_dir, rank == 0, step)
+        trackers = on_rank0(rank, lambda: start_trackers(cfg, out_dir, step, self.budget.as_dict()))
+        self.writer = MetricsWriter(out_dir, rank == 0, step, trackers or ())
+        self.profiler = StepProfiler(cfg.profile, out_dir, rank, step)
         self.micro = MicroStats()
         self.interval = IntervalMeans()
         self.console = Console(rank == 0, step, cfg.train.max_steps)

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from smelt_ds.config.run import RunConfig
 from smelt_ds.eval.loss import ALL_DEFINITION
 from smelt_ds.train.console import summary_lines
+from smelt_ds.train.trackers import Tracker, scalars
 from smelt_ds.train.validation import describe_validation, validation_windows
 
 __all__ = ["RunResult", "PEAK_TFLOPS", "device_peak_tflops", "memory_bytes", "MicroStats", "IntervalMeans",
@@ -157,15 +159,20 @@ def routing_metrics(model) -> dict[str, float]:
 
 
 class MetricsWriter:
-    """``metrics.jsonl`` rows and TensorBoard scalars, written by rank 0 only."""
+    """``metrics.jsonl`` rows and TensorBoard scalars, and the same rows to the experiment
+    trackers (:mod:`smelt_ds.train.trackers`), written by rank 0 only."""
 
-    def __init__(self, run_dir: Path, enabled: bool, start_step: int):
+    def __init__(self, run_dir: Path, enabled: bool, start_step: int, trackers: Sequence[Tracker] = ()):
         """``start_step``: the step training continues from (0 for a new run). Rows logged after
         it by an earlier, interrupted invocation are dropped from ``metrics.jsonl`` (rewritten
         atomically) and hidden in TensorBoard (``SummaryWriter(purge_step=start_step + 1)``), so a
-        resumed run's logs hold each step once."""
+        resumed run's logs hold each step once. ``trackers``: started trackers
+        (:func:`smelt_ds.train.trackers.start_trackers`), each given every row's numeric fields
+        (:func:`smelt_ds.train.trackers.scalars`); one that raises is reported and dropped, the
+        others and the files go on."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
+        self.trackers = list(trackers)
         self.tb = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
@@ -184,15 +191,25 @@ class MetricsWriter:
         row = {"step": step, **row}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        for k, v in row.items():
-            if isinstance(v, (int, float)) and k != "step":
-                assert self.tb is not None  # created when enabled
-                self.tb.add_scalar(k, v, step)
+        values = scalars(row)
+        assert self.tb is not None  # created when enabled
+        for k, v in values.items():
+            self.tb.add_scalar(k, v, step)
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(step, values)
+            except Exception as e:  # noqa: BLE001 - a tracker's outage must not stop training
+                self.trackers.remove(tracker)
+                print(f"tracking: {tracker.name} failed at step {step} ({type(e).__name__}: {e}); no further rows "
+                      "go to it (metrics.jsonl, TensorBoard and the other trackers go on)", file=sys.stderr)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.flush()
             self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 @dataclass

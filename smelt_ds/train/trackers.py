@@ -1,0 +1,293 @@
+"""Experiment trackers beside TensorBoard (the recipe's ``tracking`` section), on rank 0 only.
+
+Every ``metrics.jsonl`` row goes to every tracker of ``tracking.trackers`` with the optimizer step
+as its x-axis (:class:`smelt_ds.train.metrics.MetricsWriter` calls :meth:`Tracker.log`): its
+numeric fields (``step`` itself and non-numeric values left out), under the same keys. At the
+start of each invocation the resolved config (``config_to_dict``) and the three budgets
+(:func:`smelt_ds.cost.budget.compute_budget`'s ``as_dict``) are logged once.
+
+- ``wandb``: DeepSpeed's own ``deepspeed.monitor.wandb.WandbMonitor`` (``wandb.init`` +
+  ``wandb.log(row, step=step)``), built here rather than by the engine, whose monitor would log
+  DeepSpeed's events against global samples (W&B drops a step lower than the last one). W&B reads
+  its run id, resume mode, directory, name and mode from its documented environment variables
+  (``WANDB_RUN_ID``, ``WANDB_RESUME=allow``, ``WANDB_DIR``, ``WANDB_NAME``, ``WANDB_MODE``), set
+  only while the monitor starts. Files: ``RUN/trackers/wandb/``; config and budgets in the run's
+  config (``budget`` key).
+- ``mlflow``: the ``mlflow`` client API (DeepSpeed has no MLflow monitor): one MLflow run,
+  metrics with ``step=``, the config and budgets flattened into params (``model.hidden_size``,
+  ``budget.train_flops_per_token``; a value longer than MLflow's limit is left to the artifact)
+  and as the artifacts ``config.yaml`` / ``budget.json``.
+- ``csv``: DeepSpeed's own ``deepspeed.monitor.csv_monitor.csvMonitor``: one ``<metric>.csv``
+  (``step,value`` rows; ``/`` in a key becomes ``_``) per metric in ``RUN/trackers/csv/``.
+
+A resume (``--resume`` from step S > 0) continues the same tracker runs: their ids are kept in
+``RUN/trackers/ids.json``; only rows after S are logged, as for ``metrics.jsonl``. CSV files drop
+their rows after S (an earlier invocation that crashed after its last checkpoint logged them).
+W&B and MLflow cannot delete logged points: after such a crash, they keep the rows between the
+checkpoint and the crash, and W&B ignores the resumed run's rows up to the last step it holds.
+MLflow params cannot change: a resume that changes an allowed field (``train.max_steps``) keeps
+the first value in params; the ``config.yaml`` artifact is the resumed config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import importlib
+import io
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+from smelt_ds.config.run import RunConfig, config_to_dict, dump_config
+from smelt_ds.config.tracking import MlflowSection
+from smelt_ds.errors import ConfigError
+from smelt_ds.files import write_json_atomic, write_text_atomic
+
+__all__ = ["Tracker", "TRACKERS_DIR", "IDS_FILE", "INSTALL_HINTS", "check_trackers", "start_trackers",
+           "scalars", "read_ids", "WandbTracker", "MlflowTracker", "CsvTracker"]
+
+#: where the trackers' files and ids live, inside the run directory
+TRACKERS_DIR = "trackers"
+#: tracker name -> its run id (``RUN/trackers/ids.json``)
+IDS_FILE = "ids.json"
+#: tracker -> (the module it needs, how to install it)
+INSTALL_HINTS = {"wandb": ("wandb", "pip install 'smelt-ds[wandb]'"),
+                 "mlflow": ("mlflow", "pip install 'smelt-ds[mlflow]'"),
+                 "csv": ("deepspeed.monitor.csv_monitor", "pip install deepspeed")}
+
+
+class Tracker(Protocol):
+    """One experiment tracker: ``run_id`` (None when it has none), ``log`` a row, ``close``."""
+
+    name: str
+    run_id: str | None
+
+    def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numeric fields of a ``metrics.jsonl`` row, ``step`` and booleans left out."""
+    return {k: v for k, v in row.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+
+
+# ---------------------------------------------------------------------------------------------
+# checks before training
+# ---------------------------------------------------------------------------------------------
+
+
+def check_trackers(cfg: RunConfig) -> None:
+    """Raise ConfigError, before training starts, for a tracker of ``tracking.trackers`` whose
+    package cannot be imported (naming ``pip install 'smelt-ds[wandb]'`` / ``[mlflow]``), and for
+    an MLflow tracking URI whose store MLflow's client refuses (see :func:`mlflow_client`)."""
+    for name in cfg.tracking.trackers:
+        module, hint = INSTALL_HINTS[name]
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"`tracking.trackers` ({cfg.tracking.trackers}) lists {name!r}, whose package `{module}` "
+                              f"cannot be imported ({e}): install it ({hint}), or remove {name!r} from "
+                              "tracking.trackers") from None
+    if "mlflow" in cfg.tracking.trackers:
+        mlflow_client(cfg.tracking.mlflow)
+
+
+def mlflow_client(section: MlflowSection):
+    """``mlflow.MlflowClient(section.tracking_uri)``. Raises ConfigError naming
+    ``tracking.mlflow.tracking_uri`` when MLflow refuses the store (MLflow 3 refuses a ``file:``
+    store unless ``MLFLOW_ALLOW_FILE_STORE=true``; ``sqlite:`` needs SQLAlchemy, which
+    ``mlflow-skinny`` lacks)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return MlflowClient(section.tracking_uri)
+    except (MlflowException, ImportError) as e:
+        uri = section.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "MLflow's default"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"`tracking.mlflow.tracking_uri` ({section.tracking_uri!r}, resolved: {uri}): MLflow cannot "
+                          f"open this tracking store: {first}: point it at a tracking server (e.g. "
+                          "http://host:5000), or use a local file store with MLFLOW_ALLOW_FILE_STORE=true "
+                          "(e.g. --set tracking.mlflow.tracking_uri=file:./mlruns)") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# start
+# ---------------------------------------------------------------------------------------------
+
+
+def read_ids(run_dir: Path) -> dict[str, str]:
+    """The tracker run ids stored in ``run_dir/trackers/ids.json`` ({} when none)."""
+    path = run_dir / TRACKERS_DIR / IDS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def start_trackers(cfg: RunConfig, run_dir: Path, start_step: int, budget: dict[str, Any]) -> list[Tracker]:
+    """Start the trackers of ``cfg.tracking.trackers`` (call on rank 0 only) and log the resolved
+    config and ``budget`` (the budgets' ``as_dict``) to each. ``start_step``: the step training
+    continues from; above 0 each tracker continues its run stored in ``RUN/trackers/ids.json``
+    (a tracker without a stored id starts a new run). Writes the ids. Raises ConfigError when a
+    tracker cannot start (e.g. W&B online without a login); trackers already started are closed."""
+    if not cfg.tracking.trackers:
+        return []
+    root = run_dir / TRACKERS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    ids = read_ids(run_dir) if start_step > 0 else {}
+    config = config_to_dict(cfg)
+    started: list[Tracker] = []
+    try:
+        for name in cfg.tracking.trackers:
+            if start_step > 0 and name not in ids and name != "csv":
+                print(f"tracking: {name}: no run id in {root / IDS_FILE}: a new {name} run starts at step "
+                      f"{start_step + 1}", file=sys.stderr)
+            started.append(_STARTERS[name](cfg, root, ids.get(name), start_step, config, budget))
+    except BaseException:
+        for t in started:
+            t.close()
+        raise
+    write_json_atomic(root / IDS_FILE, {t.name: t.run_id for t in started if t.run_id is not None})
+    return started
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` updated with ``values`` inside the block, restored after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class WandbTracker:
+    """W&B through DeepSpeed's ``WandbMonitor`` (see the module docstring)."""
+
+    name = "wandb"
+
+    def __init__(self, cfg: RunConfig, root: Path, run_id: str | None, start_step: int, config: dict[str, Any],
+                 budget: dict[str, Any]):
+        import wandb
+        from deepspeed.monitor.config import WandbConfig
+        from deepspeed.monitor.wandb import WandbMonitor
+
+        s = cfg.tracking.wandb
+        self.run_id: str | None = run_id or uuid.uuid4().hex[:12]  # W&B ids: [a-z0-9], unique per project
+        env = {"WANDB_RUN_ID": self.run_id, "WANDB_RESUME": "allow", "WANDB_DIR": str(root),
+               "WANDB_NAME": s.name or cfg.name}
+        if s.mode is not None:
+            env["WANDB_MODE"] = s.mode
+        try:
+            with _environ(env):
+                self.monitor = WandbMonitor(WandbConfig(enabled=True, project=s.project, group=s.group, team=s.entity))
+        except wandb.errors.Error as e:
+            raise ConfigError(f"`tracking.wandb.mode` ({s.mode!r}): W&B could not start its run: {e}: log in with "
+                              "`wandb login` (or set WANDB_API_KEY), or log offline with --set "
+                              "tracking.wandb.mode=offline and upload later with `wandb sync`") from None
+        wandb.config.update({**config, "budget": budget}, allow_val_change=True)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.monitor.log(values, step=step)
+
+    def close(self) -> None:
+        import wandb
+
+        wandb.finish()
+
+
+class MlflowTracker:
+    """MLflow through its client API (see the module docstring)."""
+
+    name = "mlflow"
+
+    def __init__(self, cfg: RunConfig, root: Path, run_id: str | None, start_step: int, config: dict[str, Any],
+                 budget: dict[str, Any]):
+        from mlflow.entities import Param, RunStatus
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+        s = cfg.tracking.mlflow
+        self.client = mlflow_client(s)
+        if run_id is None:
+            exp = self.client.get_experiment_by_name(s.experiment)
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(s.experiment)
+            run_id = self.client.create_run(exp_id, run_name=s.run_name or cfg.name).info.run_id
+        else:
+            self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        self.run_id = run_id
+        logged = self.client.get_run(run_id).data.params
+        flat = _flatten({**config, "budget": budget})
+        params = [Param(k, v) for k, v in flat.items() if k not in logged and len(v) <= MAX_PARAM_VAL_LENGTH]
+        self.client.log_batch(run_id, params=params)
+        self.client.log_text(run_id, dump_config(cfg), "config.yaml")
+        self.client.log_dict(run_id, budget, "budget.json")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        ms = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ms, step) for k, v in values.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested dicts as ``{"a.b": str(value)}`` (lists and scalars as JSON)."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v if isinstance(v, str) else json.dumps(v)
+    return out
+
+
+class CsvTracker:
+    """DeepSpeed's ``csvMonitor`` in ``RUN/trackers/csv/`` (see the module docstring)."""
+
+    name = "csv"
+    run_id: str | None = None
+
+    def __init__(self, cfg: RunConfig, root: Path, run_id: str | None, start_step: int, config: dict[str, Any],
+                 budget: dict[str, Any]):
+        from deepspeed.monitor.config import CSVConfig
+        from deepspeed.monitor.csv_monitor import csvMonitor
+
+        self.monitor = csvMonitor(CSVConfig(enabled=True, output_path=str(root), job_name="csv"))
+        existing = sorted(Path(self.monitor.log_dir).glob("*.csv"))
+        for path in existing:
+            _drop_rows_after(path, start_step)
+        # the monitor writes a header the first time *it* writes a file: not again into a resumed one
+        self.monitor.filenames = [p.stem for p in existing]
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.monitor.write_events([(k, v, step) for k, v in values.items()])
+
+    def close(self) -> None:
+        return None
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite one csvMonitor file (``step,<name>`` header, then ``step,value`` rows) without the
+    rows after ``step`` (atomically)."""
+    rows = list(csv.reader(path.read_text().splitlines()))
+    keep = rows[:1] + [r for r in rows[1:] if r and int(r[0]) <= step]
+    if len(keep) != len(rows):
+        text = io.StringIO()
+        csv.writer(text).writerows(keep)  # the monitor's own dialect (csv.writer's default)
+        write_text_atomic(path, text.getvalue())
+
+
+_STARTERS: dict[str, Callable[..., Tracker]] = {"wandb": WandbTracker, "mlflow": MlflowTracker, "csv": CsvTracker}
