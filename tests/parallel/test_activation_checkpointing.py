@@ -25,6 +25,7 @@ from smelt_ds.parallel.engine import (
 )
 from smelt_ds.testing import run_distributed
 from smelt_ds.train.objective import total_loss
+from tests.numerics import assert_close_chain, lm_chain_length, prob_tol
 
 POLICIES = ("full", "looped", "every_n")
 
@@ -261,16 +262,23 @@ def test_partition_activations_with_input_injection(ds_results):
     """partition_activations empties a checkpoint's input in place; the block input kept for
     input injection is a copy, so the result is unchanged (without the copy the loss moves by
     1e-2: the injected tensor would be a 0-d placeholder, broadcast silently). The copy adds a
-    node to the embedding's gradient sum, hence a rounding-level tolerance on gradients."""
+    node to the block input's gradient sum, which reorders every gradient downstream of it: they
+    get the bound of another summation order (tests/numerics.py: 2 n u of each tensor's largest
+    gradient, n the whole backward chain, 4.2e-4)."""
     got, ref = ds_results["inj"], ds_results["inj_ref"]
     assert torch.equal(got["loss"], ref["loss"])
+    n_chain = lm_chain_length(config_from_dict(_raw()), tokens=2 * 16 * 2)  # micro-batch 2 x 16 tokens x 2 visits
     for n, g in ref["grads"].items():
-        torch.testing.assert_close(got["grads"][n], g, rtol=0, atol=1e-6, msg=n)
+        assert_close_chain(got["grads"][n], g, n_chain, msg=n)
     assert got["stats"] == ref["stats"]
 
 
 def test_engine_zero2_zero3_with_deepspeed_checkpointing(ds_results):
+    """3 AdamW steps with checkpointed looped visits equal the run without. DeepSpeed's gradient
+    hooks may sum a looped parameter's two visits in another order: losses relative within Higham
+    & Mary's probabilistic bound over 3 forward/backward chains (tests/numerics.py: 1.2e-4)."""
     res = ds_results["engine"]
+    n_chain = lm_chain_length(config_from_dict(_raw()), tokens=2 * 16 * 2)
     for stage in (2, 3):
         assert res[(stage, "none")][2] < res[(stage, "none")][0]
-        assert res[(stage, "looped")] == pytest.approx(res[(stage, "none")], rel=1e-6), f"ZeRO-{stage}"
+        assert res[(stage, "looped")] == pytest.approx(res[(stage, "none")], rel=prob_tol(3 * n_chain)), f"ZeRO-{stage}"

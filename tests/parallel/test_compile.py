@@ -1,10 +1,13 @@
 """``train.compile``: compiled training equals eager training, and a looped layer compiles once.
 
 References: the same model run eagerly on the same batches (plain PyTorch AdamW in one process,
-or the DeepSpeed engine on 2 gloo ranks). Tolerances: ``aot_eager`` traces without generating
-code, so it must agree to fp32 round-off of a reordered graph (1e-6); inductor generates fused
-C++ kernels whose reductions associate differently (1e-4 relative on losses, 1e-4 absolute on
-gradients of magnitude ~1e-2). Compilation counts come from ``torch._dynamo.utils.counters``
+or the DeepSpeed engine on 2 gloo ranks). Tolerances (``tests/numerics.py``): ``aot_eager``'s
+decompositions and inductor's fused C++ kernels compute the same sums in other orders, so both get
+the bound of a chain of reductions: the gradients of step ``s`` (1-based) element-wise within
+``2 n u`` of the tensor's largest, ``n = s * N_STEP`` (each step's forward and backward adds its
+reductions to the weights the next one starts from; N_STEP = 3520 for this model: 4.2e-4 at step
+1, 1.3e-3 at step 3), losses relative within Higham & Mary's probabilistic bound over the same
+chain (1.2e-4 at step 3). A gradient scaled by 1.0005 fails at step 1. Compilation counts come from ``torch._dynamo.utils.counters``
 (:func:`smelt_ds.parallel.compile.compile_counters`): they must not grow with steps or visits.
 """
 
@@ -23,6 +26,8 @@ from smelt_ds.parallel.engine import configure_activation_checkpointing
 from smelt_ds.testing import run_distributed
 from smelt_ds.train.objective import total_loss
 
+from tests.numerics import assert_close_chain, lm_chain_length, prob_tol
+
 SEQ, MICRO, STEPS = 16, 2, 3
 
 
@@ -38,6 +43,9 @@ def _raw(compile="none", backend="inductor", position="middle", repeats=2, **ext
     for k, v in extra.items():
         raw[k] = {**raw.get(k, {}), **v}
     return raw
+
+
+N_STEP = lm_chain_length(config_from_dict(_raw()), tokens=MICRO * SEQ * 2 * 2)  # micro-batch x 2 visits x 2 ranks
 
 
 def _batch(step: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,13 +83,13 @@ def _pair(raw_eager, backend):
     return cfg, eager, ccfg, compiled
 
 
-def _assert_close(ref, got, loss_rtol, grad_atol):
+def _assert_close(ref, got):
     (l0, g0), (l1, g1) = ref, got
-    assert l1 == pytest.approx(l0, rel=loss_rtol)
+    assert l1 == pytest.approx(l0, rel=prob_tol(len(l0) * N_STEP))
     for step, (a, b) in enumerate(zip(g0, g1)):
         assert a.keys() == b.keys()
         for n in a:
-            torch.testing.assert_close(b[n], a[n], rtol=0, atol=grad_atol, msg=f"step {step} grad {n}")
+            assert_close_chain(b[n], a[n], (step + 1) * N_STEP, msg=f"step {step} grad {n}")
 
 
 @pytest.fixture(autouse=True)
@@ -92,13 +100,13 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("backend,loss_rtol,grad_atol", [("aot_eager", 1e-6, 1e-6), ("inductor", 1e-4, 1e-4)])
-def test_compiled_layers_train_like_eager(backend, loss_rtol, grad_atol):
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_layers_train_like_eager(backend):
     cfg, eager, ccfg, compiled = _pair(_raw(), backend)
     ref = _train(eager, cfg)
     counts: list = []
     got = _train(compiled, ccfg, counts=counts)
-    _assert_close(ref, got, loss_rtol, grad_atol)
+    _assert_close(ref, got)
     # one graph for the dense layer 0, one for the MoE layers 1-3 (layers 1, 2 visited twice), one
     # for the output head
     assert [c["unique_graphs"] for c in counts] == [3, 3, 3]
@@ -135,7 +143,7 @@ def test_compiled_layers_under_activation_checkpointing(impl):
     configure_activation_checkpointing(eager, cfg)
     configure_activation_checkpointing(compiled, ccfg)
     counts: list = []
-    _assert_close(_train(eager, cfg), _train(compiled, ccfg, counts=counts), 1e-6, 1e-6)
+    _assert_close(_train(eager, cfg), _train(compiled, ccfg, counts=counts))
     # the recompute (count_tokens False) reuses the forward's graph: without the expert bias the
     # flag is never read, so still one graph per layer kind (and the head)
     assert [c["unique_graphs"] for c in counts] == [3, 3, 3]
@@ -143,7 +151,7 @@ def test_compiled_layers_under_activation_checkpointing(impl):
 
 def _checkpoint_deepspeed_world_of_one(raw):
     ref, got, counts = run_distributed(_ds_ckpt_rank, world_size=1, args=(raw,))[0]
-    _assert_close(ref, got, 1e-6, 1e-6)
+    _assert_close(ref, got)
     assert [c["unique_graphs"] for c in counts] == [3, 3, 3]
 
 
@@ -217,7 +225,7 @@ def test_two_rank_compiled_matches_eager(mode, zero_stage, extra):
     compiled = run_distributed(_engine_rank, args=(comp, STEPS))
     for rank in range(2):
         losses, counts, reasons = compiled[rank]
-        assert losses == pytest.approx(eager[0][0], rel=1e-4)
+        assert losses == pytest.approx(eager[0][0], rel=prob_tol(STEPS * N_STEP))
         graphs = [c["unique_graphs"] for c in counts]
         assert graphs[0] > 0 and graphs == [graphs[0]] * STEPS, graphs  # compiled in step 1 only
         breaks = [c["graph_breaks"] for c in counts]
@@ -284,7 +292,7 @@ def test_deepcopy_of_a_compiled_model_runs_its_own_weights():
     eager_twin = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     eager_twin.load_state_dict(twin.state_dict())
     with torch.no_grad():
-        torch.testing.assert_close(twin(x).logits, eager_twin(x).logits, rtol=1e-6, atol=1e-6)
+        assert_close_chain(twin(x).logits, eager_twin(x).logits, lm_chain_length(cfg, 0, backward=False))
         assert not torch.allclose(twin(x).logits, compiled(x).logits)
 
 

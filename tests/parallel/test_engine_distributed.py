@@ -3,8 +3,11 @@
 The reference for a data-parallel step on ranks r=0..R-1 with micro-batches b_r is one process
 that computes ``mean_r loss(b_r)`` (each rank's loss on its own micro-batch, as DDP/ZeRO average
 gradients), clips the global gradient norm and steps torch's AdamW with the same groups and
-LambdaLR schedule. Tolerances are for fp32 with different reduction orders: 1e-5 relative on
-losses, 1e-4 on gradients.
+LambdaLR schedule. Tolerances (``tests/numerics.py``) are for fp32 with different reduction
+orders: gradients element-wise within ``2 n u`` of each tensor's largest, ``n = N_STEP`` the
+reduction lengths of one forward and backward pass (4.3e-4); losses of step ``s`` relative within
+Higham & Mary's probabilistic bound over ``s`` such passes (1.2e-4 at step 3); learning rates to
+1e-6 relative (both schedules are the same formula in Python doubles).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from smelt_ds.model import SmeltLM
 from smelt_ds.parallel.engine import lr_multiplier, param_groups
 from smelt_ds.testing import run_distributed
 from smelt_ds.train.objective import total_loss
+from tests.numerics import assert_close_chain, lm_chain_length, prob_tol
 
 pytestmark = pytest.mark.distributed
 
@@ -37,6 +41,10 @@ def _raw(zero_stage=0, accum=1, micro=2, **extra):
     for k, v in extra.items():
         raw[k] = {**raw.get(k, {}), **v}
     return raw
+
+
+#: one forward and backward pass, a weight gradient summed over 4 x 16 tokens x 2 visits x 2 ranks
+N_STEP = lm_chain_length(config_from_dict(_raw()), tokens=4 * SEQ * 2 * WORLD)
 
 
 def _batch(step: int, rank: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +124,7 @@ def test_zero_stages_match_single_process_pytorch():
     assert ref_losses[2] < ref_losses[0]  # it learns: a frozen model would also "match"
     for rank_results in got:
         for stage, (losses, lrs) in enumerate(rank_results):
-            assert losses == pytest.approx(ref_losses, rel=1e-5), f"ZeRO-{stage}"
+            assert losses == pytest.approx(ref_losses, rel=prob_tol(3 * N_STEP)), f"ZeRO-{stage}"
             assert lrs == pytest.approx(ref_lrs, rel=1e-6), f"ZeRO-{stage}"
 
 
@@ -134,7 +142,7 @@ def test_looped_layers_with_activation_checkpointing():
     ref_losses, _ = _reference_losses(_raw(zero_stage=0), 3)
     for rank_results in got:
         for case, (losses, _) in zip(cases, rank_results):
-            assert losses == pytest.approx(ref_losses, rel=1e-5), case
+            assert losses == pytest.approx(ref_losses, rel=prob_tol(3 * N_STEP)), case
 
 
 def _full_grads(rank, world, raw):
@@ -165,7 +173,7 @@ def test_gradient_accumulation_equals_larger_batch():
     for stage, (acc, big) in zip((2, 3), (got[0:2], got[2:4])):
         assert any(g.abs().sum() > 0 for g in big.values())
         for name, g in big.items():
-            torch.testing.assert_close(acc[name], g, rtol=1e-4, atol=1e-6, msg=f"ZeRO-{stage} {name}")
+            assert_close_chain(acc[name], g, N_STEP, msg=f"ZeRO-{stage} {name}")
 
 
 def _zero3_release(rank, world, raw):

@@ -22,11 +22,11 @@ its own rounding errors and the two differ by at most twice that.
 
 * Gradients, element-wise against the reference: ``|g - g_ref| <= GRAD_TOL * max|g_ref|`` per
   tensor. A first-order error bound of a chain of reductions of lengths ``k_i`` is
-  ``sum k_i * u`` times the element's magnitude (its sum of |terms|, taken as the tensor's max).
-  :func:`chain_length` adds up the reductions on the longest path from a weight through the
-  forward pass (6 visits: norms, projections, attention, router, experts; the head and the
-  log-softmax over the vocabulary), back, and over the micro-batch's tokens x 2 visits x 2
-  ranks: 3520, so ``GRAD_TOL = 2 * 3520 * u = 4.2e-4``. It also covers the probabilistic bound
+  ``sum k_i * u`` times the element's magnitude (its sum of |terms|, taken as the tensor's max;
+  ``tests/numerics.py``). ``lm_chain_length`` there adds up the reductions on the longest path
+  from a weight through the forward pass (6 visits: norms, projections, attention, router,
+  experts; the head and the log-softmax over the vocabulary), back, and over the micro-batch's
+  tokens x 2 visits x 2 ranks: 3520, so ``GRAD_TOL = 2 * 3520 * u = 4.2e-4``. It also covers the probabilistic bound
   ``lambda * sqrt(n) * u`` (Higham & Mary 2019, below) with lambda = 10 for elements whose sum of
   |terms| is up to 6x the tensor's max (cancellation). The absolute term scales with the tensor:
   an element near zero (an embedding row hit by one token) gets the tensor's error, not its own
@@ -70,28 +70,16 @@ from smelt_ds.model import SmeltLM  # noqa: E402
 from smelt_ds.parallel import grad_norm as gn  # noqa: E402
 from smelt_ds.testing import run_distributed  # noqa: E402
 from smelt_ds.train.objective import total_loss  # noqa: E402
+from tests.numerics import FP32_U, chain_tol, lm_chain_length  # noqa: E402
 
 VOCAB, SEQ, MICRO, WORLD, EP = 64, 16, 2, 2, 2
 CLIP = 0.05  # the reference norm is 1.445: the step is clipped by 0.0346
 LR = 10.0  # SGD; update norm LR * CLIP = 0.5 over 41760 weights
 TIMEOUT_S = 420
-U = 2.0**-24  # fp32 unit roundoff
+U = FP32_U
 NUM_PARAMS = 41760  # elements of the model (reference layout); checked in check_norms
 
 
-def chain_length(h: int = 32, head_dim: int = 8, kv_heads: int = 2, seq: int = SEQ, ffn: int = 16, experts: int = 4,
-                 top_k: int = 2, vocab: int = VOCAB, visits: int = 6) -> int:
-    """Sum of the reduction lengths on the longest path from a weight to its gradient (see the
-    module doc): per visit, attention forward (RMSNorm, QKV, QK^T, softmax, PV, out) and backward
-    (out, dP, softmax, dQ, QKV, RMSNorm) and MoE forward (RMSNorm, router, softmax, gate/up, down,
-    top-k combine) and backward; the head (final norm there and back, logits, log-softmax,
-    logits backward); the weight gradient's sum over a micro-batch's tokens x 2 visits x 2 ranks."""
-    attention = (3 * h + head_dim + 2 * seq) + (2 * h + head_dim + 2 * seq + h + 2 * kv_heads * head_dim)
-    moe = (3 * h + experts + ffn + top_k) + (2 * h + 2 * ffn + 2 * experts + top_k)
-    return visits * (attention + moe) + (3 * h + 2 * vocab) + MICRO * SEQ * 2 * WORLD
-
-
-GRAD_TOL = 2 * chain_length() * U  # 4.2e-4 of the tensor's largest gradient
 NORM_RTOL = 10 * math.sqrt(NUM_PARAMS + 1) * U / 2 + 4 * U  # 6.1e-5
 STEP_RTOL = NORM_RTOL + 8 * U
 
@@ -115,6 +103,10 @@ def make_cfg(backend: str = "reference", stage: int = 0, ep: int = EP, grad_clip
                      "grad_clip": grad_clip, "precision": "fp32"},
            "deepspeed": {"zero_stage": stage, **deepspeed_kw}}
     return config_from_dict(raw)
+
+
+#: 4.2e-4 of the tensor's largest gradient: n = 3520 (the module doc)
+GRAD_TOL = chain_tol(lm_chain_length(make_cfg(), tokens=MICRO * SEQ * 2 * WORLD))
 
 
 def shard(rank: int) -> torch.Tensor:
@@ -300,7 +292,7 @@ def check_grads(ref: dict, got: dict, label: str) -> None:
     """Every gradient element within ``GRAD_TOL`` of its tensor's largest reference gradient."""
     for key, want in ref["grads"].items():
         torch.testing.assert_close(got["grads"][key], want, rtol=0.0, atol=GRAD_TOL * float(want.abs().max()),
-                                   msg=lambda m: f"{label}: gradient {key}: {m}")
+                                   msg=lambda m, key=key: f"{label}: gradient {key}: {m}")
 
 
 def own_norm(got: dict) -> float:
@@ -382,7 +374,7 @@ def test_clip_grads_matches_torch():
     total = float(torch.nn.utils.clip_grad_norm_(twins, 0.5))  # torch's reference, returns the norm
     coef = gn.clip_grads_(ps + ps[:1], 0.5, total)  # a parameter listed twice is scaled once
     assert coef == pytest.approx(0.5 / (total + 1e-6), rel=1e-12)
-    for p, t in zip(ps, twins):
+    for p, t in zip(ps, twins):  # torch's fp32 coefficient (2 roundings) vs ours (1), each product 1: 5u
         torch.testing.assert_close(p.grad, t.grad, rtol=1e-6, atol=0)
     assert gn.clip_grads_(ps, 1e9, total) == 1.0 and gn.clip_grads_(ps, 0.0, total) == 1.0
     assert gn.clip_grads_(ps, 0.5, float("inf")) == 1.0
