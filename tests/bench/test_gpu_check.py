@@ -36,6 +36,7 @@ from smelt_ds.config.run import load_config
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.cost.memory import activation_bytes
 from smelt_ds.testing.distributed import scaled_timeout, timeout_scale
+from tests.numerics import lm_chain_length, prob_tol
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
@@ -121,7 +122,11 @@ def test_training_numbers_follow_from_the_budget(dry, leg):
 
 def test_compiled_leg_trains_the_same_model(dry):
     eager, comp = _result(dry[2], "train_eager"), _result(dry[2], "train_compiled")
-    assert comp["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-4)  # same seed, weights, batch
+    # same seed, weights, batch; inductor's kernels sum in other orders: Higham & Mary's bound over the
+    # forward chain for a token mean (tests/numerics.py)
+    cfg = _cfg(eager)
+    n = lm_chain_length(cfg, cfg.train.micro_batch_size * cfg.train.seq_len, backward=False)
+    assert comp["losses"][0] == pytest.approx(eager["losses"][0], rel=prob_tol(n))
     c = comp["dynamo_counters"]
     assert c["stats"]["unique_graphs"] >= 1  # it did compile
     assert "dynamo_counters" not in eager

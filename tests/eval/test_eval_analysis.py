@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from smelt_ds.model.looping import Visit, VisitContext
+from tests.numerics import chain_tol
 
 
 def _batches(V: int, n: int = 2, B: int = 2, S: int = 16, seed: int = 0) -> list[dict]:
@@ -133,11 +134,14 @@ def test_random_model_statistics_equal_hand_computations(tiny_cfg):
     for v, ps in probs.items():
         p = torch.cat(ps)  # (batches * B, Nq, S, S)
         rec = res["attention"][f"L{v.layer}V{v.visit}"]
-        assert rec["first_mass"] == pytest.approx(p[:, :, 1:, 0].mean(dim=(0, 2)).tolist(), rel=1e-5)
+        # the same probabilities averaged in another order over 2 batches x 3 rows x 19 queries (and
+        # over <= 20 keys): 2 n u (tests/numerics.py), 1.6e-5; the entropy's log adds 2u a term (1e-4 is 6x)
+        attn_rtol = chain_tol(2 * 3 * 19 + 20)
+        assert rec["first_mass"] == pytest.approx(p[:, :, 1:, 0].mean(dim=(0, 2)).tolist(), rel=attn_rtol)
         ent = -(p[:, :, 1:] * p[:, :, 1:].clamp_min(1e-30).log()).sum(-1).mean(dim=(0, 2))
         assert rec["entropy"] == pytest.approx(ent.tolist(), rel=1e-4)
         top3 = p[:, :, 1:].sort(-1, descending=True).values[..., :3].sum(-1).mean(dim=(0, 2))
-        assert rec["top_mass"] == pytest.approx(top3.tolist(), rel=1e-5)
+        assert rec["top_mass"] == pytest.approx(top3.tolist(), rel=attn_rtol)
     # routing: expert load and divergence from the router's own inputs
     K, E = m.moe_cfg.top_k, m.moe_cfg.num_experts
     for layer, xs in router_in.items():
@@ -159,6 +163,7 @@ def test_random_model_statistics_equal_hand_computations(tiny_cfg):
     # logit lens: the last depth is the model's own loss; depth d runs the first d visits by hand
     lens = res["logit_lens"]["depths"]
     assert len(lens) == m.schedule.effective_depth + 1
+    # fp32 means and sums over <= 60 tokens against doubles: 61u = 3.6e-6 < 1e-5
     assert lens[-1]["loss"] == pytest.approx(nats / toks, rel=1e-5) == res["lm_loss"]
     assert lens[-1]["agree_final"] == 1.0
     for d in (0, 3):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from smelt_ds.errors import ConfigError
+from tests.numerics import model_chain_length, prob_tol
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,9 @@ def test_scores_equal_per_episode_hand_computation(tasks, random_exports, eval_d
                 nats += float(F.cross_entropy(pred, target, reduction="sum"))
                 toks += n
                 exact += int(bool((pred.argmax(-1) == target).all()))
-            assert got[k]["loss"] == pytest.approx(nats / toks, rel=1e-5)
+            # the evaluation batches padded episodes (other shapes, other kernels): the forward chain's
+            # bound for a token mean (tests/numerics.py)
+            assert got[k]["loss"] == pytest.approx(nats / toks, rel=prob_tol(model_chain_length(model, 64) + toks))
             assert got[k]["accuracy"] == exact / 6
             assert got[k]["answer_tokens"] == toks and got[k]["episodes"] == 6
 

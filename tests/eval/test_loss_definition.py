@@ -16,8 +16,18 @@ from pathlib import Path
 import pytest
 
 from smelt_ds.errors import ConfigError
+from tests.numerics import lm_chain_length, prob_tol
 
 EVAL_BATCHES = 20
+
+
+def loss_rtol(raw: dict) -> float:
+    """Training's validation (the engine's forward, its threads) and the evaluation (a plain forward)
+    round differently: a token mean of the forward chain (Higham & Mary's bound, tests/numerics.py).
+    A changed definition (token- instead of domain-weighted, other windows) moves a loss by > 1e-3."""
+    from smelt_ds.config.run import config_from_dict
+
+    return prob_tol(lm_chain_length(config_from_dict(raw), 0, backward=False, seq=32) + EVAL_BATCHES * 4 * 32)
 
 
 def _cli(*argv) -> int:
@@ -80,12 +90,12 @@ def test_eval_with_training_windows_equals_in_loop_validation(run, cli_eval, eva
     windows = _windows_per_domain(eval_data, 1, EVAL_BATCHES * 4)
     assert windows["code"] == EVAL_BATCHES * 4 and windows["text"] < EVAL_BATCHES * 4  # text is the short domain
     for d in eval_data.domains:
-        assert per[d]["loss"] == pytest.approx(want[d], rel=1e-6), d
+        assert per[d]["loss"] == pytest.approx(want[d], rel=loss_rtol(run["raw"])), d
         assert per[d]["windows"] == windows[d] and per[d]["tokens"] == windows[d] * 32
     # `all`: the domains' plain mean, in training and in the evaluation
     mean = sum(want[d] for d in eval_data.domains) / len(eval_data.domains)
     assert want["all"] == pytest.approx(mean, rel=1e-12)
-    assert per["all"]["loss"] == pytest.approx(want["all"], rel=1e-6)
+    assert per["all"]["loss"] == pytest.approx(want["all"], rel=loss_rtol(run["raw"]))
     pooled = sum(per[d]["loss"] * per[d]["tokens"] for d in eval_data.domains) / per["all"]["tokens"]
     assert abs(pooled - per["all"]["loss"]) > 1e-3  # the token-weighted mean would be another number
     assert per["all"]["tokens"] == sum(per[d]["tokens"] for d in eval_data.domains)
@@ -116,7 +126,7 @@ def test_same_flags_on_an_earlier_checkpoint_equal_its_validation(run, eval_data
                         log=lambda *_: None)
     per = res["domains"][loaded.name]
     for d in (*eval_data.domains, "all"):
-        assert per[d]["loss"] == pytest.approx(run["val"][3][d], rel=1e-6), d
+        assert per[d]["loss"] == pytest.approx(run["val"][3][d], rel=loss_rtol(run["raw"])), d
     assert run["val"][3]["code"] != pytest.approx(run["val"][6]["code"], rel=1e-3)  # another checkpoint indeed
     assert any("--training-windows evaluates exactly those" in n for n in res["notes"])
 
@@ -167,7 +177,7 @@ def test_two_rank_validation_equals_eval_with_ranks(run, eval_data):
     windows = _windows_per_domain(eval_data, 2, EVAL_BATCHES * 4)
     assert got[0]["windows"] == windows
     for d in (*eval_data.domains, "all"):
-        assert per[d]["loss"] == pytest.approx(got[0]["val"][d], rel=1e-6), d
+        assert per[d]["loss"] == pytest.approx(got[0]["val"][d], rel=loss_rtol(run["raw"])), d
     for d in eval_data.domains:
         assert per[d]["windows"] == windows[d]
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.numerics import model_chain_length, prob_tol
+
 
 def _cli(*argv) -> int:
     from smelt_ds.cli import main
@@ -65,7 +67,8 @@ def test_eval_corpus_scores_every_window_with_the_runs_tokenizer(trained_run, co
         logits = model(windows[:, :-1]).logits
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
     assert res["tokens"] == windows.shape[0] * S            # every window of the corpus, none held out
-    assert res["loss"] == pytest.approx(float(nll), rel=1e-5)
+    # every window in one batch here, micro-batches of 4 there (other kernels): tests/numerics.py
+    assert res["loss"] == pytest.approx(float(nll), rel=prob_tol(model_chain_length(model, S) + windows.numel()))
 
 
 def test_another_tokenizer_is_refused_naming_both_digests(trained_run, corpus, tmp_path, capsys):

@@ -16,6 +16,7 @@ import torch
 from smelt_ds.config.run import config_from_dict
 from smelt_ds.testing import run_distributed, scaled_timeout
 from smelt_ds.train.objective import total_loss
+from tests.numerics import model_chain_length, prob_tol
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,6 +58,8 @@ def _resume_case(tmp_path, cache, extra, world):
     for rank in range(world):
         assert b1[rank]["step"] == 3 and b2[rank]["step"] == 6
         assert b1[rank]["ids"] + b2[rank]["ids"] == a[rank]["ids"]  # same data order per rank
+        # the resumed run replays the same kernels from an exact fp32 checkpoint: equal in fact; a resume
+        # bug (data order, lost optimizer state, restarted LR) moves the loss by > 1e-3
         assert b1[rank]["losses"] + b2[rank]["losses"] == pytest.approx(a[rank]["losses"], rel=1e-5)
         assert b1[rank]["lrs"] + b2[rank]["lrs"] == pytest.approx(a[rank]["lrs"], rel=1e-9)
     assert set(a[0]["ids"][0]).isdisjoint(a[1]["ids"][0])  # ranks read different samples
@@ -172,7 +175,8 @@ def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     with torch.no_grad():
         num = sum(float(model(b.input_ids, labels=b.labels).lm_loss) * b.labels.numel() for b in batches)
     den = sum(b.labels.numel() for b in batches)
-    assert num / den == pytest.approx(res["val"]["code"], rel=1e-5)
+    # the engine's validation vs this plain forward: a token mean of the forward chain in another order
+    assert num / den == pytest.approx(res["val"]["code"], rel=prob_tol(model_chain_length(model, 32) + den))
 
     # one run directory holds one run: a new run there, or a resume with another model, is refused
     # before anything is written; resuming a finished run trains and rewrites nothing
@@ -213,7 +217,7 @@ def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     init = _raw(tmp_path / "init", cache, train={**one_step, "init_from": str(out)}, moe_runtime={"backend": "autoep"})
     loss_fresh = run_distributed(_train, 1, args=(fresh,), timeout=300)[0]["losses"][0]
     loss_init = run_distributed(_train, 1, args=(init,), timeout=300)[0]["losses"][0]
-    assert loss_init == pytest.approx(expect, rel=1e-5)
+    assert loss_init == pytest.approx(expect, rel=prob_tol(model_chain_length(model, 32) + 64))  # AutoEP vs reference
     assert abs(loss_fresh - expect) > 1e-2          # a fresh initialisation is measurably worse
 
 
