@@ -727,8 +727,10 @@ def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None) ->
     if is_complete(out):
         _say(f"reusing the prepared token shards in {out}")
     else:
-        _say(f"preparing the data now (sources, tokenizer, tokenisation, train/validation shards); cached "
-             f"afterwards in {out}, reused by every run with the same data settings")
+        what = ("scanning token files, train/validation document indexes" if all(s.is_token_source() for s in cfg.sources)
+                else "sources, tokenizer, tokenisation, train/validation shards")
+        _say(f"preparing the data now ({what}); cached afterwards in {out}, reused by every run with the same data "
+             "settings")
     created = run_once(out, lambda tmp: _prepare_into(tmp, cfg, root, key),
                        shared_filesystem=cfg.shared_filesystem, timeout_s=cfg.prepare_timeout_s)
     prepared = PreparedData.load(out, verify=cfg.verify)

@@ -39,7 +39,7 @@ import numpy as np
 from smelt_ds.errors import ConfigError
 
 __all__ = ["MEGATRON_MAGIC", "MEGATRON_DTYPES", "NPY_MAGIC", "TokenFile", "ScanStats", "open_megatron",
-           "open_flat", "megatron_prefix", "documents", "content_keys", "select_smallest", "CHUNK_TOKENS",
+           "open_flat", "megatron_prefix", "megatron_pair", "documents", "content_keys", "select_smallest", "CHUNK_TOKENS",
            "KEY_HEAD_TOKENS", "KEY_TAIL_TOKENS"]
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -117,6 +117,15 @@ def megatron_prefix(path: str | Path) -> Path:
     return p.with_suffix("") if p.suffix in (".idx", ".bin") else p
 
 
+def megatron_pair(path: str | Path) -> tuple[Path, Path]:
+    """``(PREFIX.idx, PREFIX.bin)`` for a prefix or either file; ConfigError when the .bin is missing."""
+    prefix = megatron_prefix(path)
+    idx, bin_ = prefix.with_name(prefix.name + ".idx"), prefix.with_name(prefix.name + ".bin")
+    if idx.is_file() and not bin_.is_file():
+        raise _fail(bin_, "no such Megatron data file (.bin) beside its .idx", "copy the .bin with its .idx")
+    return idx, bin_
+
+
 def _read_header(idx: Path, size: int) -> tuple[np.dtype, int, int]:
     """dtype, sequence count and document-index count of an .idx, checked."""
     fix_rewrite = "write the dataset again with megatron-core's IndexedDatasetBuilder (preprocess_data.py)"
@@ -186,12 +195,8 @@ def open_megatron(path: str | Path) -> TokenFile:
     count, and that the .bin holds exactly the tokens the index describes. Raises ConfigError
     naming the file, the problem and the fix (for a .bin of another size, the dtype that would fit).
     """
-    prefix = megatron_prefix(path)
-    idx, bin_ = prefix.with_name(prefix.name + ".idx"), prefix.with_name(prefix.name + ".bin")
-    idx_size = _nonempty(idx, "Megatron index (.idx)")
-    if not bin_.is_file():
-        raise _fail(bin_, "no such Megatron data file (.bin) beside its .idx", "copy the .bin with its .idx")
-    dtype, seqs, docs = _read_header(idx, idx_size)
+    idx, bin_ = megatron_pair(path)
+    dtype, seqs, docs = _read_header(idx, _nonempty(idx, "Megatron index (.idx)"))
     raw = np.memmap(idx, dtype=np.uint8, mode="r")
     lengths = raw[_IDX_HEADER_BYTES:_IDX_HEADER_BYTES + 4 * seqs].view(np.int32)
     pointers = raw[_IDX_HEADER_BYTES + 4 * seqs:_IDX_HEADER_BYTES + 12 * seqs].view(np.int64)
@@ -223,9 +228,13 @@ def _npy_header(path: Path) -> tuple[np.dtype, tuple, int]:
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
-            shape, fortran, dtype = np.lib.format._read_array_header(f, version)  # type: ignore[attr-defined]
-        except (ValueError, SyntaxError, OSError) as e:
-            raise _fail(path, f"the .npy header cannot be read ({e})", "write the file again with np.save") from None
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read:
+                raise ValueError(f"format version {version}, not 1.0 or 2.0")
+            shape, _, dtype = read[version](f)
+        except Exception as e:  # numpy raises ValueError, SyntaxError, tokenize errors, ... for a bad header
+            raise _fail(path, f"the .npy header cannot be read ({type(e).__name__}: {e})",
+                        "write the file again with np.save") from None
         return np.dtype(dtype), tuple(shape), f.tell()
 
 

@@ -46,6 +46,7 @@ from smelt_ds.data.token_files import (
     TokenFile,
     content_keys,
     documents,
+    megatron_pair,
     megatron_prefix,
     open_flat,
     open_megatron,
@@ -102,7 +103,7 @@ def token_source_files(src: SourceConfig, where: str) -> list[Path]:
     paths = resolve_token_paths(src, where)
     if src.kind() != "megatron":
         return paths
-    return [p.with_name(p.name + suffix) for p in paths for suffix in (".idx", ".bin")]
+    return [f for p in paths for f in megatron_pair(p)]
 
 
 def open_token_path(path: Path, src: SourceConfig, where: str) -> TokenFile:
