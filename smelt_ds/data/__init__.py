@@ -8,7 +8,9 @@ The training engine calls::
     valid = validation_loaders(prepared, cfg.train.seq_len, cfg.train.micro_batch_size)
 
 Modules: :mod:`~smelt_ds.data.builtin` (the built-in corpus), :mod:`~smelt_ds.data.sources`
-(files, Hugging Face datasets), :mod:`~smelt_ds.data.tokenizer`, :mod:`~smelt_ds.data.prepare`,
+(files, Hugging Face datasets), :mod:`~smelt_ds.data.token_files` (Megatron .bin/.idx and flat
+numpy token files), :mod:`~smelt_ds.data.token_sources` (their preparation and packed streams),
+:mod:`~smelt_ds.data.tokenizer`, :mod:`~smelt_ds.data.prepare`,
 :mod:`~smelt_ds.data.loader`, :mod:`~smelt_ds.data.cache`, :mod:`~smelt_ds.data.distributed`,
 :mod:`~smelt_ds.data.cli`. The ``data:`` section itself (``DataConfig``) is
 :mod:`smelt_ds.config.data`. This package imports nothing itself, so that reading a tokenizer

@@ -130,7 +130,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     prepared = PreparedData.load(args.dir, verify="checksum")
     print(prepared.summary())
-    print(f"ok: {len(prepared.meta['shards'])} shards match their sizes and sha256")
+    files = prepared.meta.get("token_files", [])
+    print(f"ok: {len(prepared.meta['shards'])} shards match their sizes and sha256"
+          + (f"; {len(files)} token files match their sizes and sampled sha256" if files else ""))
     return 0
 
 

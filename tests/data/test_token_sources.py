@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
+from smelt_ds.cli import main
 from smelt_ds.config.data import DataConfig
 from smelt_ds.data.loader import TrainLoader, ValidationLoader, check_compatible, windows_in
 from smelt_ds.data.prepare import PreparedData, prepare_from_config
@@ -20,7 +21,7 @@ from smelt_ds.data.token_files import content_keys, select_smallest
 from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash
 from smelt_ds.errors import ConfigError
 from smelt_ds.testing import scaled_timeout
-from tests.data.data_test_utils import assign_documents, prose, split_at_eot, write_jsonl
+from tests.data.data_test_utils import assign_documents, split_at_eot, write_jsonl
 from tests.data.token_test_utils import (
     EOT,
     packed,
@@ -230,16 +231,18 @@ def test_ids_beyond_the_model_vocabulary_name_the_file(megatron_data):
         and f"model.vocab_size to at least {top + 1}" in str(e.value)
 
 
-def test_changed_files_are_detected_when_opened(tmp_path, small_tok):
+def test_changed_files_are_detected_when_opened(tmp_path, small_tok, capsys):
     docs = random_documents(40, 1000, seed=6)
     write_megatron(tmp_path / "m", docs, np.uint16)
     prepared = prepare_from_config(_cfg(tmp_path, [{"megatron": str(tmp_path / "m")}], small_tok))
-    PreparedData.load(prepared.root)
+    assert main(["data", "verify", str(prepared.root)]) == 0
+    assert "; 1 token files match their sizes and sampled sha256" in capsys.readouterr().out
     data = (tmp_path / "m.bin").read_bytes()
     (tmp_path / "m.bin").write_bytes(data[:-2] + bytes([data[-2] ^ 1]) + data[-1:])  # same size, one bit
     PreparedData.load(prepared.root, verify="size")
     with pytest.raises(ConfigError, match=r"m\.bin.*sampled sha256 differs.*prepare again"):
         PreparedData.load(prepared.root)
+    assert main(["data", "verify", str(prepared.root)]) == 2
     (tmp_path / "m.bin").write_bytes(data[:-2])
     with pytest.raises(ConfigError, match=rf"m\.bin.*has {len(data) - 2:,} bytes, {len(data):,} when it was prepared"):
         PreparedData.load(prepared.root, verify="size")
