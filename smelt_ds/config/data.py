@@ -45,7 +45,8 @@ class SourceConfig(StrictModel):
         None, description="a domain of the built-in corpus built from the running Python installation")
     format: Literal["auto", "text", "jsonl", "parquet"] = Field(
         "auto", description="file format; auto: .jsonl/.json/.ndjson = JSONL, .parquet = Parquet, else text")
-    glob: str = Field("**/*", description="files of a directory `path` to read (hidden files are ignored)")
+    glob: str = Field("**/*", description="files of a directory `path` (or `tokens`; for `megatron` its .idx files) "
+                                          "to read (hidden files are ignored)")
     text_field: str = Field("text", description="column or JSON key holding the document text")
     sample_by: Literal["document", "paragraph", "line"] = Field(
         "document", description="text files: one document per file, per blank-line paragraph, or per line")
