@@ -1,8 +1,8 @@
 """PNG plots of eval and analysis results (matplotlib, Agg backend; no display needed).
 
-Every figure has a fixed size (inches x :data:`DPI`), so a PNG is exactly
-``round(w * DPI) x round(h * DPI)`` pixels; :func:`plot_eval` and :func:`plot_analysis` return
-``{file name: [width, height]}`` (pixels) of what they wrote, which ``figures.json`` records.
+Every figure has a fixed size (inches x :data:`DPI`, give or take the last pixel, which matplotlib
+versions round differently); :func:`plot_eval` and :func:`plot_analysis` return
+``{file name: [width, height]}`` (pixels, read from the PNG written), which ``figures.json`` records.
 Colours follow the run order (the first run, the Baseline, is blue).
 """
 
@@ -35,12 +35,16 @@ def _colors(n: int) -> list:
 
 
 def _save(fig, path: Path) -> list[int]:
-    w, h = fig.get_size_inches()
+    """Write ``fig`` as a PNG at ``DPI``; returns its size [width, height] in pixels, read from the file
+    (matplotlib < 3.11.1 truncates ``inches * DPI``, later versions round it)."""
+    from PIL import Image
+
     try:
         write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=DPI, format="png"))
     finally:
         _plt().close(fig)
-    return [round(w * DPI), round(h * DPI)]
+    with Image.open(path) as png:
+        return list(png.size)
 
 
 def safe_name(name: str) -> str:

@@ -58,7 +58,8 @@ def test_looped_model_exports_as_smelt_with_its_code(make_export, tmp_path, caps
     card = (out / "README.md").read_text()
     assert " ".join(str(v.layer) for v in model.schedule.plan) in card  # the visit plan
     assert f"{model.num_non_embedding_params() / 1e6:.2f}M" in card or f"{model.num_non_embedding_params():,}" in card
-    # no staging directory left (hf-modules: conftest's HF_MODULES_CACHE, used where the hub reads it late)
+    # no staging directory left (hf-modules: conftest's HF_MODULES_CACHE, which transformers reads once, at
+    # import: it is used only when this test is the first of its process to load remote code)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "hf-modules") == ["hf"]
 
 
