@@ -295,12 +295,14 @@ class Fix:
     headroom: float
     overrides: list[str]
     flags: list[str] = field(default_factory=list)
+    host_per_node: int = 0  # bytes of CPU memory per node the setting needs (DeepSpeed's estimate)
 
     def describe(self) -> str:
         what = " ".join([*(f"--set {o}" for o in self.overrides), *self.flags])
         where = f"{self.nodes} node(s) x {self.gpus_per_node} GPU(s)" if self.flags else \
             f"{self.option} + checkpointing {self.policy}"
-        return f"{where} at {format_bytes(self.total)} per GPU ({what})"
+        host = f" and {format_bytes(self.host_per_node)} of host memory per node" if "_off" in self.option else ""
+        return f"{where} at {format_bytes(self.total)} per GPU{host} ({what})"
 
 
 @dataclass
@@ -382,7 +384,8 @@ def _row_fixes(cfg: RunConfig, report: MemoryReport, own: MemoryRow, min_headroo
             picked.append(first)
     picked += [r for r in ok if r not in picked]
     return [Fix(r.option, r.policy, report.nodes, report.gpus_per_node, r.total, r.headroom,
-                setting_overrides(cfg, r.option, r.policy)) for r in sorted(picked[:most], key=key)]
+                setting_overrides(cfg, r.option, r.policy), host_per_node=r.cpu_per_node)
+            for r in sorted(picked[:most], key=key)]
 
 
 def verdict(cfg: RunConfig, report: MemoryReport, min_headroom: float, more_nodes: Fix | None = None,

@@ -265,13 +265,19 @@ def model_states(counts: ParamCounts, nodes: int, gpus_per_node: int, stage: int
 
     With ``ep_size`` > 1 the dense part is estimated on all N GPUs and the expert part as a model
     of ``expert / ep_size`` parameters on ``N / ep_size`` GPUs (the expert-data-parallel group).
+    Per GPU that is all; the host of a node serves the ranks of every expert-parallel shard placed
+    on it (DeepSpeed groups consecutive ranks, so ``min(ep_size, gpus_per_node)`` shards per node),
+    so the expert part's host bytes per node count that many shards: with the optimizer offloaded,
+    every parameter's fp32 master copy and Adam moments then sit on some host, 16 bytes per
+    parameter over the nodes, whatever ``ep_size`` is.
     """
     part = _bf16_part if precision == "bf16" else _fp32_part
-    splits = [(counts.total, gpus_per_node)] if ep_size == 1 else \
-        [(counts.dense, gpus_per_node), (counts.expert / ep_size, gpus_per_node / ep_size)]
+    splits = [(counts.total, gpus_per_node, 1)] if ep_size == 1 else \
+        [(counts.dense, gpus_per_node, 1), (counts.expert / ep_size, gpus_per_node / ep_size, min(ep_size, gpus_per_node))]
     sums = [0.0] * 6
-    for i, (P, g) in enumerate(splits):
-        vals = part(P, g, nodes, stage, offload_optimizer, offload_param, counts.largest_module if i == 0 else 0)
+    for i, (P, g, shards_per_node) in enumerate(splits):
+        vals = list(part(P, g, nodes, stage, offload_optimizer, offload_param, counts.largest_module if i == 0 else 0))
+        vals[4] *= shards_per_node  # host bytes per node
         sums = [x + y for x, y in zip(sums, vals)]
     params, grads, optim, gathered, cpu, gpu = (int(v) for v in sums)
     return ModelStates(params, grads, optim, gathered, gpu, cpu)

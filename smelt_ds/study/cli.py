@@ -35,11 +35,9 @@ from smelt_ds.cost.memory import (
 from smelt_ds.errors import ConfigError
 from smelt_ds.study.memory_profile import measure
 from smelt_ds.study.placement import Placement, nodes_to_fit, place
-from smelt_ds.study.recipes import DOCS_TABLE, MIN_HEADROOM, recipes_table, write_variants
+from smelt_ds.study.recipes import CPU_LAYOUT, DOCS_TABLE, MIN_HEADROOM, recipes_table, write_variants
 from smelt_ds.study.scaling import analyse, collect_runs, measured_savings, summarize_exclusions, write_report
 
-#: ``smelt-ds memory --device-memory`` of recipes without cluster layouts: an 80 GB H100 / A100 (80 GiB)
-DEFAULT_DEVICE_MEMORY = "80GiB"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -88,13 +86,13 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="memory per GPU with its unit: GB = 1e9 bytes, GiB = 2^30 bytes (also B, KB, MB, TB, KiB, "
                         "MiB, TiB), e.g. 80GiB (H100/A100 80GB), 141GB (H200); a bare number is refused (default: "
-                        f"the layout's device_memory_gib; without layouts {DEFAULT_DEVICE_MEMORY} = "
-                        f"{parse_bytes(DEFAULT_DEVICE_MEMORY):,} bytes)")
+                        "the layout's device_memory_gib; without layouts the CPU stand-in render-job uses, "
+                        f"{CPU_LAYOUT.device_memory_gib:g}GiB)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: train.seq_len)")
     p.add_argument("--micro-batch", type=int, default=None, help="samples per GPU (default: train.micro_batch_size)")
     p.add_argument("--precision", default=None, choices=["bf16", "fp32"],
-                   help="training precision (default: the recipe's train.precision; its 'auto' counts as bf16, "
-                        "the GPU case)")
+                   help="training precision (default: the recipe's train.precision; its 'auto' counts as bf16 on "
+                        "a GPU layout, fp32 on the CPU stand-in)")
     p.add_argument("--context-len", type=int, default=None,
                    help="inference context (tokens) for the KV-cache line (default: model.max_seq_len)")
     p.add_argument("--kv-dtype", default="bf16", choices=list(DTYPE_BYTES),
@@ -129,15 +127,15 @@ def _device_memory(given: str | None, pl: Placement) -> tuple[int, str]:
         return parse_bytes(given, "--device-memory"), "--device-memory"
     if pl.from_layout:
         return int(pl.layout.device_memory_gib * GiB), "the layout's device_memory_gib"
-    return parse_bytes(DEFAULT_DEVICE_MEMORY), "the default"
+    return int(pl.layout.device_memory_gib * GiB), f"the CPU stand-in layout '{pl.layout_name}' render-job uses"
 
 
 def _layout_note(args: argparse.Namespace, pl: Placement, device_memory: int, source: str) -> str:
     mem = f"{format_bytes(device_memory)} ({source})"
     if not pl.from_layout:
-        return (f"{args.recipe} has no `cluster.layouts` (a CPU recipe): estimated for {pl.nodes} node(s) x "
-                f"{pl.gpus_per_node} GPU(s) of {mem}; pass --nodes, --gpus-per-node and --device-memory for "
-                "other GPUs")
+        return (f"{args.recipe} has no `cluster.layouts` (a CPU recipe): estimated as `smelt-ds render-job` places it, "
+                f"on {pl.nodes} node(s) x {pl.gpus_per_node} CPU process(es) of {mem}, fp32 unless --precision; pass "
+                "--nodes, --gpus-per-node and --device-memory for other machines")
     chosen = "--layout" if args.layout else "the recipe's default"
     sizes = ", ".join(f"{f} given" for f, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node))
                       if v is not None)
@@ -150,11 +148,15 @@ def run_memory(args: argparse.Namespace) -> int:
     pl = place(args.recipe, args.layout, args.set, args.nodes, args.gpus_per_node)
     cfg = _with_batch(pl.config, args.seq_len, args.micro_batch)
     device_memory, source = _device_memory(args.device_memory, pl)
-    kw = dict(precision=args.precision, context_len=args.context_len, kv_dtype=args.kv_dtype)
+    # a CPU layout (the stand-in of recipes without layouts) is estimated as render-job does: fp32 CPU processes
+    cpu = pl.layout.gpu == "cpu"
+    precision = args.precision or ("fp32" if cpu else None)
+    device = "cpu" if cpu else "cuda"
+    kw = dict(precision=precision, context_len=args.context_len, kv_dtype=args.kv_dtype, device=device)
     full = estimate(cfg, pl.nodes, pl.gpus_per_node, device_memory, **kw)
     more = None
     if full.configured is not None and not row_fits(full.configured, MIN_HEADROOM):
-        more = nodes_to_fit(pl, cfg, full, MIN_HEADROOM, precision=args.precision)
+        more = nodes_to_fit(pl, cfg, full, MIN_HEADROOM, precision=precision, device=device)
     v = verdict(cfg, full, MIN_HEADROOM, more, nodes_searched=True)
     options, policies = _split(args.options), _split(args.policies)
     report = full if options is None and policies is None else \

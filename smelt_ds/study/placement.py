@@ -150,5 +150,6 @@ def nodes_to_fit(pl: Placement, cfg: RunConfig, report: MemoryReport, min_headro
     for n in counts:
         row = fitting_row(n)
         if row is not None:
-            return Fix(own.option, own.policy, n, pl.gpus_per_node, row.total, row.headroom, [], ["--nodes", str(n)])
+            return Fix(own.option, own.policy, n, pl.gpus_per_node, row.total, row.headroom, [], ["--nodes", str(n)],
+                       host_per_node=row.cpu_per_node)
     return None

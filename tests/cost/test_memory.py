@@ -124,6 +124,25 @@ def test_expert_parallel_model_states():
     assert abs(ms3.gpu - (4 * c.largest_module + 18 * c.dense / 8 + 18 * (c.expert / 2) / 4)) <= 2
 
 
+def test_expert_parallel_host_memory_counts_every_shard_on_the_node():
+    """With the optimizer offloaded every parameter's fp32 master copy and Adam moments (16 B) live on
+    some host: per node at least 16 B x all parameters / nodes, whatever ep_size is; on one node,
+    ZeRO-3 with the optimizer offloaded needs the same host memory as DeepSpeed's estimate of the
+    whole model (ep_size 1). A host term counting one expert shard per node falls short by
+    16 B x experts x (1 - 1/ep) (half of the experts' states at ep 2)."""
+    for ep in (2, 11):
+        cfg = _variant(SMELT, moe_runtime={"backend": "autoep", "ep_size": ep})
+        c = memory.param_counts(cfg)
+        for nodes in (1, 2):
+            for stage, off_param in ((2, False), (3, False), (3, True)):
+                ms = memory.model_states(c, nodes, 22, stage, offload_optimizer=True, offload_param=off_param,
+                                         precision="bf16", ep_size=ep)
+                assert ms.cpu_per_node >= 16 * c.total / nodes, (ep, nodes, stage, off_param)
+        one = memory.model_states(c, 1, 22, 3, offload_optimizer=True, precision="bf16", ep_size=ep)
+        whole = memory.model_states(c, 1, 22, 3, offload_optimizer=True, precision="bf16", ep_size=1)
+        assert abs(one.cpu_per_node - whole.cpu_per_node) <= 2  # int truncation of the two parts
+
+
 # ---------------------------------------------------------------------------------------------
 # activations: predicted vs measured
 # ---------------------------------------------------------------------------------------------

@@ -54,11 +54,12 @@ def test_every_shipped_recipe_gets_a_verdict_on_render_jobs_layout(capsys):
             (plan.layout_name, plan.nodes, plan.gpus_per_node), entry.path
         assert (d["nodes"], d["gpus_per_node"]) == (plan.nodes, plan.gpus_per_node)
         assert d["micro_batch"] == plan.config.train.micro_batch_size and lay["overrides"] == plan.train_args[1::2]
-        if lay["from_recipe"]:  # render-job estimates the same row on the same GPUs
-            assert d["device_memory"] == int(plan.layout.device_memory_gib * GiB)
-            assert d["configured"]["total"] == plan.memory.configured.total, entry.path
-        else:  # tiny (CPU): today's 1 x 1 GPU of 80 GiB, and says so
-            assert entry.size == "tiny" and d["device_memory"] == 80 * GiB
+        # render-job estimates the same row on the same device memory (tiny: its CPU stand-in, in fp32)
+        assert d["device_memory"] == int(plan.layout.device_memory_gib * GiB)
+        assert d["configured"]["total"] == plan.memory.configured.total, entry.path
+        assert d["precision"] == plan.memory.precision, entry.path
+        if not lay["from_recipe"]:
+            assert entry.size == "tiny" and lay["gpu"] == "cpu" and d["precision"] == "fp32"
             assert "has no `cluster.layouts`" in d["notes"][0]
         _check_verdict(d)
         assert rc == d["exit_status"]
@@ -121,7 +122,8 @@ def test_the_terms_over_and_the_fewest_nodes_that_fit(capsys):
 
 def test_terms_add_up_to_the_total_where_deepspeeds_estimate_rounds(capsys):
     """ZeRO-2 on 7 GPUs: 6P/7 + 12P/7 truncated apart differ from DeepSpeed's int(18P/7) by a byte."""
-    _, d = _memory(capsys, "recipes/tiny/smelt.yaml", "--gpus-per-node", "7", "--set", "deepspeed.zero_stage=2")
+    _, d = _memory(capsys, "recipes/tiny/smelt.yaml", "--gpus-per-node", "7", "--precision", "bf16",
+                   "--set", "deepspeed.zero_stage=2")
     r = d["configured"]
     assert r["model_states"] != r["params"] + r["grads"] + r["optimizer"] + r["zero3_gathered"]
     _check_verdict(d)
