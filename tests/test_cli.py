@@ -196,3 +196,10 @@ def test_option_given_twice_keeps_both_or_is_refused(key, capsys):
         return
     ns = p.parse_args(argv)
     assert getattr(ns, p._option_string_actions[opt].dest) == want
+
+
+def test_eval_corpus_takes_one_path_per_flag_and_leaves_the_runs_alone():
+    """`--corpus a.jsonl RUN`: the run is not swallowed as a second corpus path (a flag with several
+    values would take it and then fail with 'the following arguments are required: RUN')."""
+    args = cli.build_parser(["eval"]).parse_args(["eval", "--corpus", "a.jsonl", "runs/x", "--corpus", "b.txt"])
+    assert args.corpus == ["a.jsonl", "b.txt"] and args.runs == ["runs/x"]

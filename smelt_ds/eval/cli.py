@@ -133,10 +133,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "summary.txt): train.seq_len tokens, the first eval.eval_batches x train.micro_batch_size "
                         "x ranks windows of each domain, so the losses equal training's; not with --batches, "
                         "--micro-batch, --seq-len or --corpus")
-    e.add_argument("--corpus", nargs="+", action="extend", default=None, metavar="PATH",
+    e.add_argument("--corpus", action="append", default=None, metavar="PATH",
                    help="evaluate on these text/JSONL/Parquet files or directories instead of the run's "
                         "validation data: every document of them, tokenised with the run's tokenizer, one "
-                        "domain per path (its file or directory stem); repeatable: --corpus a --corpus b reads both")
+                        "domain per path (its file or directory stem); one path per flag, repeatable: --corpus a --corpus b "
+                        "reads both")
     e.add_argument("--micro-batch", type=int, default=None, help="windows per micro-batch (default 8)")
     e.add_argument("--buckets", default=None, action=CommaList, help="position bucket ends in tokens, e.g. 64,256,1024 "
                                                    "(default: powers of two from 8)")
