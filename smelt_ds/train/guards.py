@@ -17,10 +17,10 @@ from smelt_ds.parallel.distributed import on_rank0
 from smelt_ds.parallel.moe_backends import TUTEL_INSTALL_HINT, tutel_available
 from smelt_ds.train import checkpoint as ckpt
 from smelt_ds.train.provenance import RUN_TOKENIZER, tokenizer_file_hash
-from smelt_ds.train.run_lock import LOCK_NAME, RunLock
+from smelt_ds.train.run_lock import RunLock
 
 __all__ = ["check_run_dir", "check_optional_packages", "earlier_run_files", "RUN_FILES", "RESUME_MAY_CHANGE",
-           "lock_run_dir", "remove_if_only_lock"]
+           "lock_run_dir", "remove_refused_new_run"]
 
 #: what a run writes into its run directory besides checkpoints/, its lock and its tokenizer
 #: (loop._fit before the first checkpoint: zero3_tuning.json (ZeRO-3), config.yaml, ds_config.json,
@@ -264,10 +264,13 @@ def lock_run_dir(out_dir: Path, rank: int):
     return lock, created
 
 
-def remove_if_only_lock(out_dir: Path) -> None:
-    """A refused run leaves no directory behind that it created (only its lock file is in it)."""
+def remove_refused_new_run(out_dir: Path) -> None:
+    """A new run refused before it saved anything (a ConfigError from the engine, a tracker that
+    cannot start, ...) leaves no directory behind that it created: everything it wrote there
+    (lock, config.yaml, ds_config.json, tokenizer.json, trackers/, tb/) goes, so the corrected
+    command starts cleanly. A directory holding a checkpoint is never removed."""
 
-    if out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= {LOCK_NAME}:
+    if out_dir.is_dir() and not (out_dir / "checkpoints").exists():
         import shutil
 
         shutil.rmtree(out_dir, ignore_errors=True)

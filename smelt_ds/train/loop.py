@@ -40,7 +40,7 @@ from smelt_ds.train.build import Built, build
 from smelt_ds.train.checkpoint import CheckpointWriteError
 from smelt_ds.train.console import Console, banner, step_line, val_line
 from smelt_ds.train.data import build_data
-from smelt_ds.train.guards import check_run_dir, lock_run_dir, remove_if_only_lock
+from smelt_ds.train.guards import check_run_dir, lock_run_dir, remove_refused_new_run
 from smelt_ds.train.harness_eval import check_harness_tasks, harness_due, run_harness_eval
 from smelt_ds.train.metrics import (
     IntervalMeans,
@@ -230,7 +230,7 @@ def _train(cfg: RunConfig, resume: str, run_dir: str | None, threads: ThreadChoi
         if rank == 0 and created and lock is not None:  # a refused new run leaves no directory behind
             lock.release()
             lock = None
-            remove_if_only_lock(out_dir)
+            remove_refused_new_run(out_dir)
         raise
     finally:
         if lock is not None:

@@ -68,6 +68,21 @@ def _worker(rank, world, raw, resume, probe_missing):
                 del sys.modules["wandb"]
             else:
                 sys.modules["wandb"] = saved
+        # a tracker that cannot start (W&B online without a login, a store that refuses the run) is
+        # found after the run directory was made and the config written: that new run leaves nothing
+        from smelt_ds.train import trackers
+
+        def refuse(*a, **k):  # the first tracker of the list: no other one has started files of its own
+            raise ConfigError("tracking: wandb cannot start here")
+
+        real, trackers._STARTERS["wandb"] = trackers._STARTERS["wandb"], refuse
+        try:
+            train(config_from_dict(raw), resume=resume)
+        except ConfigError as e:
+            probe["start_error"] = str(e)
+            probe["run_dir_after_start_error"] = Path(raw["train"]["run_dir"]).exists()
+        finally:
+            trackers._STARTERS["wandb"] = real
     r = train(config_from_dict(raw), resume=resume)
     return {"step": r.step, "probe": probe}
 
@@ -271,6 +286,10 @@ def test_missing_tracker_is_refused_in_the_one_process_path_before_the_run_direc
         probe = run["first"][rank]["probe"]
         assert "pip install 'smelt-ds[wandb]'" in probe["error"] and "`tracking.trackers`" in probe["error"]
         assert not probe["run_dir_exists"]
+        # a tracker failing to start after config.yaml was written: the refused new run leaves no directory
+        assert "wandb cannot start here" in probe["start_error"]
+        if rank == 0:  # rank 0 removes it (rank 1 may look before it has)
+            assert not probe["run_dir_after_start_error"]
 
 
 @pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
