@@ -1,7 +1,8 @@
 """The package's import layering (DESIGN §2, docs/architecture.md), read from the source with ``ast``.
 
-Layers, bottom to top: ``base`` (errors, package data, argparse conventions, test helpers) -> ``config`` -> ``model`` ->
-``cost`` -> ``parallel`` -> ``run`` (data, train, eval) -> ``study`` (study, launch) -> ``cli``. An
+Layers, bottom to top: ``base`` (errors, package data, argparse conventions) -> ``config`` -> ``model`` ->
+``cost`` -> ``parallel`` -> ``run`` (data, train, eval) -> ``study`` (study, launch) -> ``cli`` -> ``testing``
+(the test helpers, which may import any production module). An
 import may point down or sideways, never up. The tests fail on any upward import, on an import
 cycle at module level, on DeepSpeed under ``model/`` or ``cost/``, and on any import of the
 package's own modules inside a function (own modules are imported at module level, where the
@@ -20,7 +21,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "smelt_ds"
 
 LAYERS = {
-    "base": ["errors", "files", "resources", "arguments", "testing"],
+    "base": ["errors", "files", "resources", "arguments"],
     "config": ["config"],
     "model": ["model"],
     "cost": ["cost"],
@@ -28,6 +29,7 @@ LAYERS = {
     "run": ["data", "train", "eval", "interop"],
     "study": ["study", "launch"],
     "cli": ["cli"],
+    "testing": ["testing"],  # test helpers: may import any production module, none may import them
 }
 ORDER = list(LAYERS)
 

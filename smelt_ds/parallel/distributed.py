@@ -7,13 +7,20 @@ world of one when nothing launched several ranks.
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 
 from smelt_ds.errors import ConfigError
-from smelt_ds.testing.distributed import find_free_port
 
-__all__ = ["init_distributed", "on_rank0", "sync_flag"]
+__all__ = ["find_free_port", "init_distributed", "on_rank0", "sync_flag"]
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_distributed() -> tuple[int, int, int]:

@@ -7,11 +7,9 @@
 from smelt_ds.testing.distributed import (
                                           TIMEOUT_SCALE_ENV,
                                           DistributedTestError,
-                                          find_free_port,
                                           run_distributed,
                                           scaled_timeout,
                                           timeout_scale,
 )
 
-__all__ = ["TIMEOUT_SCALE_ENV", "DistributedTestError", "find_free_port", "run_distributed", "scaled_timeout",
-           "timeout_scale"]
+__all__ = ["TIMEOUT_SCALE_ENV", "DistributedTestError", "run_distributed", "scaled_timeout", "timeout_scale"]

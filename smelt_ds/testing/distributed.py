@@ -32,18 +32,18 @@ import math
 import os
 import pickle
 import queue as queue_mod
-import socket
 import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch.multiprocessing as mp
 
+from smelt_ds.parallel.distributed import find_free_port
+
 if TYPE_CHECKING:
     from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
-__all__ = ["TIMEOUT_SCALE_ENV", "DistributedTestError", "find_free_port", "run_distributed", "scaled_timeout",
-           "timeout_scale"]
+__all__ = ["TIMEOUT_SCALE_ENV", "DistributedTestError", "run_distributed", "scaled_timeout", "timeout_scale"]
 
 #: environment variable multiplying the wall-clock limits of the multi-process test helpers
 TIMEOUT_SCALE_ENV = "SMELT_TEST_TIMEOUT_SCALE"
@@ -92,13 +92,6 @@ def scaled_timeout(seconds: float) -> float:
         raise ValueError(f"scaled_timeout(seconds={seconds!r}): seconds must be a finite number > 0 (a wall-clock "
                          "limit in seconds, before scaling)")
     return float(seconds) * timeout_scale()
-
-
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(rank: int, world_size: int, port: int, backend: str, init_deepspeed: bool, num_threads: int,

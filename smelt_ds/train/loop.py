@@ -30,11 +30,10 @@ from smelt_ds.cost.zero_config import write_zero3_tuning
 from smelt_ds.errors import ConfigError
 from smelt_ds.model.moe import TopKRouter
 from smelt_ds.parallel.build_lock import check_build_lock
-from smelt_ds.parallel.distributed import init_distributed, on_rank0, sync_flag
+from smelt_ds.parallel.distributed import find_free_port, init_distributed, on_rank0, sync_flag
 from smelt_ds.parallel.engine import resolve_precision
 from smelt_ds.parallel.grad_norm import clip_before_step, logged_grad_norm
 from smelt_ds.parallel.threads import ThreadChoice, apply_threads, thread_choice
-from smelt_ds.testing.distributed import find_free_port
 from smelt_ds.train import checkpoint as ckpt
 from smelt_ds.train.build import Built, build
 from smelt_ds.train.checkpoint import CheckpointWriteError
