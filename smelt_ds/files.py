@@ -10,12 +10,14 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-__all__ = ["write_atomic", "write_text_atomic", "write_json_atomic", "json_safe", "staged_directory"]
+__all__ = ["write_atomic", "write_text_atomic", "write_json_atomic", "json_safe", "staged_directory",
+           "write_or_check_generated"]
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
@@ -34,6 +36,27 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], object]) -> Pa
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_or_check_generated(text: str, output: str | None, default: Path, command: str, check: bool) -> int:
+    """A generated page (``smelt-ds recipes table``, ``smelt-ds config reference``): print it when
+    ``output`` is ``-``; else compare it with ``output`` (default ``default``) when ``check`` (exit
+    status 1, naming ``command`` to rerun, when they differ) or write it atomically. Returns the
+    exit status."""
+    if output == "-":
+        print(text, end="")
+        return 0
+    out = Path(output) if output else default
+    if check:
+        if not out.is_file() or out.read_text() != text:
+            print(f"{out} is out of date: run `{command} -o {out}`", file=sys.stderr)
+            return 1
+        print(f"{out} is up to date")
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, text)
+    print(f"wrote {out}")
+    return 0
 
 
 def json_safe(obj: Any) -> Any:

@@ -428,7 +428,7 @@ def _cheap(cmd: Command) -> list[str] | None:
     if p in (("budget",), ("match",), ("render-job",), ("config", "show"), ("config", "validate")) or (
             p == ("memory",) and "--measure" not in a):
         return a
-    if p == ("recipes", "table"):  # it would rewrite the checkout's docs/recipes.md: print it instead
+    if p in (("recipes", "table"), ("config", "reference")):  # it would rewrite a page of docs/: print it instead
         return a if {"-o", "--output"} & set(a) else [*a, "-o", "-"]
     if p == ("recipes", "derive"):  # it would rewrite the checkout's recipes: compare instead
         return a if "--check" in a else [*a, "--check"]
@@ -617,8 +617,8 @@ def test_every_command_help_exits_zero(path, capsys):
 
 
 #: the commands whose every option with a default states it in its help
-STATES_DEFAULTS = [("memory",), ("recipes", "table"), ("recipes", "derive"), ("sweep",), ("scaling", "fit"),
-                   ("render-job",)]
+STATES_DEFAULTS = [("memory",), ("recipes", "table"), ("config", "reference"), ("recipes", "derive"), ("sweep",),
+                   ("scaling", "fit"), ("render-job",)]
 
 
 @pytest.mark.parametrize("path", STATES_DEFAULTS, ids=[" ".join(p) for p in STATES_DEFAULTS])

@@ -1,8 +1,10 @@
-"""``smelt-ds config show`` (the resolved recipe: what ``smelt-ds train`` runs) and ``smelt-ds config
-validate`` (load and check recipes, nothing else).
+"""``smelt-ds config show`` (the resolved recipe: what ``smelt-ds train`` runs), ``smelt-ds config
+validate`` (load and check recipes, nothing else) and ``smelt-ds config reference`` (the recipe
+reference, docs/configuration.md, written from the fields' descriptions).
 
     smelt-ds config show recipes/s/top.yaml --set train.max_steps=200 [--json]
     smelt-ds config validate recipes/s/*.yaml
+    smelt-ds config reference [-o docs/configuration.md] [--check]
 """
 
 from __future__ import annotations
@@ -10,9 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from smelt_ds.config.reference import reference_markdown
 from smelt_ds.config.run import config_to_dict, dump_config, load_config
 from smelt_ds.errors import ConfigError
+from smelt_ds.files import write_or_check_generated
+from smelt_ds.resources import CHECKOUT
+
+#: default output of ``smelt-ds config reference``: the checkout's docs, else under the working directory
+REFERENCE_PAGE = (CHECKOUT if CHECKOUT is not None else Path()) / "docs" / "configuration.md"
 
 SET_HELP = "override a recipe field (YAML value; repeatable), e.g. --set train.max_steps=200"
 
@@ -39,6 +48,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("recipes", nargs="+", metavar="RECIPE", help="YAML recipes")
     v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     v.set_defaults(func=run_validate)
+    r = csub.add_parser("reference", help="write docs/configuration.md: every recipe field's type, default and "
+                                          "description",
+                        description="Write the recipe reference (every section and field of the run config with "
+                                    "its YAML type, default and description, read from the config's pydantic "
+                                    "fields), or check that the file is up to date.",
+                        epilog="example: smelt-ds config reference --check")
+    r.add_argument("-o", "--output", default=None,
+                   help="output file (default docs/configuration.md of the checkout; '-' prints it)")
+    r.add_argument("--check", action="store_true", help="exit 1 when the file differs from a fresh reference")
+    r.set_defaults(func=run_reference)
 
 
 def run_show(args: argparse.Namespace) -> int:
@@ -58,3 +77,8 @@ def run_validate(args: argparse.Namespace) -> int:
             continue
         print(f"{path}: ok ({cfg.name})")
     return 2 if bad else 0
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    return write_or_check_generated(reference_markdown(), args.output, REFERENCE_PAGE, "smelt-ds config reference",
+                                    args.check)

@@ -33,6 +33,7 @@ from smelt_ds.cost.memory import (
     verdict,
 )
 from smelt_ds.errors import ConfigError
+from smelt_ds.files import write_or_check_generated
 from smelt_ds.study.memory_profile import measure
 from smelt_ds.study.placement import Placement, nodes_to_fit, place
 from smelt_ds.study.recipes import CPU_LAYOUT, DOCS_TABLE, MIN_HEADROOM, recipes_table, write_variants
@@ -201,22 +202,7 @@ def _add_recipes_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_table(args: argparse.Namespace) -> int:
-
-    text = recipes_table()
-    if args.output == "-":
-        print(text, end="")
-        return 0
-    out = Path(args.output) if args.output else DOCS_TABLE
-    if args.check:
-        if not out.is_file() or out.read_text() != text:
-            print(f"{out} is out of date: run `smelt-ds recipes table -o {out}`", file=sys.stderr)
-            return 1
-        print(f"{out} is up to date")
-        return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(f"wrote {out}")
-    return 0
+    return write_or_check_generated(recipes_table(), args.output, DOCS_TABLE, "smelt-ds recipes table", args.check)
 
 
 def run_derive(args: argparse.Namespace) -> int:
