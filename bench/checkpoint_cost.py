@@ -9,7 +9,7 @@ size 2 and ZeRO-2, and ``autoep`` at expert-parallel size 2 and ZeRO-3 (the larg
 layout), each on 2 gloo ranks. Each cell builds the engine training builds
 (:func:`smelt_ds.train.build.build`), takes one optimizer step on a fixed random batch (so Adam's
 moments exist, as in every checkpoint of a run) and then saves ``--repeats`` times with the
-shards and as often without, alternating which goes first (:func:`smelt_ds.train.checkpoint.save`
+shards and as often without, alternating which goes first (:func:`smelt_ds.runs.checkpoint.save`
 with ``reference`` forced on or off: digests while writing, fsync, the ``COMPLETE`` marker,
 pruning to one kept checkpoint per kind).
 
@@ -76,7 +76,7 @@ def _one_step(built, cfg, rank: int) -> None:
 
 def _bytes(ckpt_dir: Path) -> dict[str, int]:
     """Bytes of a saved checkpoint by kind, from its marker's file list."""
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
 
     files = json.loads((ckpt_dir / ckpt.MARKER).read_text())["files"]
     kinds = {"shards": 0, "client": 0, "deepspeed": 0}
@@ -91,7 +91,7 @@ def measure(rank: int, world: int, opts: dict[str, Any], backend: str) -> dict[s
     numbers (see the module doc), the other ranks None. Collective."""
     import torch.distributed as dist
 
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
     from smelt_ds.train.build import build
 
     cfg = load_config(ROOT / opts["recipe"], cell_overrides(backend, opts["overrides"]))

@@ -143,7 +143,7 @@ echo "   HF export and lm-eval's hf model, the harness, DeepSpeed activation che
   tests/parallel/test_compile.py tests/train/test_loop.py::test_run_directory_summary_export_and_init_from \
   -q -p no:cacheprovider -o addopts="" -ra
 echo "== AutoEP cells of the export matrix (train 2 ranks, export, eval, init_from)"
-"$PY" -m pytest tests/train/test_export_matrix.py -k autoep -q -p no:cacheprovider -o addopts="" -ra
+"$PY" -m pytest tests/runs/test_export_matrix.py -k autoep -q -p no:cacheprovider -o addopts="" -ra
 echo "== lint and types with the dev floors (configured in pyproject.toml)"
 "$PY" -m ruff check smelt_ds
 "$PY" -m mypy --cache-dir "$VENV/mypy-cache"

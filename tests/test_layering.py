@@ -26,6 +26,7 @@ LAYERS = {
     "model": ["model"],
     "cost": ["cost"],
     "parallel": ["parallel"],
+    "runs": ["runs"],  # the run directory and its artifacts: written by train, read by eval, interop, study
     "run": ["data", "train", "eval", "interop"],
     "study": ["study", "launch"],
     "cli": ["cli"],

@@ -23,8 +23,9 @@ from smelt_ds.data.builtin import build_builtin_corpus
 from smelt_ds.data.prepare import PreparedData, build_tokenizer, prepare_from_config
 from smelt_ds.data.token_files import ScanStats, TokenFile
 from smelt_ds.data.token_sources import check_ids, inspect_file, open_any
-from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash, tokenizer_id_space
+from smelt_ds.data.tokenizer import tokenizer_id_space
 from smelt_ds.errors import ConfigError
+from smelt_ds.runs.tokenizer_file import load_tokenizer, tokenizer_hash
 
 __all__ = ["add_parser", "parse_source_spec"]
 
@@ -120,7 +121,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
     sources = [parse_source_spec(s) for s in args.source] if args.source else None
     cfg = _data_config(args, sources)
-    prepared = prepare_from_config(cfg, args.cache_dir)
+    prepared = prepare_from_config(cfg, args.cache_dir, reprepare_changed=True)
     print(("prepared now" if prepared.created else "reused prepared output") + f" (key {prepared.key[:16]})")
     print(prepared.summary())
     return 0

@@ -77,19 +77,17 @@ from smelt_ds.data.token_sources import (
     write_source,
 )
 from smelt_ds.data.tokenizer import (
-    TOKENIZER_FILE,
     cached_tokenizer,
     cut_document,
     cut_problem,
-    load_tokenizer,
     special_ids,
-    tokenizer_hash,
     tokenizer_id_space,
     tokenizer_key,
     utf8_len,
     write_tokenizer_file,
 )
 from smelt_ds.errors import ConfigError
+from smelt_ds.runs.tokenizer_file import TOKENIZER_FILE, load_tokenizer, tokenizer_hash
 
 __all__ = ["FORMAT_VERSION", "META_FILE", "SPLITS", "token_dtype", "validation_count", "document_keys",
            "validation_mask", "tokenise", "PreparedData", "preparation_key", "build_tokenizer", "prepare_from_config"]

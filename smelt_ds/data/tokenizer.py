@@ -1,12 +1,14 @@
-"""Byte-level BPE tokenizer: training with ``tokenizers``, loading, hashing, caching.
+"""Byte-level BPE tokenizer: training with ``tokenizers``, caching (loading a ``tokenizer.json`` and
+its hash: :mod:`smelt_ds.runs.tokenizer_file`, shared with the run directory).
 
 The tokenizer is GPT-2 style byte-level BPE (``ByteLevel`` pre-tokenizer without a prefix space,
 ``ByteLevel`` decoder, the 256 byte symbols as initial alphabet, so any text encodes without an
 unknown token). Special tokens: end-of-text (id 0) and padding (id 1). Training is deterministic
 for the same documents in the same order and the same settings.
 
-The tokenizer hash is the sha256 of ``Tokenizer.to_str()`` (the canonical JSON ``tokenizers``
-writes), so it does not depend on file formatting. Trained tokenizers are cached under
+The tokenizer hash (:func:`smelt_ds.runs.tokenizer_file.tokenizer_hash`) is the sha256 of
+``Tokenizer.to_str()`` (the canonical JSON ``tokenizers`` writes), so it does not depend on file
+formatting. Trained tokenizers are cached under
 ``<cache>/tokenizers/<key>/tokenizer.json`` where the key hashes the inputs' identities and the
 settings: a rerun with the same inputs and settings does not retrain.
 
@@ -34,15 +36,13 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from smelt_ds.config.data import TokenizerConfig
-from smelt_ds.data.cache import build_dir_atomically, is_complete, sha256_bytes, sha256_json
+from smelt_ds.data.cache import build_dir_atomically, is_complete, sha256_json
 from smelt_ds.data.distributed import rank_info
 from smelt_ds.errors import ConfigError
+from smelt_ds.runs.tokenizer_file import TOKENIZER_FILE, load_tokenizer
 
-__all__ = ["TOKENIZER_FILE", "train_tokenizer", "tokenizer_hash", "load_tokenizer", "special_ids",
-           "tokenizer_key", "cached_tokenizer", "utf8_len", "cut_document", "cut_batches", "cut_problem",
-           "UncuttableDocument", "write_tokenizer_file", "tokenizer_id_space"]
-
-TOKENIZER_FILE = "tokenizer.json"
+__all__ = ["train_tokenizer", "special_ids", "tokenizer_key", "cached_tokenizer", "utf8_len", "cut_document",
+           "cut_batches", "cut_problem", "UncuttableDocument", "write_tokenizer_file", "tokenizer_id_space"]
 
 
 def train_tokenizer(batches: Iterable[list[str]], cfg: TokenizerConfig) -> Tokenizer:
@@ -82,45 +82,6 @@ def train_tokenizer(batches: Iterable[list[str]], cfg: TokenizerConfig) -> Token
             f"data.tokenizer.vocab_size={got} (--vocab-size {got}) or less and model.vocab_size to the same value, "
             "add text, or lower data.tokenizer.min_frequency")
     return tok
-
-
-def tokenizer_hash(tok: Tokenizer) -> str:
-    """sha256 (hex) of the tokenizer's canonical JSON (``to_str()``)."""
-    return sha256_bytes(tok.to_str().encode("utf-8"))
-
-
-def load_tokenizer(path: str | Path, where: str = "tokenizer") -> Tokenizer:
-    """Load a ``tokenizer.json``, or a transformers tokenizer directory (``AutoTokenizer``, its fast
-    backend ``tokenizers.Tokenizer``). Raises ConfigError naming ``where`` for a missing or bad one."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        return _transformers_backend(p, where)
-    if not p.is_file():
-        raise ConfigError(f"`{where}` ({str(path)!r}): no such tokenizer file or directory: give the path of a "
-                          "tokenizer.json or of a transformers tokenizer directory, or unset it to train one")
-    try:
-        return Tokenizer.from_file(str(p))
-    except Exception as e:  # tokenizers raises a plain Exception for bad JSON
-        raise ConfigError(f"`{where}` ({str(path)!r}) is not a tokenizers JSON file ({e}): "
-                          "save it with Tokenizer.save() or train one with `smelt-ds data tokenizer`") from None
-
-
-def _transformers_backend(directory: Path, where: str) -> Tokenizer:
-    """The fast backend of ``AutoTokenizer.from_pretrained(directory)`` (local files only)."""
-    import transformers  # seconds to import: only for a tokenizer directory
-
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for a bad directory
-        raise ConfigError(f"`{where}` ({str(directory)!r}): transformers.AutoTokenizer cannot load this directory "
-                          f"({type(e).__name__}: {e}): give a directory written by save_pretrained, or a "
-                          "tokenizer.json") from None
-    backend = getattr(tok, "backend_tokenizer", None)
-    if not getattr(tok, "is_fast", False) or not isinstance(backend, Tokenizer):
-        raise ConfigError(f"`{where}` ({str(directory)!r}): {type(tok).__name__} is a slow tokenizer without a "
-                          "`tokenizers` backend: convert it (AutoTokenizer.from_pretrained(dir, use_fast=True)"
-                          ".save_pretrained(dir) writes tokenizer.json) and give that directory")
-    return backend
 
 
 def write_tokenizer_file(path: str | Path, dst: Path) -> None:

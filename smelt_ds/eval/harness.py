@@ -59,10 +59,11 @@ from lm_eval.api.model import TemplateLM
 
 from smelt_ds.config.run import LoopConfig, loop_with_repeats
 from smelt_ds.config.schedule import build_schedule
-from smelt_ds.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
+from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.data import open_eval_data
 from smelt_ds.eval.runs import load_run
+from smelt_ds.runs.tokenizer_file import load_tokenizer, tokenizer_hash
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance

@@ -1,6 +1,6 @@
 """Open the runs an evaluation compares: run directories, checkpoint directories or exports.
 
-A run directory is consolidated once with :func:`smelt_ds.train.export.export_checkpoint` (its newest
+A run directory is consolidated once with :func:`smelt_ds.runs.export.export_checkpoint` (its newest
 complete checkpoint) into ``<run_dir>/exports/<checkpoint tag>/`` and reused while that export's
 ``SOURCE`` still names the same checkpoint; an export directory (``model.pt`` + ``config.yaml``)
 is loaded as it is. The model is the reference-backend :class:`smelt_ds.model.SmeltLM` on CPU in
@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 from smelt_ds.config.run import RunConfig, load_config
 from smelt_ds.errors import ConfigError
-from smelt_ds.train import checkpoint as ckpt
-from smelt_ds.train.export import REFERENCE_OVERRIDES, export_checkpoint, load_exported
-from smelt_ds.train.provenance import RUN_TOKENIZER, with_tokenizer
+from smelt_ds.runs import checkpoint as ckpt
+from smelt_ds.runs.export import REFERENCE_OVERRIDES, export_checkpoint, load_exported
+from smelt_ds.runs.provenance import RUN_TOKENIZER, with_tokenizer
 
 if TYPE_CHECKING:
     from smelt_ds.model import SmeltLM
@@ -89,7 +89,7 @@ def load_run(path: str | Path, overrides: list[str] | None = None, name: str | N
              allow_other_tokenizer: bool = False) -> LoadedRun:
     """Export (if needed) and load one run. ``overrides`` are ``--set`` items applied to its recipe
     (e.g. ``data.cache_dir=...``). The data are tokenised with the tokenizer the run recorded
-    (``tokenizer.json`` of the export, :mod:`smelt_ds.train.provenance`), whatever the overrides say.
+    (``tokenizer.json`` of the export, :mod:`smelt_ds.runs.provenance`), whatever the overrides say.
 
     Raises ConfigError; among others when ``data.tokenizer.path`` names another tokenizer than
     the run's (both digests named) and ``allow_other_tokenizer`` is false."""

@@ -18,7 +18,7 @@ from smelt_ds.eval.data import EvalData, open_eval_data
 from smelt_ds.eval.icl import DEFAULT_SHOTS, TASK_NAMES, build_tasks, evaluate_task
 from smelt_ds.eval.loss import ALL_DEFINITION, combine_domains, evaluate_domain, position_buckets
 from smelt_ds.eval.runs import LoadedRun, describe_model
-from smelt_ds.train import checkpoint as ckpt
+from smelt_ds.runs import checkpoint as ckpt
 
 __all__ = ["EvalSettings", "AnalysisSettings", "evaluate_runs", "analyze_runs", "resolve_seq_len", "training_ranks",
            "training_windows"]

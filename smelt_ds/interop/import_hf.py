@@ -31,12 +31,12 @@ import yaml
 
 from smelt_ds.config.run import config_from_dict, dump_config
 from smelt_ds.errors import ConfigError
-from smelt_ds.data.tokenizer import load_tokenizer
 from smelt_ds.files import staged_directory, write_text_atomic
 from smelt_ds.interop import known_archs, smelt_format
 from smelt_ds.model import SmeltLM
-from smelt_ds.train.export import EXPORT_FILES, HF_MARKER
-from smelt_ds.train.provenance import RUN_TOKENIZER
+from smelt_ds.runs.export import EXPORT_FILES, HF_MARKER
+from smelt_ds.runs.provenance import RUN_TOKENIZER
+from smelt_ds.runs.tokenizer_file import load_tokenizer
 
 __all__ = ["RECIPE_HEADER", "import_hf", "hf_special_tokens"]
 

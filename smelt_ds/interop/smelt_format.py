@@ -116,7 +116,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], tie: bool) -> dict[str, tor
             out["model." + key] = value
         else:
             raise ConfigError(f"state dict key `{key}` is not in SmeltLM's layout (embed_tokens, layers.*, norm, "
-                              "lm_head): export a reference-layout state dict (smelt_ds.train.export)")
+                              "lm_head): export a reference-layout state dict (smelt_ds.runs.export)")
     if not tie and "lm_head.weight" not in state:
         raise ConfigError("state dict has no `lm_head.weight` but `model.tie_embeddings` is false: export the "
                           "output head too, or set model.tie_embeddings true if it is the embedding")

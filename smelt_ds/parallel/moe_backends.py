@@ -27,7 +27,7 @@ Every backend leaves the same unweighted ``out.aux_loss`` / ``out.z_loss`` (mean
 the reference definitions), which :func:`smelt_ds.train.objective.total_loss` weights, so the
 training loop does not change with the backend.
 Checkpoints of every backend also carry the weights in the reference layout
-(:mod:`smelt_ds.train.reference_weights`).
+(:mod:`smelt_ds.runs.reference_weights`).
 
 What DeepSpeed 0.19.8 does with these layers (gating maths, aux-loss differences, ZeRO and
 optimizer-group constraints, AutoEP's limits, checkpoint files) and why the code is as it is:

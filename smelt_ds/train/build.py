@@ -14,8 +14,8 @@ from smelt_ds.model import SmeltLM
 from smelt_ds.parallel.compile import compile_engine, compile_layers
 from smelt_ds.parallel.engine import configure_activation_checkpointing, initialize
 from smelt_ds.parallel.moe_backends import apply_backend
-from smelt_ds.train import checkpoint as ckpt
-from smelt_ds.train.export import load_initial_weights
+from smelt_ds.runs import checkpoint as ckpt
+from smelt_ds.runs.export import load_initial_weights
 
 __all__ = ["Built", "build"]
 

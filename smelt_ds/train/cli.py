@@ -14,12 +14,12 @@ from typing import Any, Callable, Iterator
 from smelt_ds.config.run import RunConfig, load_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.interop.cli import add_export_arguments, run_export_hf
-from smelt_ds.train.export import export_checkpoint
+from smelt_ds.runs.export import export_checkpoint
+from smelt_ds.runs.provenance import init_from_tokenizer
+from smelt_ds.runs.run_lock import RunLock
 from smelt_ds.train.guards import check_optional_packages, check_run_dir
 from smelt_ds.train.loop import add_train_arguments, launcher_command, run_and_report
 from smelt_ds.train.profiler import check_profile
-from smelt_ds.train.provenance import init_from_tokenizer
-from smelt_ds.train.run_lock import RunLock
 from smelt_ds.train.trackers import check_trackers
 
 
@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("export", help="consolidate a checkpoint into fp32 weights + the resolved recipe, or a "
                                       "Hugging Face model (--format hf)",
                        description="Write model.pt (fp32 state dict in the reference layout) and config.yaml, "
-                                   "loadable by SmeltLM on one CPU process (smelt_ds.train.export.load_exported); "
+                                   "loadable by SmeltLM on one CPU process (smelt_ds.runs.export.load_exported); "
                                    "with --format hf a transformers model directory (config.json, safetensors, "
                                    "tokenizer, model card), checked by parity with the source model.",
                        epilog="examples:\n  smelt-ds export runs/tiny-smelt -o exports/tiny-smelt\n"

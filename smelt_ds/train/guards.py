@@ -15,9 +15,9 @@ from smelt_ds.config.run import RunConfig, config_diff, config_to_dict
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel.distributed import on_rank0
 from smelt_ds.parallel.moe_backends import TUTEL_INSTALL_HINT, tutel_available
-from smelt_ds.train import checkpoint as ckpt
-from smelt_ds.train.provenance import RUN_TOKENIZER, tokenizer_file_hash
-from smelt_ds.train.run_lock import RunLock
+from smelt_ds.runs import checkpoint as ckpt
+from smelt_ds.runs.provenance import RUN_TOKENIZER, tokenizer_file_hash
+from smelt_ds.runs.run_lock import RunLock
 
 __all__ = ["check_run_dir", "check_optional_packages", "earlier_run_files", "RUN_FILES", "RESUME_MAY_CHANGE",
            "lock_run_dir", "remove_refused_new_run"]
@@ -53,7 +53,7 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
     checkpoints into this run); or when a resumed run's recipe differs from the run directory's ``config.yaml`` in a field the
     checkpoint depends on (``_RESUME_FIXED``: model, loop, MoE layout and backend, tokenizer); or,
     when ``world_size`` is given, when the checkpoint to resume was written with another number
-    of ranks, ZeRO stage, MoE backend or expert-parallel size (:func:`smelt_ds.train.checkpoint.check_layout`).
+    of ranks, ZeRO stage, MoE backend or expert-parallel size (:func:`smelt_ds.runs.checkpoint.check_layout`).
 
     ``--resume auto`` in a directory without a complete checkpoint starts from step 0 in place:
     with ``take_over`` (the training itself, which holds the run lock), global rank 0 first removes
@@ -137,7 +137,7 @@ RESUME_MAY_CHANGE = ("name", "train.max_steps", "train.log_every", "train.eval_e
 
 
 def _same_tokenizer_same_path(old: dict, new: dict) -> None:
-    """The tokenizer is compared by content on resume (:func:`smelt_ds.train.provenance.record_run_tokenizer`
+    """The tokenizer is compared by content on resume (:func:`smelt_ds.runs.provenance.record_run_tokenizer`
     names both digests): a copy of the run's tokenizer under another path is the same tokenizer."""
     a = (old.get("data") or {}).get("tokenizer") or {}
     b = (new.get("data") or {}).get("tokenizer") or {}
@@ -254,7 +254,7 @@ def _global_rank() -> int:
 
 
 def lock_run_dir(out_dir: Path, rank: int):
-    """Rank 0 takes the run directory's exclusive lock (:class:`smelt_ds.train.run_lock.RunLock`);
+    """Rank 0 takes the run directory's exclusive lock (:class:`smelt_ds.runs.run_lock.RunLock`);
     every rank raises the same ConfigError when another training holds it (collective).
     Returns ``(lock or None, created)``: whether this call created the directory."""
 

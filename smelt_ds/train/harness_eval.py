@@ -16,15 +16,15 @@ under expert parallelism (``moe_runtime.backend`` ``deepspeed`` or ``autoep``) e
 its experts, so no rank can run the training model alone. The harness therefore runs on a copy:
 
 1. every rank gathers its shard of the reference-layout fp32 weights, as checkpoints do
-   (:func:`smelt_ds.train.reference_weights.gather_reference_shard`: DeepSpeed's
+   (:func:`smelt_ds.runs.reference_weights.gather_reference_shard`: DeepSpeed's
    ``safe_get_full_fp32_param`` at ZeRO 1-3, the parameter itself at ZeRO-0) - a collective,
    so every rank calls :func:`run_harness_eval` at the same step;
 2. the shards travel to rank 0 (``gather_object``) and are merged and checked there
-   (:func:`smelt_ds.train.reference_weights.merge_shards`, the merge ``smelt-ds export`` uses);
+   (:func:`smelt_ds.runs.reference_weights.merge_shards`, the merge ``smelt-ds export`` uses);
 3. rank 0 builds a reference-backend :class:`smelt_ds.model.SmeltLM` (``model``, ``moe``,
    ``loop`` of the run) with those weights, in fp32 on its device, and runs
    :func:`smelt_ds.eval.harness.evaluate_model` with the run's tokenizer (the prepared data's,
-   which training copies into the run directory: :mod:`smelt_ds.train.provenance`);
+   which training copies into the run directory: :mod:`smelt_ds.runs.provenance`);
 4. the other ranks wait for rank 0's result. They take no part in the forward passes, so there
    is no collective inside the evaluation that could hang when ranks would hold different
    numbers of examples, and the numbers are those of ``evaluate_model`` on the export of the
@@ -64,9 +64,9 @@ from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.harness import evaluate_model, task_manager
 from smelt_ds.model import SmeltLM
-from smelt_ds.train.checkpoint import restore_rng, rng_state
+from smelt_ds.runs.checkpoint import restore_rng, rng_state
+from smelt_ds.runs.reference_weights import gather_reference_shard, merge_shards
 from smelt_ds.train.metrics import MetricsWriter
-from smelt_ds.train.reference_weights import gather_reference_shard, merge_shards
 
 __all__ = ["HARNESS_WAIT_TIMEOUT", "harness_due", "check_harness_tasks", "gather_reference_state",
            "reference_model", "harness_metrics", "run_harness_eval"]

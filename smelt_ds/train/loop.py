@@ -34,9 +34,10 @@ from smelt_ds.parallel.distributed import find_free_port, init_distributed, on_r
 from smelt_ds.parallel.engine import resolve_precision
 from smelt_ds.parallel.grad_norm import clip_before_step, logged_grad_norm
 from smelt_ds.parallel.threads import ThreadChoice, apply_threads, thread_choice
-from smelt_ds.train import checkpoint as ckpt
+from smelt_ds.runs import checkpoint as ckpt
+from smelt_ds.runs.checkpoint import CheckpointWriteError
+from smelt_ds.runs.provenance import init_from_tokenizer, record_run_tokenizer
 from smelt_ds.train.build import Built, build
-from smelt_ds.train.checkpoint import CheckpointWriteError
 from smelt_ds.train.console import Console, banner, step_line, val_line
 from smelt_ds.train.data import build_data
 from smelt_ds.train.guards import check_run_dir, lock_run_dir, remove_refused_new_run
@@ -53,7 +54,6 @@ from smelt_ds.train.metrics import (
 )
 from smelt_ds.train.objective import total_loss
 from smelt_ds.train.profiler import StepProfiler, check_profile
-from smelt_ds.train.provenance import init_from_tokenizer, record_run_tokenizer
 from smelt_ds.train.trackers import check_trackers, start_trackers
 from smelt_ds.train.validation import evaluate
 

@@ -18,7 +18,7 @@ from smelt_ds.config.data import DataConfig
 from smelt_ds.data.loader import TrainLoader, ValidationLoader, check_compatible, windows_in
 from smelt_ds.data.prepare import PreparedData, prepare_from_config
 from smelt_ds.data.token_files import content_keys, select_smallest
-from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash
+from smelt_ds.runs.tokenizer_file import load_tokenizer, tokenizer_hash
 from smelt_ds.errors import ConfigError
 from smelt_ds.testing import scaled_timeout
 from tests.data.data_test_utils import assign_documents, split_at_eot, write_jsonl

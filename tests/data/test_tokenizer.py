@@ -9,8 +9,9 @@ import pytest
 from smelt_ds.cli import main
 from smelt_ds.config.data import DataConfig, TokenizerConfig
 from smelt_ds.data.prepare import build_tokenizer
-from smelt_ds.data.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
+from smelt_ds.data.tokenizer import train_tokenizer
 from smelt_ds.errors import ConfigError
+from smelt_ds.runs.tokenizer_file import load_tokenizer, tokenizer_hash
 from tests.data.data_test_utils import prose, write_jsonl
 
 
@@ -59,14 +60,6 @@ def test_cli_trains_then_reuses(tmp_path, capsys):
     assert main(argv) == 0
     second = capsys.readouterr().out
     assert "reused from cache" in second and digest in second
-
-
-def test_tokenizer_file_errors(tmp_path):
-    with pytest.raises(ConfigError, match=r"`data.tokenizer.path` \('.*missing.json'\): no such tokenizer file"):
-        load_tokenizer(tmp_path / "missing.json", "data.tokenizer.path")
-    (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="is not a tokenizers JSON file"):
-        load_tokenizer(tmp_path / "bad.json")
 
 
 def test_tokenizer_without_the_end_of_text_token(tmp_path):

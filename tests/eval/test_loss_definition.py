@@ -151,7 +151,7 @@ def test_summary_line_states_the_windows(run):
 def _two_rank_validation(rank, world, raw, export):
     from smelt_ds.config.run import config_from_dict
     from smelt_ds.train.data import build_data
-    from smelt_ds.train.export import load_exported
+    from smelt_ds.runs.export import load_exported
     from smelt_ds.train.validation import evaluate, validation_windows
 
     cfg = config_from_dict(raw)

@@ -33,7 +33,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def _hash(path) -> str:
-    from smelt_ds.train.provenance import tokenizer_file_hash
+    from smelt_ds.runs.provenance import tokenizer_file_hash
 
     return tokenizer_file_hash(path)
 
@@ -98,7 +98,7 @@ def test_another_tokenizer_is_refused_naming_both_digests(trained_run, corpus, t
 
 def test_resume_with_data_of_another_tokenizer_is_refused(tmp_path, trained_run):
     from smelt_ds.errors import ConfigError
-    from smelt_ds.train.provenance import record_run_tokenizer
+    from smelt_ds.runs.provenance import record_run_tokenizer
 
     run = tmp_path / "run"
     run.mkdir()
@@ -121,7 +121,7 @@ def test_init_from_trains_on_with_the_exports_tokenizer(trained_run, corpus, tmp
     from smelt_ds.config.run import config_from_dict
     from smelt_ds.errors import ConfigError
     from smelt_ds.eval.runs import resolve_export
-    from smelt_ds.train.provenance import init_from_tokenizer
+    from smelt_ds.runs.provenance import init_from_tokenizer
     from tests.eval.eval_test_utils import tiny_raw
 
     export = resolve_export(trained_run)

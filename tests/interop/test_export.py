@@ -14,7 +14,7 @@ from smelt_ds.cli import main
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.offline_tasks import validation_documents
 from smelt_ds.interop.export import HF_MARKER, export_hf
-from smelt_ds.train.export import load_exported
+from smelt_ds.runs.export import load_exported
 from tests.numerics import assert_close_chain, model_chain_length, prob_tol
 
 

@@ -21,7 +21,7 @@ from smelt_ds.interop.export import export_hf
 from smelt_ds.interop.import_hf import RECIPE_HEADER, import_hf
 from smelt_ds.model import SmeltLM
 from smelt_ds.testing import scaled_timeout
-from smelt_ds.train.export import export_checkpoint, load_initial_weights
+from smelt_ds.runs.export import export_checkpoint, load_initial_weights
 
 
 def _cli(*argv) -> int:

@@ -95,7 +95,7 @@ def test_materialize_writes_loadable_recipes_and_labels(tmp_path):
 
 def test_status_and_conflicting_run_directories(tmp_path):
     from smelt_ds.config.run import dump_config
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
 
     path = _sweep(tmp_path)
     plan = plan_sweep(load_sweep(path), path)

@@ -89,7 +89,7 @@ def _train_export(rank: int, world: int, raw: dict, steps: list[int], out: str, 
     ``plain`` (the same run without in-loop evaluation) when given. Returns both runs' losses."""
     import torch.distributed as dist
 
-    from smelt_ds.train.export import export_checkpoint
+    from smelt_ds.runs.export import export_checkpoint
     from smelt_ds.train.loop import train
 
     result = train(config_from_dict(raw))
@@ -107,7 +107,7 @@ def _export_metrics(export: Path, tasks: Path) -> dict[str, float]:
     from tokenizers import Tokenizer
 
     from smelt_ds.eval.harness import evaluate_model
-    from smelt_ds.train.export import load_exported
+    from smelt_ds.runs.export import load_exported
     from smelt_ds.train.harness_eval import harness_metrics
 
     cfg = config_from_dict(yaml.safe_load((export / "config.yaml").read_text()))
@@ -307,7 +307,7 @@ def test_merge_shards_in_memory_equals_the_state_dict_and_names_duplicates(tmp_p
     tensors and experts 0-1, rank 1 experts 2-3) give back the model's state dict exactly; an
     expert claimed twice or missing is named."""
     from smelt_ds.model import SmeltLM
-    from smelt_ds.train.reference_weights import FORMAT, merge_shards
+    from smelt_ds.runs.reference_weights import FORMAT, merge_shards
 
     cfg = _cfg(tmp_path)
     state = SmeltLM(cfg.model, cfg.moe, cfg.loop).state_dict()

@@ -96,7 +96,7 @@ def _wait_for_step(metrics: Path, step: int, proc, timeout=240):
 
 
 def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
 
     raw = _raw(tmp_path, cache, train={"max_steps": 40, "save_every": 100, "eval_every": 100})
     run_dir = Path(raw["train"]["run_dir"])
@@ -134,7 +134,7 @@ def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
 
 def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     from smelt_ds.model import SmeltLM
-    from smelt_ds.train.export import export_checkpoint, load_exported
+    from smelt_ds.runs.export import export_checkpoint, load_exported
 
     raw = _raw(tmp_path, cache, train={"max_steps": 4, "save_every": 4, "eval_every": 4})
     res = run_distributed(_train, 1, args=(raw,), timeout=300)[0]
@@ -250,7 +250,7 @@ def test_resumed_metrics_hold_each_step_once(tmp_path):
 def test_init_from_rejects_other_shapes(tmp_path):
     from smelt_ds.errors import ConfigError
     from smelt_ds.model import SmeltLM
-    from smelt_ds.train.export import load_initial_weights
+    from smelt_ds.runs.export import load_initial_weights
 
     small = config_from_dict(_raw(tmp_path, tmp_path))
     wide = config_from_dict(_raw(tmp_path, tmp_path, model={"hidden_size": 48}))
@@ -307,7 +307,7 @@ def test_resume_at_another_scale_is_refused_before_anything_is_written(tmp_path,
     train.init_from)."""
     from smelt_ds.errors import ConfigError
     from smelt_ds.testing import DistributedTestError
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
     from smelt_ds.train.guards import check_run_dir
 
     raw = _raw(tmp_path, cache, train={"max_steps": 2, "eval_every": 2, "save_every": 2},

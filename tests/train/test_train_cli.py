@@ -76,7 +76,7 @@ def test_missing_tutel_is_refused_before_the_launcher_and_leaves_no_run_director
 
 
 def test_run_directory_refusals_are_reported_once_before_the_launcher(recipe, no_launch, capsys):
-    from smelt_ds.train.run_lock import RunLock
+    from smelt_ds.runs.run_lock import RunLock
 
     run_dir = recipe.parent / "run"
     run_dir.mkdir()
@@ -163,7 +163,7 @@ def _logged_steps(metrics: Path) -> list[int]:
 def test_ctrl_c_under_nproc_2_saves_a_checkpoint_and_exits_143(tmp_path, recipe):
     """Ctrl-C sends SIGINT to the terminal's foreground process group: the wrapper forwards it,
     both ranks save one checkpoint together, and the wrapper exits 143 without a traceback."""
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
 
     run_dir = recipe.parent / "run"
     with (tmp_path / "out.txt").open("w") as out, (tmp_path / "err.txt").open("w") as err:

@@ -3,7 +3,7 @@
 A checkpoint carries, next to DeepSpeed's own files, the model's weights in the reference layout
 (the parameter names and shapes of :class:`smelt_ds.model.SmeltLM` with the reference MoE
 backend), split into one shard per rank (which checkpoints: ``train.reference_weights``,
-:func:`smelt_ds.train.checkpoint.writes_reference`)::
+:func:`smelt_ds.runs.checkpoint.writes_reference`)::
 
     step00000050/reference/rank00000.pt   {"format", "rank", "dense": {name: tensor},
                                            "experts": {name: {expert_index: tensor}}}

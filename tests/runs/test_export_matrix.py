@@ -134,9 +134,9 @@ def _live_experts(model, backend: str) -> dict[tuple[int, int], str]:
 def _cell_worker(rank: int, world: int, raw: dict, export: str, user_paths: bool = True) -> dict:
     import torch.distributed as dist
 
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
+    from smelt_ds.runs.export import export_checkpoint
     from smelt_ds.train.build import build
-    from smelt_ds.train.export import export_checkpoint
     from smelt_ds.train.loop import train
 
     cfg = config_from_dict(raw)
@@ -184,7 +184,7 @@ def _cli(*argv) -> int:
 
 @pytest.mark.parametrize("backend,zero,ep", CELLS, ids=[f"{b}-z{z}-ep{e}" for b, z, e in CELLS])
 def test_export_eval_generate_init_from(tmp_path, cache, backend, zero, ep, capsys):
-    from smelt_ds.train.export import load_exported
+    from smelt_ds.runs.export import load_exported
 
     raw = _raw(tmp_path / "run", cache, backend, zero, ep)
     export = tmp_path / "export"

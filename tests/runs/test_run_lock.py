@@ -18,7 +18,7 @@ from smelt_ds.testing import run_distributed
 
 
 def _hold(run_dir: str, ready, stop) -> None:
-    from smelt_ds.train.run_lock import RunLock
+    from smelt_ds.runs.run_lock import RunLock
 
     RunLock(run_dir).acquire()
     ready.set()
@@ -27,7 +27,7 @@ def _hold(run_dir: str, ready, stop) -> None:
 
 def test_second_holder_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_path, capsys):
     from smelt_ds.errors import ConfigError
-    from smelt_ds.train.run_lock import LOCK_NAME, RunLock
+    from smelt_ds.runs.run_lock import LOCK_NAME, RunLock
 
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
@@ -65,8 +65,8 @@ def _raw(run_dir: Path, cache: Path) -> dict:
 
 @pytest.mark.distributed
 def test_training_into_a_locked_run_directory_is_refused_before_writing(tmp_path):
+    from smelt_ds.runs.run_lock import RunLock
     from smelt_ds.testing import DistributedTestError
-    from smelt_ds.train.run_lock import RunLock
 
     run_dir = tmp_path / "run"
     raw = _raw(run_dir, tmp_path / "cache")
@@ -92,7 +92,7 @@ def _crashed_before_its_first_checkpoint(run: Path, cfg) -> None:
     """What a fresh run writes before its first checkpoint (loop._fit), left by a crash; plus an
     older run's summary, a sweep's label and a partial checkpoint directory."""
     from smelt_ds.config.run import dump_config
-    from smelt_ds.train.run_lock import LOCK_NAME
+    from smelt_ds.runs.run_lock import LOCK_NAME
 
     (run / "tb").mkdir(parents=True)
     (run / LOCK_NAME).write_text("")

@@ -6,7 +6,7 @@ token ids it never saw (only the vocabulary size would match). So:
 
 * training copies the prepared data's ``tokenizer.json`` into the run directory
   (``<run_dir>/tokenizer.json``); a resume whose data come with another tokenizer is refused,
-  naming both SHA-256 digests (of the canonical JSON, :func:`smelt_ds.data.tokenizer.tokenizer_hash`);
+  naming both SHA-256 digests (of the canonical JSON, :func:`smelt_ds.runs.tokenizer_file.tokenizer_hash`);
 * ``smelt-ds export`` copies it into the export;
 * ``smelt-ds eval``, ``analyze`` and ``generate`` tokenise with the export's tokenizer, whatever
   ``--set data...`` says, and refuse a ``data.tokenizer.path`` with another tokenizer unless
@@ -22,8 +22,8 @@ import os
 import shutil
 from pathlib import Path
 
-from smelt_ds.data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_hash
 from smelt_ds.errors import ConfigError
+from smelt_ds.runs.tokenizer_file import TOKENIZER_FILE, load_tokenizer, tokenizer_hash
 
 __all__ = ["RUN_TOKENIZER", "tokenizer_file_hash", "record_run_tokenizer", "with_tokenizer", "init_from_tokenizer"]
 

@@ -3,7 +3,7 @@
 ``<out>/model.pt`` holds a state dict in the reference layout (``SmeltLM`` with the reference MoE
 backend) and ``<out>/config.yaml`` the resolved recipe; :func:`load_exported` rebuilds the model
 on one CPU process, whatever the MoE backend, ZeRO stage and expert-parallel size of the run
-(the checkpoint's reference-layout shards, :mod:`smelt_ds.train.reference_weights`). The output is written to a temporary directory and renamed, so
+(the checkpoint's reference-layout shards, :mod:`smelt_ds.runs.reference_weights`). The output is written to a temporary directory and renamed, so
 a partial export is never taken for a complete one.
 """
 
@@ -19,9 +19,9 @@ from smelt_ds.config.run import RunConfig, dump_config, load_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import staged_directory
 from smelt_ds.model import SmeltLM
-from smelt_ds.train import checkpoint as ckpt
-from smelt_ds.train.provenance import RUN_TOKENIZER
-from smelt_ds.train.reference_weights import has_reference_shards, merge_reference_shards
+from smelt_ds.runs import checkpoint as ckpt
+from smelt_ds.runs.provenance import RUN_TOKENIZER
+from smelt_ds.runs.reference_weights import has_reference_shards, merge_reference_shards
 
 __all__ = ["REFERENCE_OVERRIDES", "consolidated_state_dict", "export_checkpoint", "load_exported", "load_initial_weights"]
 
@@ -49,7 +49,7 @@ def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.T
     """fp32 state dict of the model in the reference layout, from any ZeRO stage and backend.
 
     A checkpoint whose marker lists reference-layout shards (gathered on the live engine at save
-    time: :mod:`smelt_ds.train.reference_weights`) is merged from them, checked for completeness.
+    time: :mod:`smelt_ds.runs.reference_weights`) is merged from them, checked for completeness.
     One without them (``train.reference_weights`` ``newest``/``minimal`` keep them only where
     needed, or an older smelt-ds) is read from DeepSpeed's own files on the reference backend:
     ``zero_to_fp32`` (ZeRO 1-3) or the rank-0 model file (ZeRO-0). Raises ConfigError naming the
@@ -130,7 +130,7 @@ def _load_weights(path: Path, field: str) -> dict[str, torch.Tensor]:
 
 def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
     """Write ``model.pt``, ``config.yaml``, ``tokenizer.json`` (the run's, when it recorded one:
-    :mod:`smelt_ds.train.provenance`) and ``SOURCE`` (the checkpoint path) to ``out_dir``
+    :mod:`smelt_ds.runs.provenance`) and ``SOURCE`` (the checkpoint path) to ``out_dir``
     (atomically, through a staging directory beside it: :func:`smelt_ds.files.staged_directory`). Returns ``out_dir``.
 
     Raises ConfigError when ``path`` holds no complete checkpoint, or when ``out_dir`` is a file

@@ -62,8 +62,8 @@ class _Watch:
         self._replace, self._rmtree = os.replace, shutil.rmtree
 
     def check(self, when: str) -> None:
-        from smelt_ds.train import checkpoint as ckpt
-        from smelt_ds.train.export import consolidated_state_dict
+        from smelt_ds.runs import checkpoint as ckpt
+        from smelt_ds.runs.export import consolidated_state_dict
 
         if self._busy:
             return
@@ -114,7 +114,7 @@ class _Crash(Exception):
 def _train_with(rank: int, raw: dict, resume: str, after_save=None):
     """Train ``raw``; ``after_save(step)`` runs on every rank after each checkpoint save; rank 0
     watches the checkpoints (:class:`_Watch`). Returns ``(result or None after a _Crash, watch)``."""
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
     from smelt_ds.train.loop import train
 
     cfg = config_from_dict(raw)
@@ -141,7 +141,7 @@ def _train_with(rank: int, raw: dict, resume: str, after_save=None):
 
 def _export_error(ckpt_dir: Path, cfg) -> str:
     from smelt_ds.errors import ConfigError
-    from smelt_ds.train.export import consolidated_state_dict
+    from smelt_ds.runs.export import consolidated_state_dict
 
     try:
         consolidated_state_dict(ckpt_dir, cfg)
@@ -152,7 +152,7 @@ def _export_error(ckpt_dir: Path, cfg) -> str:
 
 def _summary(run_dir: Path, cfg) -> dict:
     """Per complete checkpoint: the shards its marker lists, verify's problems, export's outcome."""
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
 
     out = {}
     for p in sorted((run_dir / "checkpoints").glob("step*")):
@@ -167,7 +167,7 @@ def _expert_parallel_cell(rank: int, tmp: Path, cache: Path, backend: str, zero:
     """``minimal``: saves at 2, a SIGTERM-stop at 3, then a resume with ``newest`` to 6 (saves 4, 6)."""
     import torch.distributed as dist
 
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
     from smelt_ds.train.build import build
 
     run_dir = tmp / backend
@@ -197,8 +197,8 @@ def _reference_cell(rank: int, tmp: Path, cache: Path) -> dict:
     and stopping at 4 (``train.exit_after_steps``, the stop path a SIGTERM takes); a resume to 5."""
     import torch.distributed as dist
 
-    from smelt_ds.train import checkpoint as ckpt
-    from smelt_ds.train.export import consolidated_state_dict
+    from smelt_ds.runs import checkpoint as ckpt
+    from smelt_ds.runs.export import consolidated_state_dict
 
     run_dir = tmp / "reference"
     raw = _raw(run_dir, cache, "reference", 2, max_steps=5, save_every=1, keep_last=3)
@@ -291,7 +291,7 @@ def test_reference_backend_writes_shards_only_at_the_last_save_and_exports_every
 
 def test_which_saves_write_the_shards():
     """:func:`writes_reference` against the rule of the field's description."""
-    from smelt_ds.train.checkpoint import writes_reference
+    from smelt_ds.runs.checkpoint import writes_reference
 
     ep = {"moe_backend": "autoep", "zero_stage": 3}
     ref2, ref0 = {"moe_backend": "reference", "zero_stage": 2}, {"moe_backend": "reference", "zero_stage": 0}

@@ -5,7 +5,7 @@ Layout under ``<run_dir>/checkpoints/``::
     step00000050/            DeepSpeed's files (model, optimizer, scheduler state per rank)
     step00000050/client_rank{r}.pt   step, tokens seen, data-loader state and RNG states of rank r
     step00000050/reference/rank{r}.pt   rank r's shard of the fp32 weights in the reference
-                             layout (:mod:`smelt_ds.train.reference_weights`), what ``smelt-ds export``
+                             layout (:mod:`smelt_ds.runs.reference_weights`), what ``smelt-ds export``
                              reads for every MoE backend and ZeRO stage; which checkpoints carry
                              them is ``train.reference_weights`` (:func:`writes_reference`)
     step00000050/COMPLETE    written by rank 0 after every rank finished: the only mark of a
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from smelt_ds.errors import ConfigError
-from smelt_ds.train.reference_weights import REFERENCE_DIR, gather_reference_shard, shard_path
+from smelt_ds.runs.reference_weights import REFERENCE_DIR, gather_reference_shard, shard_path
 
 __all__ = ["checkpoint_dir", "save", "load", "latest_complete", "rng_state", "restore_rng", "MARKER", "run_layout",
            "check_layout", "REFERENCE_CHOICES", "offline_exportable", "writes_reference", "reference_files",
@@ -258,7 +258,7 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     Writes DeepSpeed's files, this rank's client state and, when :func:`writes_reference` says
     so for ``reference_weights`` (``train.reference_weights``) and ``final`` (the run's last save:
     ``train.max_steps`` or a stop), its shard of the reference-layout weights
-    (:func:`smelt_ds.train.reference_weights.gather_reference_shard`, 4 bytes per parameter over
+    (:func:`smelt_ds.runs.reference_weights.gather_reference_shard`, 4 bytes per parameter over
     all ranks), each with a SHA-256 computed while writing and fsynced; then, once every rank is
     done, rank 0 fsyncs the directory and writes the ``COMPLETE`` marker: JSON with the step,
     tokens seen, ``layout`` (see :func:`run_layout`; its ``moe_backend``, default ``reference``,

@@ -79,7 +79,7 @@ def _copy_run(src: Path, dst: Path) -> Path:
 
 
 def test_marker_lists_every_file_with_its_digest_and_files_are_synced_first(trained):
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
 
     _, run_dir, events = trained
     step4 = run_dir / "checkpoints" / "step00000004"
@@ -111,9 +111,9 @@ def _flip(path: Path, n: int = 64) -> None:
 @pytest.mark.distributed
 def test_damaged_newest_checkpoint_is_named_kept_and_skipped(trained, tmp_path):
     from smelt_ds.errors import ConfigError
+    from smelt_ds.runs import checkpoint as ckpt
+    from smelt_ds.runs.export import export_checkpoint
     from smelt_ds.testing import DistributedTestError
-    from smelt_ds.train import checkpoint as ckpt
-    from smelt_ds.train.export import export_checkpoint
 
     raw, src, _ = trained
     run_dir = _copy_run(src, tmp_path / "run")
@@ -146,8 +146,8 @@ def test_damaged_newest_checkpoint_is_named_kept_and_skipped(trained, tmp_path):
 
 def test_checkpoint_without_digests_that_deepspeed_cannot_read_names_it(trained, tmp_path):
     """Checkpoints of older smelt-ds have no digests: a truncated model file is still named."""
+    from smelt_ds.runs import checkpoint as ckpt
     from smelt_ds.testing import DistributedTestError
-    from smelt_ds.train import checkpoint as ckpt
 
     raw, src, _ = trained
     run_dir = _copy_run(src, tmp_path / "run")
@@ -167,7 +167,7 @@ def test_full_disk_names_the_file_and_leaves_no_complete_checkpoint(tmp_path, ca
     """/dev/full answers every write with ENOSPC, as a full file system does."""
     import yaml
 
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
 
     if not os.path.exists("/dev/full"):
         pytest.skip("/dev/full is not available on this machine")
@@ -186,7 +186,7 @@ def test_full_disk_names_the_file_and_leaves_no_complete_checkpoint(tmp_path, ca
 
 
 def test_write_hashed_digest_equals_the_file(tmp_path):
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
 
     obj = {"w": torch.arange(10_000, dtype=torch.float32), "meta": {"step": 3}}
     for zipfile in (True, False):
@@ -242,7 +242,7 @@ def test_all_checkpoints_damaged_never_restarts_from_step_zero(trained, tmp_path
         run_distributed(_train, 1, args=(raw, "none"), timeout=300)
     assert (run_dir / "metrics.jsonl").read_text() == metrics
     from smelt_ds.errors import ConfigError
-    from smelt_ds.train.export import export_checkpoint
+    from smelt_ds.runs.export import export_checkpoint
 
     with pytest.raises(ConfigError, match=r"was moved aside as damaged \(.*mp_rank_00_model_states.pt has another"):
         export_checkpoint(run_dir / "checkpoints" / "damaged-step00000004", tmp_path / "export")
@@ -281,7 +281,7 @@ def test_full_disk_inside_torchs_zip_writer_is_named(tmp_path, monkeypatch):
     import errno
     import io
 
-    from smelt_ds.train import checkpoint as ckpt
+    from smelt_ds.runs import checkpoint as ckpt
 
     class FillsUp(io.RawIOBase):
         def __init__(self):
