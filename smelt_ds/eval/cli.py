@@ -37,7 +37,7 @@ from smelt_ds.eval.loss import parse_buckets
 from smelt_ds.eval.offline_tasks import MANIFEST_FILE, MARKER_FILE, add_build_tasks_arguments, run_build_tasks
 from smelt_ds.eval.plots import plot_analysis, plot_eval, safe_name
 from smelt_ds.eval.report import analysis_table, eval_table, to_markdown, write_report
-from smelt_ds.eval.runs import LoadedRun, load_run, load_runs
+from smelt_ds.runs.load import LoadedRun, load_run, load_runs
 from smelt_ds.eval.stratified import plot_stratified, stratified_markdown, stratify, write_stratified
 from smelt_ds.eval.suite import AnalysisSettings, EvalSettings, analyze_runs, evaluate_runs
 from smelt_ds.files import write_json_atomic, write_text_atomic

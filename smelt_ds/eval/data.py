@@ -153,7 +153,7 @@ def corpus_config(cfg, paths: list[str]):
     """``cfg`` whose data section reads ``paths`` (files or directories; one domain per path,
     named by its stem) in full: ``validation_share`` 0 puts every document in the ``train``
     split, which the evaluation then reads. The tokenizer is kept (the run's, see
-    :func:`smelt_ds.eval.runs.load_run`). Raises ConfigError for a path that does not exist."""
+    :func:`smelt_ds.runs.load.load_run`). Raises ConfigError for a path that does not exist."""
     from pathlib import Path
 
 

@@ -62,7 +62,7 @@ from smelt_ds.config.schedule import build_schedule
 from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.data import open_eval_data
-from smelt_ds.eval.runs import load_run
+from smelt_ds.runs.load import load_run
 from smelt_ds.runs.tokenizer_file import load_tokenizer, tokenizer_hash
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ class SmeltHarnessLM(TemplateLM):
 
     Model arguments (``--model_args key=value,...``; strings parse):
         pretrained: run directory (its newest complete checkpoint is exported once), checkpoint
-            directory or export directory (:func:`smelt_ds.eval.runs.load_run`).
+            directory or export directory (:func:`smelt_ds.runs.load.load_run`).
         batch_size: rows per forward (int, default 8; ``auto`` is not supported).
         max_length: tokens per forward window (default ``model.max_seq_len``; larger is an error).
         max_gen_toks: default new tokens of ``generate_until`` when a task does not say (256).

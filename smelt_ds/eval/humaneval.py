@@ -33,7 +33,7 @@ from smelt_ds.eval import sandbox
 from smelt_ds.eval.data import open_eval_data
 from smelt_ds.eval.generation import encode_prompt
 from smelt_ds.eval.harness import SmeltHarnessLM
-from smelt_ds.eval.runs import LoadedRun, describe_model
+from smelt_ds.runs.load import LoadedRun, describe_model
 
 __all__ = ["STOP_SEQUENCES", "K_LIST", "REFUSAL", "load_problems", "pass_at_k", "cut_at_stop", "Completions",
            "generate_completions", "encode_pair", "canonical_solution_loss", "evaluate_humaneval",

@@ -23,9 +23,10 @@ from smelt_ds.config.run import LoopConfig, loop_with_repeats
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.data import open_eval_data
-from smelt_ds.eval.loss import combine_domains, evaluate_domain
-from smelt_ds.eval.runs import LoadedRun
+from smelt_ds.eval.loss import evaluate_domain
 from smelt_ds.model.attention import KVCache
+from smelt_ds.runs.load import LoadedRun
+from smelt_ds.runs.validation_loss import combine_domains
 
 __all__ = ["parse_repeats", "has_loop", "loop_plan", "loss_by_repeats", "loop_repeats_markdown"]
 

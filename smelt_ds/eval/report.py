@@ -31,7 +31,7 @@ def _finite(x):
 
 def _domain_label(domain: str) -> str:
     """``all`` is the mean of the domains' values, each domain weighted equally (as training's
-    ``val/all``; :data:`smelt_ds.eval.loss.ALL_DEFINITION`): the label says so."""
+    ``val/all``; :data:`smelt_ds.runs.validation_loss.ALL_DEFINITION`): the label says so."""
     return "all (domains weighted equally)" if domain == "all" else domain
 
 

@@ -16,9 +16,10 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.eval.analysis import analyze_model
 from smelt_ds.eval.data import EvalData, open_eval_data
 from smelt_ds.eval.icl import DEFAULT_SHOTS, TASK_NAMES, build_tasks, evaluate_task
-from smelt_ds.eval.loss import ALL_DEFINITION, combine_domains, evaluate_domain, position_buckets
-from smelt_ds.eval.runs import LoadedRun, describe_model
+from smelt_ds.eval.loss import evaluate_domain, position_buckets
 from smelt_ds.runs import checkpoint as ckpt
+from smelt_ds.runs.load import LoadedRun, describe_model
+from smelt_ds.runs.validation_loss import ALL_DEFINITION, combine_domains
 
 __all__ = ["EvalSettings", "AnalysisSettings", "evaluate_runs", "analyze_runs", "resolve_seq_len", "training_ranks",
            "training_windows"]
@@ -152,7 +153,7 @@ def evaluate_runs(runs: list[LoadedRun], settings: EvalSettings, log=print) -> d
 
     Returns ``{"kind": "eval", "runs": [...], "settings": {...}, "domains": {run: {domain: {...}}},
     "icl": {run: {task: {k: {...} | None}}}, "tasks": {task: {...}}, "notes": [...]}``; domain
-    ``all`` weighs the domains equally (:data:`smelt_ds.eval.loss.ALL_DEFINITION`); the notes
+    ``all`` weighs the domains equally (:data:`smelt_ds.runs.validation_loss.ALL_DEFINITION`); the notes
     state the windows evaluated. With ``settings.training_windows`` the windows are the first
     run's in-loop validation windows (:func:`training_windows`). Raises ConfigError for a
     ``seq_len`` beyond a run's context or an unknown training rank count.

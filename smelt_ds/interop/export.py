@@ -36,10 +36,10 @@ from smelt_ds.config.run import RunConfig, load_config
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError
-from smelt_ds.eval.runs import resolve_export
 from smelt_ds.files import staged_directory, write_json_atomic, write_text_atomic
 from smelt_ds.interop import known_archs, smelt_format
 from smelt_ds.runs.export import EXPORT_FILES, HF_MARKER, REFERENCE_OVERRIDES, load_exported
+from smelt_ds.runs.load import resolve_export
 from smelt_ds.runs.provenance import RUN_TOKENIZER
 from smelt_ds.runs.tokenizer_file import load_tokenizer
 

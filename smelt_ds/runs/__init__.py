@@ -10,6 +10,10 @@ Hugging Face interop and the study read them through this package.
 - :mod:`smelt_ds.runs.provenance` and :mod:`smelt_ds.runs.tokenizer_file`: the run's tokenizer,
   carried into exports and checked by every reader.
 - :mod:`smelt_ds.runs.run_lock`: one training per run directory.
+- :mod:`smelt_ds.runs.load`: open run directories, checkpoints and exports as CPU models (what
+  evaluation and Hugging Face export read).
+- :mod:`smelt_ds.runs.validation_loss`: the one definition of the per-domain validation loss,
+  used by training's validation and by ``smelt-ds eval``.
 
 This package imports nothing itself.
 """

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from smelt_ds.config.run import RunConfig
-from smelt_ds.eval.loss import ALL_DEFINITION
+from smelt_ds.runs.validation_loss import ALL_DEFINITION
 from smelt_ds.train.console import summary_lines
 from smelt_ds.train.trackers import Tracker, scalars
 from smelt_ds.train.validation import describe_validation, validation_windows

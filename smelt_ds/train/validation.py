@@ -4,9 +4,10 @@
 :func:`evaluate`; its numbers go to ``metrics.jsonl`` (``val/<domain>``, ``val/all``), TensorBoard
 and ``summary.txt``.
 
-Definition (the same as ``smelt-ds eval``'s, :mod:`smelt_ds.eval.loss`): a domain's loss is the
-mean next-token cross-entropy (nats/token) over the label tokens of its validation windows;
-``all`` is :data:`~smelt_ds.eval.loss.ALL_DEFINITION`. The windows are a cheap subset: per domain
+Definition: the one of :mod:`smelt_ds.runs.validation_loss`, which ``smelt-ds eval`` uses too (a
+domain's loss is the mean next-token cross-entropy, nats/token, over the label tokens of its
+validation windows; ``all`` is :data:`~smelt_ds.runs.validation_loss.ALL_DEFINITION`). The windows
+are a cheap subset: per domain
 the first ``eval.eval_batches x train.micro_batch_size x ranks`` windows of ``train.seq_len + 1``
 tokens in shard order (rank r reads windows r, r + ranks, ...; fewer when a domain holds fewer,
 see :func:`validation_windows`). ``smelt-ds eval RUN --training-windows`` evaluates exactly
@@ -18,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from smelt_ds.config.run import RunConfig
-from smelt_ds.eval.loss import ALL_DEFINITION
+from smelt_ds.runs.validation_loss import DomainLoss, validation_losses
 
-__all__ = ["evaluate", "validation_windows", "describe_validation", "ALL_DEFINITION"]
+__all__ = ["evaluate", "validation_windows", "describe_validation"]
 
 
 @torch.no_grad()
@@ -28,16 +29,18 @@ def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
     """Loss (nats/token) per validation domain and ``all`` over up to ``eval.eval_batches``
     micro-batches per rank and domain.
 
-    A domain's value is token-weighted over its label tokens on every rank (sums all-reduced);
-    ``all`` is the plain mean of the domains' values, every domain weighted equally whatever its
-    number of windows (:data:`ALL_DEFINITION`; ``smelt-ds eval`` defines ``all`` the same way).
-    Domains without a label token are left out. ``engine`` is called as ``engine(input_ids,
+    Per domain, the cross-entropy (nats: ``lm_loss`` times the batch's label tokens) and the label
+    tokens are summed over the batches and all-reduced over the ranks into a
+    :class:`~smelt_ds.runs.validation_loss.DomainLoss`; the values are
+    :func:`~smelt_ds.runs.validation_loss.validation_losses` of those sums, the definition
+    ``smelt-ds eval`` uses (token-weighted within a domain, ``all`` weighing the domains equally,
+    domains without a label token left out). ``engine`` is called as ``engine(input_ids,
     labels=labels)`` and must return ``lm_loss``, the mean over the batch's label tokens.
     """
     import torch.distributed as dist
 
     engine.eval()
-    out: dict[str, float] = {}
+    parts: dict[str, DomainLoss] = {}
     for domain, batches in data.validation(cfg.eval.eval_batches).items():
         s = torch.zeros(2, dtype=torch.float64)
         for batch in batches:
@@ -46,12 +49,9 @@ def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
             s += torch.tensor([float(o.lm_loss) * n, n], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(s)
-        if s[1] > 0:
-            out[domain] = float(s[0] / s[1])
-    if out:
-        out["all"] = sum(out.values()) / len(out)
+        parts[domain] = DomainLoss(nats=float(s[0]), tokens=int(s[1]))
     engine.train()
-    return out
+    return validation_losses(parts)
 
 
 def validation_windows(data) -> dict[str, int]:

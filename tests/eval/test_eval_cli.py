@@ -104,7 +104,7 @@ def test_analyze_files_and_ranges(analysis_out):
 def test_generate_greedy_matches_full_recompute(trained_run, capsys):
     from smelt_ds.eval.data import open_eval_data
     from smelt_ds.eval.generation import encode_prompt, generate_text
-    from smelt_ds.eval.runs import load_run
+    from smelt_ds.runs.load import load_run
 
     assert _cli("generate", trained_run, "--prompt", "def main(", "--max-new-tokens", "8", "--no-stop") == 0
     text = capsys.readouterr().out
@@ -127,7 +127,7 @@ def test_generate_with_a_test_time_loop_count(random_exports, capsys):
     from smelt_ds.config.run import loop_with_repeats
     from smelt_ds.eval.data import open_eval_data
     from smelt_ds.eval.generation import encode_prompt
-    from smelt_ds.eval.runs import load_run
+    from smelt_ds.runs.load import load_run
 
     args = ("generate", random_exports["smelt"], "--prompt", "def f(", "--max-new-tokens", "6", "--no-stop",
             "--mode", "greedy", "--json")

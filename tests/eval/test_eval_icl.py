@@ -73,7 +73,7 @@ def test_pattern_and_text_tasks_decode_as_documented(tasks, eval_data):
 
 def test_scores_equal_per_episode_hand_computation(tasks, random_exports, eval_data):
     from smelt_ds.eval.icl import evaluate_task
-    from smelt_ds.eval.runs import load_run
+    from smelt_ds.runs.load import load_run
 
     model = load_run(random_exports["smelt"]).model
     for name in ("kv_recall", "word_case", "complete_code"):
@@ -105,7 +105,7 @@ def test_scores_equal_per_episode_hand_computation(tasks, random_exports, eval_d
 
 def test_k_too_long_for_the_context_is_skipped(tasks, random_exports, eval_data):
     from smelt_ds.eval.icl import evaluate_task
-    from smelt_ds.eval.runs import load_run
+    from smelt_ds.runs.load import load_run
 
     model = load_run(random_exports["smelt"]).model
     got = evaluate_task(model, tasks["pattern"], (1, 16), episodes=2, max_len=64, pad_id=eval_data.prepared.pad_id)

@@ -12,7 +12,7 @@ from smelt_ds.errors import ConfigError
 
 
 def _loaded(path):
-    from smelt_ds.eval.runs import load_run
+    from smelt_ds.runs.load import load_run
 
     return load_run(path)
 

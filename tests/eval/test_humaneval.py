@@ -25,7 +25,7 @@ def problems():
 
 @pytest.fixture
 def smelt(random_exports):
-    from smelt_ds.eval.runs import load_run
+    from smelt_ds.runs.load import load_run
 
     return load_run(random_exports["smelt"])
 
@@ -271,7 +271,7 @@ def test_two_run_journey(random_exports, eval_data, tmp_path, monkeypatch):
     """Two runs -> humaneval.json with both; pass@1 = passed / samples from the per-problem results
     (problems 0 and 1 get their canonical solution, so the number is not trivially 0); the loss
     equals the direct computation; truncated prompts are counted; no flag -> refusal, no files."""
-    from smelt_ds.eval.runs import load_runs
+    from smelt_ds.runs.load import load_runs
 
     runs = load_runs([str(random_exports["baseline"]), str(random_exports["smelt"])])
     out = tmp_path / "out"

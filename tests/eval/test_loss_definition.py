@@ -118,7 +118,7 @@ def test_eval_with_training_windows_equals_in_loop_validation(run, cli_eval, eva
 def test_same_flags_on_an_earlier_checkpoint_equal_its_validation(run, eval_data):
     """Without --training-windows, flags naming the same windows give the same numbers (step 3);
     the default note points at --training-windows."""
-    from smelt_ds.eval.runs import load_run
+    from smelt_ds.runs.load import load_run
     from smelt_ds.eval.suite import EvalSettings, evaluate_runs
 
     loaded = load_run(run["dir"] / "checkpoints" / "step00000003")
@@ -163,7 +163,7 @@ def _two_rank_validation(rank, world, raw, export):
 def test_two_rank_validation_equals_eval_with_ranks(run, eval_data):
     """Training's validation on 2 ranks (each rank every other window, sums all-reduced) equals the
     evaluation reading the windows the same way (``ranks=2``)."""
-    from smelt_ds.eval.runs import load_run
+    from smelt_ds.runs.load import load_run
     from smelt_ds.eval.suite import EvalSettings, evaluate_runs
     from smelt_ds.testing import run_distributed
 
@@ -183,7 +183,7 @@ def test_two_rank_validation_equals_eval_with_ranks(run, eval_data):
 
 
 def test_training_ranks_come_from_the_checkpoint_marker(run, tmp_path):
-    from smelt_ds.eval.runs import load_run
+    from smelt_ds.runs.load import load_run
     from smelt_ds.eval.suite import training_windows
 
     export = run["dir"] / "exports" / "step00000006"

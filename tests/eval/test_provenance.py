@@ -39,7 +39,7 @@ def _hash(path) -> str:
 
 
 def test_run_and_export_record_the_training_tokenizer(trained_run, eval_data):
-    from smelt_ds.eval.runs import resolve_export
+    from smelt_ds.runs.load import resolve_export
 
     assert _hash(trained_run / "tokenizer.json") == eval_data.prepared.tokenizer_hash
     export = resolve_export(trained_run)
@@ -51,7 +51,7 @@ def test_eval_corpus_scores_every_window_with_the_runs_tokenizer(trained_run, co
     of seq_len + 1 tokens (stride seq_len) and average the model's cross-entropy."""
     from tokenizers import Tokenizer
 
-    from smelt_ds.eval.runs import load_run
+    from smelt_ds.runs.load import load_run
 
     assert _cli("eval", trained_run, "--corpus", corpus, "-o", tmp_path / "out", "--seq-len", "32",
                 "--micro-batch", "4", "--episodes", "1", "--shots", "0", "--tasks", "kv_recall", "--no-plots") == 0
@@ -120,7 +120,7 @@ def test_init_from_trains_on_with_the_exports_tokenizer(trained_run, corpus, tmp
     another tokenizer needs train.init_from_any_tokenizer."""
     from smelt_ds.config.run import config_from_dict
     from smelt_ds.errors import ConfigError
-    from smelt_ds.eval.runs import resolve_export
+    from smelt_ds.runs.load import resolve_export
     from smelt_ds.runs.provenance import init_from_tokenizer
     from tests.eval.eval_test_utils import tiny_raw
 

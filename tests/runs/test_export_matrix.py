@@ -228,7 +228,7 @@ def test_export_eval_generate_init_from(tmp_path, cache, backend, zero, ep, caps
     # (c) the downstream evaluation of issue 15 on the same export: a harness task and the
     # HumanEval canonical-solution loss, equal to a direct evaluation of the exported model
     from smelt_ds.eval.harness import evaluate_model, run_tokenizer
-    from smelt_ds.eval.runs import load_run
+    from smelt_ds.runs.load import load_run
 
     tasks = tmp_path / "tasks"
     tasks.mkdir()

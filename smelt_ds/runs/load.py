@@ -1,4 +1,5 @@
-"""Open the runs an evaluation compares: run directories, checkpoint directories or exports.
+"""Open runs for their readers (evaluation, Hugging Face export): run directories, checkpoint
+directories or exports.
 
 A run directory is consolidated once with :func:`smelt_ds.runs.export.export_checkpoint` (its newest
 complete checkpoint) into ``<run_dir>/exports/<checkpoint tag>/`` and reused while that export's
