@@ -42,8 +42,8 @@ section, recorded as such (nothing is installed).
 
 Takes: about 7 minutes on one H200 (``--budget-s``, default 420 s, is shared among the sections;
 time one section leaves unused goes to the later ones), about a minute for ``--dry-run`` on two
-CPU cores. Afterwards paste ``gpu_check.txt`` into README.md under a dated "Measured on one GPU"
-heading, with the commit it ran on; a dry run's numbers are not measurements (the text says so).
+CPU cores. Afterwards paste ``gpu_check.txt`` into docs/results/benchmarks.md under a dated
+"Measured on one GPU" heading, with the commit it ran on; a dry run's numbers are not measurements (the text says so).
 """
 
 from __future__ import annotations

@@ -1,89 +1,85 @@
-"""The manual pages under docs/: their commands parse, and the cluster walkthrough's recipe validates.
-
-README.md's examples are checked in depth by tests/test_examples.py. The docs pages describe cluster
-runs whose files (corpora, tokenizers, recipes of the reader's own) are not in the checkout, so here
-every ``smelt-ds`` command of a page's shell blocks is parsed by the real command parser (a renamed
-flag, a dropped choice or a removed command fails), and docs/cluster.md's example recipe (``base:``
-on the shipped M recipe, Megatron sources, a tokenizer directory, W&B) is loaded and validated with
-its ``base:`` pointed at this checkout.
-"""
+"""The manual beyond its command examples (those are tests/test_examples.py's): README.md's links
+resolve (``mkdocs build --strict`` checks the links inside docs/), the cluster walkthrough's recipe
+is the shipped M recipe with the reader's data, and the console excerpts of README.md and
+docs/training.md are what the training console prints for the tiny recipe."""
 
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 
 import pytest
-import yaml
 
-from smelt_ds import cli
 from smelt_ds.config.run import load_config
+from smelt_ds.cost.budget import compute_budget
+from smelt_ds.parallel.threads import ThreadChoice
+from smelt_ds.train.console import banner, step_line, summary_lines, val_line
+from tests.test_examples import ROOT, fenced_blocks, walkthrough_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted((ROOT / "docs").glob("*.md"))
-_SEPARATORS = {"&&", "||", "|", ";"}
+README = ROOT / "README.md"
 
 
-def _blocks(text: str, langs: tuple[str, ...]) -> list[tuple[int, str]]:
-    """``(first line, body)`` of every fenced block in one of ``langs``."""
-    out, lang, body, start = [], None, [], 0
-    for n, line in enumerate(text.splitlines(), 1):
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation other than ``-`` and
+    ``_`` dropped, spaces as ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings (outside code blocks)."""
+    out, fenced = set(), False
+    for line in page.read_text().splitlines():
         if line.startswith("```"):
-            if lang is None:
-                lang, body, start = line[3:].strip(), [], n + 1
-            else:
-                if lang in langs:
-                    out.append((start, "\n".join(body)))
-                lang = None
-            continue
-        if lang is not None:
-            body.append(line)
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"^#{1,6} (.+)$", line)):
+            out.add(github_anchor(m.group(1)))
     return out
 
 
-def doc_commands() -> list[tuple[str, list[str]]]:
-    """``(page:line, argv)`` of every ``smelt-ds`` command in the shell blocks of docs/*.md."""
-    found = []
-    for page in DOCS:
-        for start, body in _blocks(page.read_text(), ("bash", "sh", "shell", "")):
-            for k, line in enumerate(body.replace("\\\n", " ").splitlines()):
-                if "smelt-ds" not in line:
-                    continue
-                words, seg = shlex.split(line, comments=True), []
-                for w in words + [";"]:
-                    if w in _SEPARATORS:
-                        if seg[:1] == ["smelt-ds"]:
-                            found.append((f"{page.name}:{start + k}", seg[1:]))
-                        seg = []
-                    else:
-                        seg.append(w)
-    return found
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
-def test_docs_hold_commands():
-    pages = {where.split(":")[0] for where, _ in doc_commands()}
-    assert {"cluster.md"} <= pages
+def broken_links(page: Path) -> list[str]:
+    """Relative links of a page (outside code blocks) whose file, or heading anchor in a Markdown
+    file, does not exist."""
+    fenced, kept = False, []
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            kept.append(line)
+    text = "\n".join(kept)
+    bad = []
+    for target in _LINK.findall(text):
+        if re.match(r"^[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            bad.append(f"{target} (no file {file})")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            bad.append(f"{target} (no heading with anchor #{anchor} in {file})")
+    return bad
 
 
-@pytest.mark.parametrize("where,argv", doc_commands(), ids=[w for w, _ in doc_commands()])
-def test_doc_command_parses(where, argv):
-    """The command line parses; ``--help``-style exits (SystemExit 0) count as parsing."""
-    try:
-        cli.build_parser([argv[0]]).parse_args(argv)
-    except SystemExit as e:
-        assert e.code == 0, f"{where}: `smelt-ds {shlex.join(argv)}` does not parse"
+def test_readme_links_resolve():
+    assert broken_links(README) == []
+    assert len(_LINK.findall(README.read_text())) >= 10  # the task table links the manual
 
 
-def test_cluster_walkthrough_recipe_validates(tmp_path):
-    page = (ROOT / "docs" / "cluster.md").read_text()
-    recipes = [body for _, body in _blocks(page, ("yaml",)) if body.lstrip().startswith("# m-smelt-pile.yaml")]
-    assert len(recipes) == 1
-    raw = yaml.safe_load(recipes[0])
-    raw["base"] = str(ROOT / "recipes" / "m" / "smelt.yaml")
-    path = tmp_path / "m-smelt-pile.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    cfg = load_config(path)
+def test_link_check_catches_a_missing_file_and_a_missing_anchor(tmp_path):
+    (tmp_path / "b.md").write_text("# A heading: `smelt-ds plot`\n")
+    page = tmp_path / "a.md"
+    page.write_text("[ok](b.md#a-heading-smelt-ds-plot) [f](c.md) [a](b.md#other) [w](https://x.org/y)\n"
+                    "```bash\n[not a link](d.md)\n```\n")
+    assert github_anchor("A heading: `smelt-ds plot`") == "a-heading-smelt-ds-plot"
+    problems = broken_links(page)
+    assert len(problems) == 2 and "c.md" in problems[0] and "#other" in problems[1], problems
+
+
+def test_cluster_walkthrough_recipe_is_the_shipped_m_recipe_with_the_readers_data(tmp_path):
+    cfg = load_config(walkthrough_recipe(tmp_path))
     shipped = load_config(ROOT / "recipes" / "m" / "smelt.yaml")
     assert cfg.name == "m-smelt-pile"
     assert [s.kind() for s in cfg.data.sources] == ["megatron", "megatron"]
@@ -91,5 +87,88 @@ def test_cluster_walkthrough_recipe_validates(tmp_path):
     # everything but the data, tracking and name is the shipped M recipe: the walkthrough trains it
     for section in ("model", "moe", "moe_runtime", "loop", "train", "deepspeed", "cluster"):
         assert getattr(cfg, section) == getattr(shipped, section), section
-    # the commands of the page name the recipe the block writes
-    assert re.search(r"smelt-ds memory m-smelt-pile\.yaml", page)
+
+
+# ---------------------------------------------------------------------------------------------
+# console excerpts
+# ---------------------------------------------------------------------------------------------
+
+_NUMBER = r"([\d,]+(?:\.\d+)?(?:e[-+]\d+)?)"
+
+
+def _num(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def _excerpts() -> list[tuple[str, list[str]]]:
+    """``(where, lines)`` of the text blocks of README.md and docs/training.md that show the tiny
+    SMELT recipe's console."""
+    out = []
+    for page in (README, ROOT / "docs" / "training.md"):
+        for lang, start, body in fenced_blocks(page.read_text()):
+            if lang == "text" and "smelt-ds train: tiny-smelt" in body:
+                out.append((f"{page.relative_to(ROOT)}:{start}", body))
+    return out
+
+
+def _step_row(line: str) -> tuple[int, int, dict, float | None]:
+    """A printed step line read back: (step, max_steps, metrics row, eta in seconds)."""
+    m = re.match(rf"^step +(\d+)/(\d+) \| loss {_NUMBER} \| lr {_NUMBER} \| grad_norm {_NUMBER} \| {_NUMBER} tok/s "
+                 rf"\| {_NUMBER} TFLOP/s \| rss {_NUMBER} GiB \| eta (?:(\d+)m)?(\d+)s$", line)
+    assert m, f"not a step line of the current format: {line!r}"
+    g = m.groups()
+    row = {"loss": _num(g[2]), "lr": _num(g[3]), "grad_norm": _num(g[4]), "tokens_per_s": _num(g[5]),
+           "tflops_per_device": _num(g[6]), "memory_bytes": _num(g[7]) * 2**30}
+    return int(g[0]), int(g[1]), row, 60 * int(g[8] or 0) + int(g[9])
+
+
+def _summary_from(lines: list[str], budget: dict) -> dict:
+    """The summary.json fields the excerpt's summary block shows, read back from it."""
+    text = "\n".join(lines)
+    s = {"budget": budget, "compile": "none"}
+    if m := re.search(rf"summary: (\S+), {_NUMBER} steps, {_NUMBER} tokens", text):
+        s.update(name=m.group(1), steps=int(_num(m.group(2))), tokens=int(_num(m.group(3))))
+    if m := re.search(rf"throughput +{_NUMBER} tokens/s steady state \({_NUMBER} logged windows after the first\); "
+                      rf"first window {_NUMBER} s, {_NUMBER} s of it", text):
+        s.update(tokens_per_s=_num(m.group(1)), throughput_windows=int(_num(m.group(2))) + 1,
+                 first_window_s=_num(m.group(3)), startup_s=_num(m.group(4)))
+    if m := re.search(rf"train loss +{_NUMBER} \(LM {_NUMBER}\), mean over the last {_NUMBER} steps", text):
+        s.update(final_train_loss=_num(m.group(1)), final_lm_loss=_num(m.group(2)), final_loss_steps=int(m.group(3)))
+    s["validation_loss"] = {k: _num(v) for k, v in re.findall(rf"val \[(\w+)\] +{_NUMBER} nats/token", text)}
+    if m := re.search(rf"unigram +{_NUMBER} nats/token", text):
+        s["unigram_entropy_nats"] = _num(m.group(1))
+    return s
+
+
+@pytest.mark.parametrize("where,lines", _excerpts(), ids=[w for w, _ in _excerpts()])
+def test_console_excerpt_is_what_training_prints(where, lines):
+    """Each banner, step, validation and summary line of the excerpt equals the line the console
+    code prints for the tiny SMELT recipe on 1 CPU rank (the numbers a run measured read back from
+    the excerpt; the recipe's own values, such as the budgets and the schedule, computed), and each
+    step line's TFLOP/s is its tok/s times the recipe's training FLOPs per token."""
+    cfg = load_config(ROOT / "recipes" / "tiny" / "smelt.yaml")
+    budget = compute_budget(cfg, seq_len=cfg.train.seq_len)
+    threads = ThreadChoice(2, "2 cores / 1 local rank; OMP_NUM_THREADS unset")
+    expected = banner(cfg, run_dir="runs/tiny-smelt", world=1, accum=1, budget=budget, precision="fp32", device="cpu",
+                      threads=threads).splitlines()
+    windows = next((ln.split("val windows", 1)[1].strip() for ln in lines if ln.startswith("  val windows")), None)
+    expected += summary_lines(_summary_from(lines, budget.as_dict()), "the mean of the domains' values, each domain "
+                              "weighted equally", "runs/tiny-smelt", windows)
+    shown = [ln for ln in lines if ln.strip() != "..." and not ln.startswith("smelt-ds data:")]
+    assert len(shown) >= 8, where
+    for line in shown:
+        if line.startswith("step "):
+            step, max_steps, row, eta = _step_row(line)
+            assert step_line(step, max_steps, row, eta_s=eta) == line, where
+            # TFLOP/s = tok/s x training FLOPs/token: the printed TFLOP/s is rounded to its last digit (half a
+            # unit of it), the printed tok/s to an integer (relative 0.5 / tok/s, under 1e-3 here)
+            flops = row["tokens_per_s"] * budget.train_flops_per_token / 1e12
+            printed = re.search(rf"{_NUMBER} TFLOP/s", line).group(1)
+            half_unit = 0.5 * 10.0 ** -len(printed.partition(".")[2])
+            assert abs(flops - row["tflops_per_device"]) <= half_unit + 1e-3 * flops, (where, line, flops)
+        elif line.startswith("val  step"):
+            step = int(line.split("|")[0].split()[-1])
+            val = {k: _num(v) for k, v in re.findall(rf"(\w+) {_NUMBER}", line.split("|", 1)[1])}
+            assert val_line(step, val) == line, where
+        else:
+            assert line in expected, f"{where}: {line!r} is not a line the console prints for the tiny recipe"

@@ -1,15 +1,19 @@
-"""Every command example in README.md's code blocks and in the help texts of `smelt-ds` (each
-sub-command's description, epilog, argument and group help) is checked, so that an example cannot
-go stale:
+"""Every command example in the shell blocks of README.md and of the manual (docs/**/*.md) and in
+the help texts of `smelt-ds` (each sub-command's description, epilog, argument and group help) is
+checked, so that an example cannot go stale. A page's ```bash / ```sh / ```shell block is commands,
+one per line (continuations joined, split at && || | ;); a ```console block's commands are its
+`$ ` lines; an unlabelled block holding a command fails (label it).
 
-(a) it parses with :func:`smelt_ds.cli.build_parser` (``python -m smelt_ds.train`` with the
+A `smelt-ds` command (also ``python -m smelt_ds...``, ``deepspeed ... --module smelt_ds.train``):
+
+(a) parses with :func:`smelt_ds.cli.build_parser` (``python -m smelt_ds.train`` with the
     per-rank parser, ``deepspeed ... --module smelt_ds.train`` with DeepSpeed's launcher parser
     too, ``smelt-ds lm-eval ...`` with lm-eval's own), after the placeholders of
     :data:`PLACEHOLDERS` (``RECIPE``, ``RUN``, ...) are replaced by concrete values;
 (b) for the commands that take a recipe (:data:`VALIDATED`), the recipe with its ``--set``
     overrides loads and validates (:func:`smelt_ds.config.run.load_config`; a sweep is planned);
     every ``--set KEY=VALUE`` fragment of a help text validates on every shipped tiny recipe;
-(c) it falls in exactly one class:
+(c) falls in exactly one class:
 
     * ``run``: cheap (:func:`_cheap`): run in this process through :func:`smelt_ds.cli.main` in a
       temporary working directory (inputs point at the checkout, outputs land in the temporary
@@ -18,15 +22,25 @@ go stale:
     * ``reference``: a help text naming a command or module (`smelt-ds match`, `python -m
       smelt_ds.train`): the command or module must exist;
     * ``expensive``: training, evaluating a trained run, the harness: listed in :data:`EXPENSIVE`
-      with the existing test that runs that path end to end (which must exist).
+      with the existing test that runs that path end to end (which must exist);
+    * ``cluster``: it reads inputs the checkout lacks, on the reader's cluster or machine, each
+      listed in :data:`CLUSTER_INPUTS` with the reason: parsed, its recipe validated through a
+      stand-in (:data:`STAND_INS`: docs/cluster.md's recipe), and run instead when it is cheap and
+      every such input has a stand-in.
 
-An example in none of them fails, saying what to add.
+An example in none of them fails, saying what to add. A command of another program is checked by
+:func:`check_other`: a script of the checkout must exist, ``pip install`` must name existing extras
+and versions that agree with constraints.txt, ``pytest -m`` registered markers, ``lm_eval`` must
+parse with lm-eval's parser, and any other program must be listed in :data:`OTHER_PROGRAMS` with
+the reason it is not run here.
 """
 
 from __future__ import annotations
 
 import argparse
+import configparser
 import contextlib
+import fnmatch
 import importlib.util
 import io
 import re
@@ -35,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from smelt_ds import cli
 from smelt_ds.config.run import apply_overrides, config_from_dict, load_config
@@ -42,12 +57,14 @@ from smelt_ds.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: the pages whose command examples are checked: the front page and the manual
+DOC_PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 TINY_RECIPES = sorted((ROOT / "recipes" / "tiny").glob("*.yaml"))
 
 #: documented placeholders of the examples -> the concrete value the checks use
 PLACEHOLDERS = {"RECIPE": "recipes/tiny/smelt.yaml", "RUN": "runs/tiny-smelt", "RUN_DIR": "runs/tiny-smelt",
                 "EXPORT": "exported/tiny-smelt", "TASKS": "smelt_offline", "TASKS_DIR": "tasks/", "DIR": "tasks/",
-                "OUT": "out/", "N": "2"}
+                "OUT": "out/", "N": "2", "NEW_RUN": "runs/from-export"}
 #: placeholders whose value depends on the command: (command, placeholder) -> value
 PLACEHOLDERS_FOR = {
     # `smelt-ds memory RECIPE --nodes 4 --gpus-per-node 8 --seq-len 4096`: a recipe of that size
@@ -82,6 +99,8 @@ EXPENSIVE = {
     "smelt-ds export runs/tiny-smelt --format hf -o hf/tiny-smelt":
         "tests/interop/test_export.py::test_looped_model_exports_as_smelt_with_its_code",
     "smelt-ds train RECIPE --set train.init_from=exported/tiny-smelt --run-dir runs/from-export": _RUN_EXPORT_INIT,
+    "smelt-ds export RUN -o EXPORT": _RUN_EXPORT_INIT,
+    "smelt-ds train RECIPE --set train.init_from=EXPORT --run-dir NEW_RUN": _RUN_EXPORT_INIT,
     "smelt-ds train recipes/tiny/smelt.yaml --set train.compile=layers":
         "tests/parallel/test_compile.py::test_compiled_layers_train_like_eager",
     "smelt-ds train recipes/tiny/smelt.yaml --set train.compile=layers --set train.compile_backend=aot_eager":
@@ -148,6 +167,58 @@ EXPENSIVE = {
 }
 
 
+#: inputs on the reader's cluster or machine that the checkout lacks (docs/cluster.md's walkthrough,
+#: docs/data.md's token files): input (a path, or a prefix ending in "/") -> why it is not here. An
+#: example naming one is parsed, and its recipe validated through its stand-in (STAND_INS); it runs
+#: when it is cheap and every such input has a stand-in, else its class is `cluster` (not run).
+_INSPECT = "tests/data/test_token_bad_input.py::test_inspect_prints_what_the_writers_wrote"
+CLUSTER_INPUTS = {
+    "/shared/": "a path on the cluster's shared filesystem (docs/cluster.md: corpora, tokenizer, environment)",
+    "m-smelt-pile.yaml": "the recipe docs/cluster.md has the reader write (stand-in: its yaml block)",
+    "runs/m-smelt-pile": f"the walkthrough's run on 4 nodes (the path at tiny scale: {_RUN_EXPORT_INIT})",
+    "exports/m-smelt-pile": f"the export of the walkthrough's run (the path at tiny scale: {_RUN_EXPORT_INIT})",
+    "corpus_text_document": f"a Megatron dataset docs/data.md writes with megatron-core's builder ({_INSPECT})",
+    "corpus.npy": f"a flat token file docs/data.md writes with np.save ({_INSPECT})",
+}
+
+
+def walkthrough_recipe(tmp: Path) -> Path:
+    """docs/cluster.md's recipe (its yaml block starting ``# m-smelt-pile.yaml``) written to ``tmp``,
+    with its ``base:`` pointed at this checkout's M recipe."""
+    page = (ROOT / "docs" / "cluster.md").read_text()
+    blocks = [body for lang, _, body in fenced_blocks(page) if lang == "yaml" and body[0] == "# m-smelt-pile.yaml"]
+    assert len(blocks) == 1, "docs/cluster.md: expected one yaml block starting `# m-smelt-pile.yaml`"
+    raw = yaml.safe_load("\n".join(blocks[0]))
+    raw["base"] = str(ROOT / "recipes" / "m" / "smelt.yaml")
+    path = tmp / "m-smelt-pile.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+#: cluster inputs that have a stand-in here: input -> function writing it into a directory, returning its path
+STAND_INS = {"m-smelt-pile.yaml": walkthrough_recipe}
+
+#: commands of other programs in the pages' shell blocks: program (or `python -m MODULE`) -> why the
+#: example is not run here. `pip`, `pytest`, `lm_eval` and scripts of the checkout are checked
+#: (see check_other); every other program must be listed.
+OTHER_PROGRAMS = {
+    "sbatch": "submits a job to a Slurm cluster (the script render-job writes; tests/launch/test_jobs.py runs its "
+              "per-node command on loopback)",
+    "kubectl": "applies a manifest to a Kubernetes cluster (tests/launch/test_jobs.py checks the manifest)",
+    "bash": "runs a job script render-job writes (tests/launch/test_jobs.py runs one with `bash -n` and on loopback)",
+    "wandb": "W&B's own CLI (uploads an offline run; tests/train/test_trackers.py reads the offline files)",
+    "mlflow": "MLflow's own UI server",
+    "tensorboard": "TensorBoard's viewer",
+    "python -m venv": "creates a virtual environment",
+    "source": "shell builtin: activates an environment",
+    "export": "shell builtin: sets an environment variable",
+    "echo": "shell builtin",
+    "truncate": "coreutils: damages a file on purpose (tests/data/test_token_bad_input.py cuts files the same way)",
+}
+#: folders of the checkout: `python X` / `bash X` with X under one of them must name a file that exists
+_SCRIPT_FOLDERS = ("bench", "scripts", "launchers", ".ci")
+
+
 # ---------------------------------------------------------------------------------------------
 # finding the examples
 # ---------------------------------------------------------------------------------------------
@@ -167,9 +238,12 @@ _SEPARATORS = {"&&", "||", "|", ";"}
 
 
 def _segments(command: str) -> list[str]:
-    """The commands of one shell line (split at && || | ;), comments removed, each shlex-joined."""
+    """The commands of one shell line (split at && || | ;, with or without spaces around them),
+    comments removed, each shlex-joined."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
     out, cur = [], []
-    for tok in shlex.split(command, comments=True):
+    for tok in lexer:
         if tok in _SEPARATORS:
             out.append(cur)
             cur = []
@@ -179,27 +253,74 @@ def _segments(command: str) -> list[str]:
     return [shlex.join(seg) for seg in out if seg]
 
 
-def readme_examples() -> list[Example]:
-    """Every command of README.md's shell code blocks (```bash, ```sh or unlabelled) that starts
-    with one of the prefixes; continuation lines joined."""
-    examples, lang, pending, start = [], None, "", 0
-    for n, line in enumerate(README.read_text().splitlines(), 1):
+#: fenced-block languages whose every line is a command, and those whose `$ `-prompted lines are
+SHELL_LANGS, CONSOLE_LANGS = ("bash", "sh", "shell"), ("console",)
+
+
+def fenced_blocks(text: str) -> list[tuple[str, int, list[str]]]:
+    """``(language, first body line, body lines)`` of every fenced block (```` ``` ```` fences)."""
+    out: list[tuple[str, int, list[str]]] = []
+    lang: str | None = None
+    for n, line in enumerate(text.splitlines(), 1):
         if line.startswith("```"):
-            lang = line[3:].strip() if lang is None else None
-            continue
-        if lang not in ("bash", "sh", "shell", "console", ""):
-            continue
+            if lang is None:
+                lang, start, body = line[3:].strip(), n + 1, []
+            else:
+                out.append((lang, start, body))
+                lang = None
+        elif lang is not None:
+            body.append(line)
+    return out
+
+
+def _command_lines(lang: str, start: int, body: list[str]) -> list[tuple[int, str]]:
+    """``(line number, command)`` of a shell or console block, continuation lines joined."""
+    out, pending, first = [], "", 0
+    for n, line in enumerate(body, start):
+        if lang in CONSOLE_LANGS:
+            if not pending and not line.startswith("$ "):
+                continue  # output of the command above
+            line = line[2:] if not pending else line
         if not pending:
-            start = n
+            first = n
         pending += line
         if pending.endswith("\\"):
             pending = pending[:-1] + " "
             continue
-        for seg in _segments(pending):
-            if _PREFIX.match(seg):
-                examples.append(Example(f"README.md:{start}", seg))
+        out.append((first, pending))
         pending = ""
-    return examples
+    return out
+
+
+def page_commands(page: Path) -> tuple[list[Example], list[Example]]:
+    """The commands of a page's shell (```bash, ```sh, ```shell) and console (```console, `$ `
+    lines) blocks, one per command of a line (split at && || | ;): those starting with a smelt-ds
+    prefix (:data:`_PREFIX`), and the others (``pip``, ``sbatch``, ``python bench/x.py``, ...).
+    Raises AssertionError for an unlabelled block that holds a smelt-ds command (label it)."""
+    rel = page.relative_to(ROOT)
+    ours, others = [], []
+    for lang, start, body in fenced_blocks(page.read_text()):
+        if lang == "":
+            stray = [ln for ln in body if _PREFIX.match(ln.removeprefix("$ ").strip())]
+            assert not stray, f"{rel}:{start}: an unlabelled code block holds the command {stray[0]!r}: label the " \
+                              "block ```bash (commands) or ```console (`$ ` before each command, then its output)"
+            continue
+        if lang not in SHELL_LANGS + CONSOLE_LANGS:
+            continue
+        for n, line in _command_lines(lang, start, body):
+            for seg in _segments(line):
+                (ours if _PREFIX.match(seg) else others).append(Example(f"{rel}:{n}", seg))
+    return ours, others
+
+
+def doc_examples() -> tuple[list[Example], list[Example]]:
+    """:func:`page_commands` of README.md and every page under docs/: (smelt-ds commands, others)."""
+    ours, others = [], []
+    for page in DOC_PAGES:
+        a, b = page_commands(page)
+        ours += a
+        others += b
+    return ours, others
 
 
 def parser_tree() -> dict[tuple[str, ...], argparse.ArgumentParser]:
@@ -274,7 +395,7 @@ def help_examples() -> tuple[list[Example], list[tuple[str, str]]]:
 
 def all_examples() -> list[Example]:
     ex, _ = help_examples()
-    return readme_examples() + ex
+    return doc_examples()[0] + ex
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,14 +505,18 @@ def parse(cmd: Command) -> argparse.Namespace | None:
         _parse([*cmd.launcher, "--module", cmd.module, *cmd.args[1:]], ds_parse_args, what + " (deepspeed launcher)")
     ns = _parse(cmd.args, cli.build_parser().parse_args, what)
     if ns is not None and cmd.path == ("lm-eval",) and ns.lm_eval_args:
-        from lm_eval._cli import HarnessCLI
-
-        harness = HarnessCLI()
-        rest = list(ns.lm_eval_args)
-        if rest[0] not in harness._subparsers.choices:  # lm-eval's legacy form: `run` implied
-            rest.insert(0, "run")
-        _parse(rest, harness._parser.parse_args, what + " (lm-eval's parser)")
+        parse_lm_eval(list(ns.lm_eval_args), what)
     return ns
+
+
+def parse_lm_eval(args: list[str], what: str) -> None:
+    """lm-eval's own command line (``smelt-ds lm-eval ARGS``, ``lm_eval ARGS``) parses with lm-eval's parser."""
+    from lm_eval._cli import HarnessCLI
+
+    harness = HarnessCLI()
+    if args[0] not in harness._subparsers.choices:  # lm-eval's legacy form: `run` implied
+        args = ["run", *args]
+    _parse(args, harness._parser.parse_args, what + " (lm-eval's parser)")
 
 
 def _in_repo(path: str) -> Path:
@@ -496,8 +621,28 @@ def _pointer_exists(pointer: str) -> bool:
                                         re.M) is not None
 
 
+def cluster_inputs(cmd: Command) -> list[str]:
+    """The :data:`CLUSTER_INPUTS` an example's arguments name (a path equal to one, or under one)."""
+    found: list[str] = []
+    for tok in cmd.args[len(cmd.path):]:
+        for name in CLUSTER_INPUTS:
+            under = name if name.endswith("/") else name + "/"
+            if (tok == name or tok.startswith(under)) and name not in found:
+                found.append(name)
+    return found
+
+
+def with_stand_ins(cmd: Command, names: list[str], tmp: Path) -> Command:
+    """``cmd`` with each of ``names`` replaced by its stand-in (:data:`STAND_INS`), written into ``tmp``."""
+    args = list(cmd.args)
+    for name in names:
+        path = str(STAND_INS[name](tmp))
+        args = [path if a == name else a for a in args]
+    return Command(cmd.example, args, cmd.path, cmd.module, cmd.launcher)
+
+
 def check(ex: Example, tmp: Path, monkeypatch, tree=None) -> str:
-    """Check one example; returns its class (run, help, reference, expensive). Raises
+    """Check one example; returns its class (run, help, reference, expensive, cluster). Raises
     AssertionError naming the example, where it is written, what failed and what to do."""
     tree = tree or parser_tree()
     cmd = resolve(ex, tree)
@@ -508,10 +653,19 @@ def check(ex: Example, tmp: Path, monkeypatch, tree=None) -> str:
     ns = parse(cmd)
     if ns is None or "-h" in cmd.args or "--help" in cmd.args:
         return "help"
+    elsewhere = cluster_inputs(cmd)
+    if elsewhere:
+        cmd = with_stand_ins(cmd, [name for name in elsewhere if name in STAND_INS], tmp)
+        ns = parse(cmd)
     if cmd.path in VALIDATED:
         validate(cmd, ns, tmp)
     argv = _cheap(cmd)
     key = _key(ex)
+    if elsewhere:
+        assert key not in EXPENSIVE, \
+            f"{ex.where}: `{ex.text}` names {elsewhere} (CLUSTER_INPUTS): remove it from EXPENSIVE"
+        if argv is None or not all(name in STAND_INS for name in elsewhere):
+            return "cluster"
     if argv is not None:
         assert key not in EXPENSIVE, f"{ex.where}: `{ex.text}` runs here cheaply: remove it from EXPENSIVE"
         run_cheap(cmd, argv, tmp, monkeypatch)
@@ -521,7 +675,8 @@ def check(ex: Example, tmp: Path, monkeypatch, tree=None) -> str:
             f"{ex.where}: the example `{ex.text}` is not classified. If it runs in about a second without training "
             "or a trained run (reads recipes, writes under -o), let _cheap() in tests/test_examples.py return its "
             f"arguments; else add {key!r}: \"tests/<file>.py::<test>\" to EXPENSIVE, naming the existing test that "
-            "runs this path end to end.")
+            "runs this path end to end; or, when it reads files the checkout lacks (a cluster's paths, the reader's "
+            "own data), add those inputs to CLUSTER_INPUTS with the reason.")
     assert _pointer_exists(EXPENSIVE[key]), f"{ex.where}: EXPENSIVE[{key!r}] = {EXPENSIVE[key]!r} names no test"
     return "expensive"
 
@@ -535,11 +690,83 @@ def check_fragment(where: str, fragment: str) -> None:
             raise AssertionError(f"{where}: `--set {fragment}` fails on {recipe.relative_to(ROOT)}: {e}") from None
 
 
+def _setup_cfg() -> configparser.ConfigParser:
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "setup.cfg")
+    return parser
+
+
+def _pins() -> dict[str, str]:
+    """``{name: version}`` of constraints.txt."""
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    return dict(line.split("==", 1) for line in lines if "==" in line and not line.startswith("#"))
+
+
+def _check_pip(words: list[str], what: str) -> None:
+    """``pip install``: the extras named exist in setup.cfg, a ``-c`` file exists, and a pinned
+    ``NAME==VERSION`` (``*`` a wildcard) agrees with constraints.txt."""
+    extras = set(_setup_cfg()["options.extras_require"])
+    for prev, tok in zip(words, words[1:], strict=False):
+        if prev == "-c":
+            assert (ROOT / tok).is_file(), f"{what}: constraints file {tok} does not exist"
+        elif tok.startswith(".[") and tok.endswith("]"):
+            missing = set(tok[2:-1].split(",")) - extras
+            assert not missing, f"{what}: setup.cfg has no extra {sorted(missing)} (extras: {sorted(extras)})"
+        elif "==" in tok and not tok.startswith("-"):
+            name, version = tok.split("==", 1)
+            pin = _pins().get(name)
+            assert pin is not None and fnmatch.fnmatch(pin, version), \
+                f"{what}: {tok} differs from constraints.txt ({name}=={pin})"
+
+
+def _check_pytest(words: list[str], what: str) -> None:
+    """``pytest``: the markers of ``-m EXPR`` are registered in setup.cfg, the paths exist."""
+    markers = {line.split(":")[0].strip() for line in _setup_cfg()["tool:pytest"]["markers"].splitlines() if line}
+    for prev, tok in zip(["", *words], words, strict=False):
+        if prev == "-m":
+            unknown = set(re.findall(r"\w+", tok)) - markers - {"and", "or", "not"}
+            assert not unknown, f"{what}: -m names markers {sorted(unknown)} that setup.cfg does not register"
+        elif tok != "pytest" and not tok.startswith("-") and prev != "-m":
+            assert (ROOT / tok.split("::")[0]).exists(), f"{what}: {tok} does not exist"
+
+
+def check_other(ex: Example) -> str:
+    """Check a command of another program in a page's shell block; returns its class: ``script``
+    (a script of the checkout, which must exist), ``pip``, ``pytest``, ``lm-eval`` (parsed by
+    lm-eval's parser) or ``other`` (a program of :data:`OTHER_PROGRAMS`)."""
+    what = f"{ex.where}: `{ex.text}`"
+    words = shlex.split(ex.text)
+    while words and re.match(r"^[A-Za-z_]\w*=", words[0]):  # VAR=value before the command
+        words = words[1:]
+    if words[:1] == ["flock"]:  # flock LOCKFILE COMMAND...
+        words = words[2:]
+    program = words[0]
+    if program in ("python", "bash") and len(words) > 1 and Path(words[1]).parts[0] in _SCRIPT_FOLDERS:
+        assert (ROOT / words[1]).is_file(), f"{what}: {words[1]} does not exist"
+        return "script"
+    if program == "python" and words[1:2] == ["-m"]:
+        program = f"python -m {words[2]}"
+    if program == "pip":
+        _check_pip(words, what)
+        return "pip"
+    if program == "pytest":
+        _check_pytest(words, what)
+        return "pytest"
+    if program == "lm_eval":
+        parse_lm_eval(words[1:], what)
+        return "lm-eval"
+    assert program in OTHER_PROGRAMS, (
+        f"{what}: `{program}` is neither a smelt-ds command nor a program tests/test_examples.py checks: add it to "
+        "OTHER_PROGRAMS with the reason it is not run here")
+    return "other"
+
+
 # ---------------------------------------------------------------------------------------------
 # the tests
 # ---------------------------------------------------------------------------------------------
 
 EXAMPLES = all_examples()
+OTHERS = doc_examples()[1]
 FRAGMENTS = help_examples()[1]
 TREE = parser_tree()
 
@@ -575,8 +802,43 @@ def test_checker_catches_what_it_is_for(tmp_path, monkeypatch):
         check(Example("self-test", "smelt-ds scaling fitt", prose=True), tmp_path, monkeypatch, TREE)
 
 
-def test_examples_are_found_in_the_readme_and_in_help_texts():
+def test_checker_of_cluster_inputs_and_other_programs(tmp_path, monkeypatch):
+    # a cluster input with a stand-in runs when cheap, and its recipe is validated through the stand-in
+    assert check(Example("self-test", "smelt-ds config show m-smelt-pile.yaml"), tmp_path, monkeypatch, TREE) == "run"
+    with pytest.raises(AssertionError, match=r"`train.warmup_steps` \(2000\) must be <= `train.max_steps` \(20\)"):
+        check(Example("self-test", "smelt-ds data prepare --recipe m-smelt-pile.yaml --set train.max_steps=20"),
+              tmp_path, monkeypatch, TREE)
+    assert check(Example("self-test", "smelt-ds data prepare --recipe m-smelt-pile.yaml"), tmp_path, monkeypatch,
+                 TREE) == "cluster"
+    assert check(Example("self-test", "smelt-ds export runs/m-smelt-pile -o x"), tmp_path, monkeypatch,
+                 TREE) == "cluster"
+    with pytest.raises(AssertionError, match=r"is not classified.*CLUSTER_INPUTS"):
+        check(Example("self-test", "smelt-ds data inspect /elsewhere/corpus"), tmp_path, monkeypatch, TREE)
+    # other programs: scripts exist, pip extras and pins agree with setup.cfg and constraints.txt, pytest
+    # markers are registered, lm-eval parses, anything else is listed
+    assert check_other(Example("self-test", "python bench/decode.py")) == "script"
+    for text, problem in (("python bench/decoding.py", r"bench/decoding.py does not exist"),
+                          ("pip install -e '.[dev,wandbb]' -c constraints.txt", r"no extra \['wandbb'\]"),
+                          ("pip install torch==2.12.0", r"differs from constraints.txt \(torch==2\.13"),
+                          ("pytest -m 'not slwo'", r"markers \['slwo'\]"),
+                          ("lm_eval --model hf --taskz x", r"does not parse"),
+                          ("scontrol show job 1", r"add it to OTHER_PROGRAMS")):
+        with pytest.raises(AssertionError, match=problem):
+            check_other(Example("self-test", text))
+    # an unlabelled block holding a command is refused
+    page = ROOT / "docs" / "cluster.md"
+    monkeypatch.setattr(Path, "read_text", lambda self: "```\n$ smelt-ds budget recipes/tiny/smelt.yaml\n```\n")
+    with pytest.raises(AssertionError, match=r"unlabelled code block holds the command"):
+        page_commands(page)
+
+
+def test_examples_are_found_in_the_pages_and_in_help_texts():
     texts = {e.text for e in EXAMPLES}
+    pages = {e.where.split(":")[0] for e in EXAMPLES + OTHERS}
+    assert {"README.md", "docs/cluster.md", "docs/training.md", "docs/data.md"} <= pages
+    # a console block's `$ ` lines, split at `;`, and another program's command
+    assert "smelt-ds data inspect corpus_text_document" in texts
+    assert "truncate -s -1 corpus_text_document.bin" in {e.text for e in OTHERS}
     # a continued line, a `&&` chain and a comment of README.md, an epilog and a backtick span of --help
     assert ("smelt-ds match recipes/tiny/baseline.yaml --position middle --ep-size 2 --name tiny-smelt --tolerance "
             "0.01 -o recipes/tiny/smelt.yaml") in texts
@@ -592,6 +854,11 @@ def test_example(ex, tmp_path, monkeypatch):
     check(ex, tmp_path, monkeypatch, TREE)
 
 
+@pytest.mark.parametrize("ex", OTHERS, ids=[f"{e.where}:{e.text[:60]}" for e in OTHERS])
+def test_other_program_example(ex):
+    check_other(ex)
+
+
 @pytest.mark.parametrize("where,fragment", FRAGMENTS, ids=[f"{w}:{f}" for w, f in FRAGMENTS])
 def test_set_fragment_of_a_help_text_validates_on_the_tiny_recipes(where, fragment):
     check_fragment(where, fragment)
@@ -603,6 +870,21 @@ def test_expensive_examples_exist_and_point_at_existing_tests():
     assert not stale, f"EXPENSIVE lists examples that are no longer written anywhere: remove {stale}"
     missing = {k: v for k, v in EXPENSIVE.items() if not _pointer_exists(v)}
     assert not missing, f"EXPENSIVE points at tests that do not exist: {missing}"
+
+
+def test_cluster_inputs_and_other_programs_are_all_used():
+    named = {name for e in EXAMPLES if e.text.split()[0] == "smelt-ds"
+             for name in cluster_inputs(resolve(e, TREE))}
+    assert set(CLUSTER_INPUTS) == named, f"CLUSTER_INPUTS names inputs no example reads: {set(CLUSTER_INPUTS) - named}"
+    assert set(STAND_INS) <= set(CLUSTER_INPUTS)
+    programs = set()
+    for e in OTHERS:
+        words = [w for w in shlex.split(e.text) if not re.match(r"^[A-Za-z_]\w*=", w)]
+        programs |= {words[0], " ".join(words[:3])}
+    stale = set(OTHER_PROGRAMS) - programs
+    assert not stale, f"OTHER_PROGRAMS lists programs no page runs: remove {stale}"
+    pointers = [p for reason in CLUSTER_INPUTS.values() for p in re.findall(r"tests/\S+\.py::\w+", reason)]
+    assert pointers and all(_pointer_exists(p) for p in pointers), pointers
 
 
 HELP_PATHS = [p for p, parser in TREE.items() if p and parser.add_help]

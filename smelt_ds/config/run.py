@@ -236,7 +236,7 @@ class TrainConfig(StrictModel):
                                 "eager only trace (debugging a graph break or a numerical difference)")
     deterministic: bool = Field(
         False, description="bit-identical reruns on CPU: torch.use_deterministic_algorithms and one intra-op thread "
-                           "per rank (overrides the thread choice; slower); see README 'Reproducibility'")
+                           "per rank (overrides the thread choice; slower); see docs/training.md 'Reproducibility'")
 
 
 class DeepSpeedSection(StrictModel):

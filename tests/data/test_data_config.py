@@ -73,6 +73,6 @@ def test_value_errors_name_the_field():
 
 @pytest.mark.parametrize("model", [DataConfig, SourceConfig, TokenizerConfig])
 def test_every_field_is_in_the_data_readme(model):
-    readme = (REPO_ROOT / "data" / "README.md").read_text()
+    readme = (REPO_ROOT / "docs" / "data.md").read_text()
     missing = [name for name in model.model_fields if f"| `{name}` |" not in readme]
-    assert missing == [], f"data/README.md does not document {missing}"
+    assert missing == [], f"docs/data.md does not document {missing}"
