@@ -3,7 +3,7 @@
 Every consumer gets the section from here: the DeepSpeed config of a run
 (:func:`smelt_ds.parallel.engine.build_ds_config`), the memory table's rows for other ZeRO options
 (:func:`smelt_ds.cost.memory.estimate`), the job plans and recipe table
-(:mod:`smelt_ds.study.recipes`) and ``zero3_tuning.json`` in a run directory. The section is, in
+(:mod:`smelt_ds.launch.placement`) and ``zero3_tuning.json`` in a run directory. The section is, in
 order: the template's ``zero_optimization`` (``ds_configs/*.json``), the stage and offload devices,
 the loop-aware ZeRO-3 values (:func:`smelt_ds.cost.zero3_tuning.plan_zero3`, only with
 ``deepspeed.zero3_loop_tuning: auto`` at stage 3; keys the user set are never tuned) and last the

@@ -32,14 +32,14 @@ from typing import Any
 
 from smelt_ds.config.run import ClusterLayout, RunConfig
 from smelt_ds.errors import ConfigError
-from smelt_ds.study.placement import place
-from smelt_ds.study.recipes import MIN_HEADROOM, REPO_ROOT, memory_report, zero3_decision
+from smelt_ds.launch.placement import MIN_HEADROOM, memory_report, place, zero3_decision
+from smelt_ds.resources import DATA_ROOT
 
 __all__ = ["SCHEDULERS", "LAUNCHERS_DIR", "TEMPLATES", "Host", "parse_hostfile", "expand_nodelist", "JobOptions",
            "JobPlan", "plan_job", "render", "fill_template", "per_node_command", "summary", "main"]
 
 SCHEDULERS = ("deepspeed", "slurm", "k8s")
-LAUNCHERS_DIR = REPO_ROOT / "launchers"
+LAUNCHERS_DIR = DATA_ROOT / "launchers"
 TEMPLATES = {"deepspeed": LAUNCHERS_DIR / "deepspeed" / "run.sh",
              "slurm": LAUNCHERS_DIR / "slurm" / "smelt.sbatch",
              "k8s": LAUNCHERS_DIR / "k8s" / "pytorchjob.yaml"}
@@ -245,7 +245,7 @@ def _positive(name: str, value: Any) -> None:
 
 def _recipe_arg(path: Path, workdir: str) -> str:
     p = path.resolve()
-    for base in (Path(workdir), REPO_ROOT):
+    for base in (Path(workdir), DATA_ROOT):
         try:
             return str(p.relative_to(Path(base).resolve()))
         except ValueError:
@@ -422,7 +422,7 @@ def render(plan: JobPlan) -> str:
     values = {"slurm": _render_slurm, "deepspeed": _render_deepspeed, "k8s": _render_k8s}[s](plan)
     if s == "k8s" and plan.nodes == 1:  # a single pod: the Master alone
         template = re.sub(r"\n    Worker:.*?template: \*pod\n", "\n", template, flags=re.S)
-    return fill_template(template, values, str(TEMPLATES[s].relative_to(REPO_ROOT)))
+    return fill_template(template, values, str(TEMPLATES[s].relative_to(DATA_ROOT)))
 
 
 def submit_command(plan: JobPlan, output: str | None) -> str:

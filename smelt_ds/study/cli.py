@@ -34,11 +34,10 @@ from smelt_ds.cost.memory import (
 )
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import write_or_check_generated
+from smelt_ds.launch.placement import CPU_LAYOUT, MIN_HEADROOM, Placement, nodes_to_fit, place
 from smelt_ds.study.memory_profile import measure
-from smelt_ds.study.placement import Placement, nodes_to_fit, place
-from smelt_ds.study.recipes import CPU_LAYOUT, DOCS_TABLE, MIN_HEADROOM, recipes_table, write_variants
+from smelt_ds.study.recipes import DOCS_TABLE, recipes_table, write_variants
 from smelt_ds.study.scaling import analyse, collect_runs, measured_savings, summarize_exclusions, write_report
-
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

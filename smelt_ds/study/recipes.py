@@ -1,5 +1,5 @@
-"""The shipped recipes: where they are, their cluster layouts, memory verdicts, and the ablations
-derived from each Baseline.
+"""The shipped recipes: where they are, their memory verdicts on their cluster layouts, and the
+ablations derived from each Baseline.
 
 ``recipes/<size>/<variant>.yaml`` for sizes ``tiny`` (CPU), ``s``, ``m``, ``l``, ``xl`` and
 variants ``baseline`` (unlooped), ``smelt`` (middle half x2) and the ablations ``uniform``,
@@ -7,10 +7,9 @@ variants ``baseline`` (unlooped), ``smelt`` (middle half x2) and the ablations `
 :func:`smelt_ds.cost.budget.match_baseline` (``smelt-ds match``) on its size's Baseline and matches it
 within 1% on per-token FLOPs, non-embedding parameters and KV cache.
 
-A **layout** (:class:`smelt_ds.config.run.ClusterLayout`, the recipe's ``cluster`` section) says
-on how many nodes x GPUs of which memory the recipe runs; its ``overrides`` (``--set`` strings,
-e.g. a bigger micro-batch on 141 GB H200s) are applied before the user's own ``--set``.
-Recipes without a ``cluster`` section (the CPU recipes) get :data:`CPU_LAYOUT`.
+A recipe is resolved for a cluster layout (the recipe's ``cluster`` section; the CPU stand-in for
+recipes without one) and its memory estimated there by :mod:`smelt_ds.launch.placement`, as
+``smelt-ds render-job`` and ``smelt-ds memory`` do.
 
 ``smelt-ds recipes table`` writes ``docs/recipes.md`` (:func:`recipes_table`); ``smelt-ds recipes
 derive BASELINE`` writes the five looped recipes next to a Baseline (:func:`derive_variants`).
@@ -28,23 +27,13 @@ from typing import Any
 import yaml
 
 from smelt_ds import resources
-from smelt_ds.config.run import (
-    ClusterLayout,
-    RunConfig,
-    apply_overrides,
-    config_from_dict,
-    deep_merge,
-    read_recipe,
-    resolve_batch,
-)
+from smelt_ds.config.run import RunConfig, config_from_dict, deep_merge, resolve_batch
 from smelt_ds.cost.budget import Budget, compute_budget, deviations, match_baseline
-from smelt_ds.cost.memory import ZERO_OPTIONS, GiB, estimate
-from smelt_ds.cost.zero_config import zero3_plan
 from smelt_ds.errors import ConfigError
+from smelt_ds.launch.placement import MIN_HEADROOM, load_raw, memory_report, resolve, zero_option
 from smelt_ds.model.looping import LoopSchedule
 
-__all__ = ["REPO_ROOT", "RECIPES_DIR", "DOCS_TABLE", "SIZES", "VARIANTS", "POSITIONS", "MIN_HEADROOM", "CPU_LAYOUT",
-           "RecipeEntry", "shipped_recipes", "load_raw", "resolve", "Resolved", "zero_option", "zero3_decision", "memory_report",
+__all__ = ["REPO_ROOT", "RECIPES_DIR", "DOCS_TABLE", "SIZES", "VARIANTS", "POSITIONS", "RecipeEntry", "shipped_recipes",
            "derive_variants", "write_variants", "recipe_rows", "recipes_table"]
 
 #: the folder holding recipes/, launchers/ and ds_configs/: the checkout, or the installed package's
@@ -56,10 +45,6 @@ SIZES = ("tiny", "s", "m", "l", "xl")
 VARIANTS = ("baseline", "smelt", "uniform", "bottom", "top", "asymmetric")
 #: loop position (``smelt-ds match --position``) of each looped variant
 POSITIONS = {"smelt": "middle", "uniform": "uniform", "bottom": "bottom", "top": "top", "asymmetric": "asymmetric"}
-#: share of device memory a shipped layout must leave free (``smelt-ds memory`` headroom)
-MIN_HEADROOM = 0.10
-#: the layout of recipes without a ``cluster`` section: one CPU process with a nominal 8 GiB
-CPU_LAYOUT = ClusterLayout(gpu="cpu", device_memory_gib=8.0, nodes=1, gpus_per_node=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,96 +75,6 @@ def shipped_recipes(root: Path = RECIPES_DIR) -> list[RecipeEntry]:
 
     paths = [p for size in SIZES for p in (root / size).glob("*.yaml")]
     return [RecipeEntry(p.parent.name, p.stem, p) for p in sorted(paths, key=key)]
-
-
-def load_raw(path: str | Path) -> dict[str, Any]:
-    """The YAML mapping of a recipe file, its ``base:`` chain merged
-    (:func:`smelt_ds.config.run.read_recipe`). Raises ConfigError for a missing file or bad YAML."""
-    return read_recipe(path, "recipe file", "recipes/xl/smelt.yaml")[0]
-
-
-@dataclass
-class Resolved:
-    """A recipe resolved for one layout: ``config`` has the layout's overrides and then the user's
-    ``--set`` applied; ``overrides`` is that list (what a launched job must pass on)."""
-
-    path: Path
-    config: RunConfig
-    layout_name: str
-    layout: ClusterLayout
-    overrides: list[str]
-
-
-def resolve(path: str | Path, layout: str | None = None, overrides: list[str] | None = None) -> Resolved:
-    """Load ``path`` for the named layout (default: ``cluster.default``, else the first layout, else
-    :data:`CPU_LAYOUT` named ``cpu``). Precedence: ``overrides`` (``--set``) > the layout's
-    ``overrides`` > YAML > defaults.
-
-    Raises ConfigError for an unknown layout name (listing the recipe's layouts) or an invalid
-    recipe after the overrides.
-    """
-    path = Path(path)
-    raw = load_raw(path)
-    user = list(overrides or [])
-    first = config_from_dict(apply_overrides(raw, user), source=str(path))
-    layouts = first.cluster.layouts
-    if not layouts:
-        if layout not in (None, "cpu"):
-            raise ConfigError(f"--layout {layout!r}: {path} has no `cluster.layouts` (a CPU recipe); "
-                              "omit --layout or use 'cpu'")
-        name, lay = "cpu", CPU_LAYOUT
-    else:
-        name = layout or first.cluster.default or next(iter(layouts))
-        if name not in layouts:
-            raise ConfigError(f"--layout {name!r}: `cluster.layouts` of {path} has {sorted(layouts)}; "
-                              "choose one of them")
-        lay = layouts[name]
-    merged = list(lay.overrides) + user
-    cfg = config_from_dict(apply_overrides(raw, merged), source=f"{path} (layout {name})")
-    return Resolved(path, cfg, name, lay, merged)
-
-
-# ---------------------------------------------------------------------------------------------
-# memory
-# ---------------------------------------------------------------------------------------------
-
-
-def zero_option(cfg: RunConfig) -> str:
-    """The :data:`smelt_ds.cost.memory.ZERO_OPTIONS` label of the recipe's ZeRO stage and offloads
-    (e.g. ``zero3+opt_off``). Raises ConfigError when the memory table has no such option."""
-
-    ds = cfg.deepspeed
-    want = (ds.zero_stage, ds.offload_optimizer != "none", ds.offload_param != "none")
-    for label, *rest in ZERO_OPTIONS:
-        if tuple(rest) == want:
-            return label
-    raise ConfigError(f"`deepspeed.zero_stage` ({ds.zero_stage}) with offload_optimizer "
-                      f"{ds.offload_optimizer!r} / offload_param {ds.offload_param!r} has no memory estimate: "
-                      f"use one of {[o[0] for o in ZERO_OPTIONS]}")
-
-
-def zero3_decision(cfg: RunConfig, layout: ClusterLayout, world_size: int):
-    """The loop-aware ZeRO-3 decision (:func:`smelt_ds.cost.zero_config.zero3_plan`) DeepSpeed's config
-    will get on ``world_size`` GPUs of the layout's memory, or None below ZeRO-3."""
-
-    if cfg.deepspeed.effective_zero_stage != 3:
-        return None
-    return zero3_plan(cfg, world_size, int(layout.device_memory_gib * GiB))
-
-
-def memory_report(cfg: RunConfig, layout: ClusterLayout, nodes: int | None = None,
-                  gpus_per_node: int | None = None):
-    """``smelt_ds.cost.memory.estimate`` of the recipe's own ZeRO option and checkpointing policy on
-    ``nodes x gpus_per_node`` GPUs (default: the layout's) of the layout's device memory. A CPU
-    layout is estimated in fp32 for CPU processes. Under ZeRO-3 the loop-aware reuse distance the
-    job will run with at that world size (:func:`smelt_ds.cost.zero_config.zero_section`) is what
-    the estimate's gathered window sees. ``report.fits(MIN_HEADROOM)`` is the verdict."""
-
-    nodes, gpus = nodes or layout.nodes, gpus_per_node or layout.gpus_per_node
-    cpu = layout.gpu == "cpu"
-    return estimate(cfg, nodes, gpus, int(layout.device_memory_gib * GiB), precision="fp32" if cpu else None,
-                    device="cpu" if cpu else "cuda", options=[zero_option(cfg)],
-                    policies=[cfg.train.activation_checkpointing.policy])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,8 +71,9 @@ from smelt_ds.config.schema import StrictModel
 from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.jobs import LAUNCHERS_DIR, JobOptions, JobPlan, fill_template, per_node_command, plan_job, render
+from smelt_ds.launch.placement import load_raw
 from smelt_ds.runs import checkpoint as ckpt
-from smelt_ds.study.recipes import REPO_ROOT, load_raw
+from smelt_ds.study.recipes import REPO_ROOT
 from smelt_ds.train.loop import launcher_command, train
 from smelt_ds.train.metrics import PEAK_TFLOPS, device_peak_tflops
 

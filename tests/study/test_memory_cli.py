@@ -18,7 +18,8 @@ import yaml
 from smelt_ds.cli import main as cli_main
 from smelt_ds.cost.memory import GiB, estimate, param_counts
 from smelt_ds.launch.jobs import JobOptions, plan_job
-from smelt_ds.study.recipes import MIN_HEADROOM, resolve, shipped_recipes
+from smelt_ds.launch.placement import MIN_HEADROOM, resolve
+from smelt_ds.study.recipes import shipped_recipes
 
 M = "recipes/m/smelt.yaml"
 #: m/smelt on 1 node x 2 GPUs of 40 GiB: its ZeRO-2 without checkpointing needs about 72 GiB

@@ -17,17 +17,15 @@ from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.cost.cli import parse_ranges
 from smelt_ds.cost.memory import GiB, estimate
 from smelt_ds.errors import ConfigError
+from smelt_ds.launch.placement import MIN_HEADROOM, load_raw, resolve
 from smelt_ds.parallel.engine import build_ds_config, template_name
 from smelt_ds.study.recipes import (
     DOCS_TABLE,
-    MIN_HEADROOM,
     SIZES,
     VARIANTS,
     derive_variants,
-    load_raw,
     recipe_rows,
     recipes_table,
-    resolve,
     shipped_recipes,
     write_variants,
 )
@@ -71,18 +69,6 @@ def test_recipe_loads_and_validates_on_every_layout(entry):
         world = lay.nodes * lay.gpus_per_node
         assert world % r.config.moe_runtime.ep_size == 0
         assert r.config.train.global_batch_tokens % (r.config.train.micro_batch_size * 4096 * world) == 0
-
-
-def test_layout_overrides_apply_before_user_overrides():
-    r = resolve("recipes/xl/smelt.yaml", "h200")
-    assert r.config.train.micro_batch_size == 2 and r.overrides == ["train.micro_batch_size=2"]
-    r = resolve("recipes/xl/smelt.yaml", "h200", ["train.micro_batch_size=4"])
-    assert r.config.train.micro_batch_size == 4  # --set wins over the layout
-    assert resolve("recipes/xl/smelt.yaml").config.train.micro_batch_size == 1
-    with pytest.raises(ConfigError, match=r"--layout 'a100'.*\['h100', 'h200'\]"):
-        resolve("recipes/xl/smelt.yaml", "a100")
-    with pytest.raises(ConfigError, match="cluster.default"):
-        load_config("recipes/xl/smelt.yaml", ["cluster.default=b200"])
 
 
 @pytest.mark.parametrize("size", CLUSTER_SIZES)

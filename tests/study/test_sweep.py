@@ -13,7 +13,7 @@ import yaml
 from smelt_ds.config.run import config_from_dict, load_config
 from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.errors import ConfigError
-from smelt_ds.study.recipes import load_raw
+from smelt_ds.launch.placement import load_raw
 from smelt_ds.study.sweep import (
     format_duration,
     load_sweep,

@@ -1,29 +1,123 @@
 """Where a recipe runs: its cluster layout and world size, resolved one way for ``smelt-ds
-render-job`` and ``smelt-ds memory``.
+render-job``, ``smelt-ds memory``, the recipe table and sweeps, and its memory verdict there.
 
-:func:`place` loads a recipe for a layout (:func:`smelt_ds.study.recipes.resolve`: ``--layout``,
-else ``cluster.default``, else the first layout; the layout's ``overrides`` before the user's
-``--set``), takes the node and GPU counts from ``--nodes`` / ``--gpus-per-node`` or the layout,
-and checks that the run can use that many GPUs (:func:`check_world`). :func:`nodes_to_fit` finds
-the fewest nodes on which the recipe's own ZeRO option and checkpointing policy fit.
+:func:`resolve` loads a recipe for a layout (``--layout``, else ``cluster.default``, else the first
+layout; the layout's ``overrides`` before the user's ``--set``); :func:`place` also takes the node
+and GPU counts from ``--nodes`` / ``--gpus-per-node`` or the layout, and checks that the run can
+use that many GPUs (:func:`check_world`). :func:`memory_report` estimates the recipe's own ZeRO
+option and checkpointing policy there (it fits when it leaves :data:`MIN_HEADROOM` of the device
+memory free); :func:`nodes_to_fit` finds the fewest nodes on which it fits.
 
-Recipes without ``cluster.layouts`` (the CPU recipes) resolve to
-:data:`smelt_ds.study.recipes.CPU_LAYOUT` (``cpu``: 1 node x 1 process). Units: counts of nodes,
-GPUs (ranks) and tokens; memory in bytes.
+A **layout** (:class:`smelt_ds.config.run.ClusterLayout`, the recipe's ``cluster`` section) says
+on how many nodes x GPUs of which memory the recipe runs; its ``overrides`` (``--set`` strings,
+e.g. a bigger micro-batch on 141 GB H200s) are applied before the user's own ``--set``. Recipes
+without ``cluster.layouts`` (the CPU recipes) resolve to :data:`CPU_LAYOUT` (``cpu``: 1 node x 1
+process). Units: counts of nodes, GPUs (ranks) and tokens; memory in bytes (1 GiB = 2**30 bytes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from smelt_ds.config.run import ClusterLayout, RunConfig, resolve_batch
-from smelt_ds.cost.memory import Fix, MemoryReport, check_cluster, estimate, row_fits
+from smelt_ds.config.run import ClusterLayout, RunConfig, apply_overrides, config_from_dict, read_recipe, resolve_batch
+from smelt_ds.cost.memory import ZERO_OPTIONS, Fix, GiB, MemoryReport, check_cluster, estimate, row_fits
+from smelt_ds.cost.zero_config import zero3_plan
 from smelt_ds.errors import ConfigError
-from smelt_ds.study.recipes import Resolved, resolve
 
-__all__ = ["Placement", "place", "check_world", "nodes_to_fit"]
+__all__ = ["MIN_HEADROOM", "CPU_LAYOUT", "load_raw", "Resolved", "resolve", "zero_option", "zero3_decision",
+           "memory_report", "Placement", "place", "check_world", "nodes_to_fit"]
+
+#: share of device memory a layout must leave free (``smelt-ds memory`` headroom, render-job's check)
+MIN_HEADROOM = 0.10
+#: the layout of recipes without a ``cluster`` section: one CPU process with a nominal 8 GiB
+CPU_LAYOUT = ClusterLayout(gpu="cpu", device_memory_gib=8.0, nodes=1, gpus_per_node=1)
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping of a recipe file, its ``base:`` chain merged
+    (:func:`smelt_ds.config.run.read_recipe`). Raises ConfigError for a missing file or bad YAML."""
+    return read_recipe(path, "recipe file", "recipes/xl/smelt.yaml")[0]
+
+
+@dataclass
+class Resolved:
+    """A recipe resolved for one layout: ``config`` has the layout's overrides and then the user's
+    ``--set`` applied; ``overrides`` is that list (what a launched job must pass on)."""
+
+    path: Path
+    config: RunConfig
+    layout_name: str
+    layout: ClusterLayout
+    overrides: list[str]
+
+
+def resolve(path: str | Path, layout: str | None = None, overrides: list[str] | None = None) -> Resolved:
+    """Load ``path`` for the named layout (default: ``cluster.default``, else the first layout, else
+    :data:`CPU_LAYOUT` named ``cpu``). Precedence: ``overrides`` (``--set``) > the layout's
+    ``overrides`` > YAML > defaults.
+
+    Raises ConfigError for an unknown layout name (listing the recipe's layouts) or an invalid
+    recipe after the overrides.
+    """
+    path = Path(path)
+    raw = load_raw(path)
+    user = list(overrides or [])
+    first = config_from_dict(apply_overrides(raw, user), source=str(path))
+    layouts = first.cluster.layouts
+    if not layouts:
+        if layout not in (None, "cpu"):
+            raise ConfigError(f"--layout {layout!r}: {path} has no `cluster.layouts` (a CPU recipe); "
+                              "omit --layout or use 'cpu'")
+        name, lay = "cpu", CPU_LAYOUT
+    else:
+        name = layout or first.cluster.default or next(iter(layouts))
+        if name not in layouts:
+            raise ConfigError(f"--layout {name!r}: `cluster.layouts` of {path} has {sorted(layouts)}; "
+                              "choose one of them")
+        lay = layouts[name]
+    merged = list(lay.overrides) + user
+    cfg = config_from_dict(apply_overrides(raw, merged), source=f"{path} (layout {name})")
+    return Resolved(path, cfg, name, lay, merged)
+
+
+def zero_option(cfg: RunConfig) -> str:
+    """The :data:`smelt_ds.cost.memory.ZERO_OPTIONS` label of the recipe's ZeRO stage and offloads
+    (e.g. ``zero3+opt_off``). Raises ConfigError when the memory table has no such option."""
+
+    ds = cfg.deepspeed
+    want = (ds.zero_stage, ds.offload_optimizer != "none", ds.offload_param != "none")
+    for label, *rest in ZERO_OPTIONS:
+        if tuple(rest) == want:
+            return label
+    raise ConfigError(f"`deepspeed.zero_stage` ({ds.zero_stage}) with offload_optimizer "
+                      f"{ds.offload_optimizer!r} / offload_param {ds.offload_param!r} has no memory estimate: "
+                      f"use one of {[o[0] for o in ZERO_OPTIONS]}")
+
+
+def zero3_decision(cfg: RunConfig, layout: ClusterLayout, world_size: int):
+    """The loop-aware ZeRO-3 decision (:func:`smelt_ds.cost.zero_config.zero3_plan`) DeepSpeed's config
+    will get on ``world_size`` GPUs of the layout's memory, or None below ZeRO-3."""
+
+    if cfg.deepspeed.effective_zero_stage != 3:
+        return None
+    return zero3_plan(cfg, world_size, int(layout.device_memory_gib * GiB))
+
+
+def memory_report(cfg: RunConfig, layout: ClusterLayout, nodes: int | None = None,
+                  gpus_per_node: int | None = None):
+    """``smelt_ds.cost.memory.estimate`` of the recipe's own ZeRO option and checkpointing policy on
+    ``nodes x gpus_per_node`` GPUs (default: the layout's) of the layout's device memory. A CPU
+    layout is estimated in fp32 for CPU processes. Under ZeRO-3 the loop-aware reuse distance the
+    job will run with at that world size (:func:`smelt_ds.cost.zero_config.zero_section`) is what
+    the estimate's gathered window sees. ``report.fits(MIN_HEADROOM)`` is the verdict."""
+
+    nodes, gpus = nodes or layout.nodes, gpus_per_node or layout.gpus_per_node
+    cpu = layout.gpu == "cpu"
+    return estimate(cfg, nodes, gpus, int(layout.device_memory_gib * GiB), precision="fp32" if cpu else None,
+                    device="cpu" if cpu else "cuda", options=[zero_option(cfg)],
+                    policies=[cfg.train.activation_checkpointing.policy])
 
 
 @dataclass
