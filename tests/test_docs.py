@@ -1,5 +1,6 @@
 """The manual beyond its command examples (those are tests/test_examples.py's): README.md's links
-resolve (``mkdocs build --strict`` checks the links inside docs/), the cluster walkthrough's recipe
+resolve (``mkdocs build --strict`` checks the links inside docs/), every repository path a page
+names in a code span exists (a moved module or renamed test is caught), the cluster walkthrough's recipe
 is the shipped M recipe with the reader's data, and the console excerpts of README.md and
 docs/training.md are what the training console prints for the tiny recipe."""
 
@@ -14,7 +15,8 @@ from smelt_ds.config.run import load_config
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.parallel.threads import ThreadChoice
 from smelt_ds.train.console import banner, step_line, summary_lines, val_line
-from tests.test_examples import ROOT, fenced_blocks, walkthrough_recipe
+from tests.test_examples import DOC_PAGES as PAGES
+from tests.test_examples import ROOT, _pointer_exists, fenced_blocks, walkthrough_recipe
 
 README = ROOT / "README.md"
 
@@ -76,6 +78,34 @@ def test_link_check_catches_a_missing_file_and_a_missing_anchor(tmp_path):
     assert github_anchor("A heading: `smelt-ds plot`") == "a-heading-smelt-ds-plot"
     problems = broken_links(page)
     assert len(problems) == 2 and "c.md" in problems[0] and "#other" in problems[1], problems
+
+
+#: a repository path in a code span: `smelt_ds/runs/export.py`, `tests/train/test_loop.py::test_x`, `recipes/m/`
+_REPO_PATH = re.compile(r"`((?:smelt_ds|tests|bench|scripts|recipes|launchers|ds_configs|\.ci)/[^`\s*{}<>]*?)"
+                        r"(?:::([\w\[\]-]+))?`")
+
+
+def missing_repo_paths(text: str) -> list[str]:
+    """The repository paths named in ``text``'s code spans that do not exist, and the ``file::test``
+    pointers whose test function the file does not define."""
+    bad = []
+    for path, test in _REPO_PATH.findall(text):
+        file = ROOT / path.rstrip("/")
+        if not file.exists():
+            bad.append(path)
+        elif test and not _pointer_exists(f"{path}::{test}"):
+            bad.append(f"{path}::{test}")
+    return bad
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_repository_paths_named_by_a_page_exist(page):
+    assert missing_repo_paths(page.read_text()) == [], f"{page.relative_to(ROOT)} names paths that do not exist"
+
+
+def test_path_check_catches_a_moved_module_and_a_renamed_test():
+    text = "`smelt_ds/train/export.py`, `tests/train/test_loop.py::test_no_such_test`, `smelt_ds/files.py`"
+    assert missing_repo_paths(text) == ["smelt_ds/train/export.py", "tests/train/test_loop.py::test_no_such_test"]
 
 
 def test_cluster_walkthrough_recipe_is_the_shipped_m_recipe_with_the_readers_data(tmp_path):

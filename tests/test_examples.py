@@ -84,7 +84,7 @@ _LOOP, _EVAL, _HARNESS = "tests/train/test_loop.py", "tests/eval/test_eval_cli.p
 _E2E_SWEEP = "tests/study/test_scaling_e2e.py::test_tiny_real_sweep_then_fit"
 _RUN_EXPORT_INIT = f"{_LOOP}::test_run_directory_summary_export_and_init_from"
 EXPENSIVE = {
-    # README: the main job, training, launcher, resume, export
+    # the main job (README.md), training, launcher, resume, export (docs/training.md)
     "smelt-ds train recipes/tiny/smelt.yaml": "tests/train/test_golden_losses.py::test_fresh_run_matches_golden_losses",
     "smelt-ds train RECIPE [--set train.max_steps=200 ...]": _RUN_EXPORT_INIT,
     "smelt-ds train recipes/tiny/smelt.yaml --set tracking.trackers=[wandb,csv] --set tracking.wandb.mode=offline":
@@ -107,7 +107,7 @@ EXPENSIVE = {
         "tests/parallel/test_compile.py::test_compiled_layers_train_like_eager",
     "smelt-ds memory recipes/tiny/smelt.yaml --measure --seq-len 32 --micro-batch 2":
         "tests/cost/test_memory.py::test_cli_table_json_and_errors",
-    # README: evaluation, harness, HumanEval, test-time loop count
+    # docs/evaluation.md: evaluation, harness, HumanEval, test-time loop count
     "smelt-ds train recipes/tiny/baseline.yaml --set train.max_steps=300 --run-dir /tmp/runs/baseline": _RUN_EXPORT_INIT,
     "smelt-ds train recipes/tiny/smelt.yaml --set train.max_steps=300 --run-dir /tmp/runs/smelt": _RUN_EXPORT_INIT,
     "smelt-ds eval /tmp/runs/baseline /tmp/runs/smelt -o evals/tiny": f"{_EVAL}::test_eval_table_files_and_ranges",
@@ -133,16 +133,16 @@ EXPENSIVE = {
         f"{_HARNESS}::test_eval_harness_loop_repeats_and_baseline_no_loop",
     "smelt-ds generate runs/tiny-smelt --prompt def main( --loop-repeats 3":
         f"{_EVAL}::test_generate_with_a_test_time_loop_count",
-    # README: Hugging Face
+    # docs/huggingface.md
     "smelt-ds export runs/tiny-baseline --format hf -o hf/tiny-baseline":
         "tests/interop/test_export.py::test_baseline_exports_as_a_transformers_architecture",
     "smelt-ds import-hf hf/tiny-baseline -o recipes/continue.yaml":
         "tests/interop/test_import_hf.py::test_imported_recipe_trains_from_the_checkpoint",
-    # README: sweeps and scaling fits
+    # docs/scaling.md: sweeps and scaling fits
     "smelt-ds sweep recipes/sweeps/micro.yaml": _E2E_SWEEP,
     "smelt-ds scaling fit runs/sweeps/micro -o docs/scaling-micro": _E2E_SWEEP,
     "smelt-ds sweep recipes/sweeps/micro.yaml --steps-scale 0.05": _E2E_SWEEP,
-    # README: data
+    # docs/data.md
     "smelt-ds data builtin /tmp/corpus": "tests/data/test_builtin.py::test_cli_prints_documents_mb_and_hash",
     "smelt-ds data tokenizer --input builtin --vocab-size 4096 -o tokenizer.json":
         "tests/data/test_tokenizer.py::test_cli_trains_then_reuses",
@@ -588,8 +588,8 @@ def run_cheap(cmd: Command, argv: list[str], tmp: Path, monkeypatch) -> str:
         rc = cli.main(argv)
     assert rc == 0, (f"{cmd.example.where}: `{cmd.example.text}` exits {rc} (run as `smelt-ds {shlex.join(argv)}` "
                      f"in a temporary directory):\n{err.getvalue()[-2000:]}")
-    # an output the checkout ships under the same path (README: "recipes/tiny/smelt.yaml was written
-    # by" smelt-ds match) is reproduced, apart from its `#` header lines (they name the command)
+    # an output the checkout ships under the same path (docs/budgets.md: "recipes/tiny/smelt.yaml is
+    # written by" smelt-ds match) is reproduced, apart from its `#` header lines (they name the command)
     for prev, tok in zip(argv, argv[1:]):
         shipped = ROOT / tok
         if prev in OUTPUT_OPTIONS and tok != "-" and shipped.is_file():
@@ -839,7 +839,7 @@ def test_examples_are_found_in_the_pages_and_in_help_texts():
     # a console block's `$ ` lines, split at `;`, and another program's command
     assert "smelt-ds data inspect corpus_text_document" in texts
     assert "truncate -s -1 corpus_text_document.bin" in {e.text for e in OTHERS}
-    # a continued line, a `&&` chain and a comment of README.md, an epilog and a backtick span of --help
+    # a continued line, a `&&` chain and a comment of a page, an epilog and a backtick span of --help
     assert ("smelt-ds match recipes/tiny/baseline.yaml --position middle --ep-size 2 --name tiny-smelt --tolerance "
             "0.01 -o recipes/tiny/smelt.yaml") in texts
     assert "smelt-ds render-job recipes/m/smelt.yaml --scheduler deepspeed --hostfile hostfile -o jobs/m-smelt.sh" \
