@@ -374,7 +374,7 @@ def _train(plan: dict[str, Any], compile_mode: str) -> dict[str, Any]:
 
     from smelt_ds.cost.budget import compute_budget
     from smelt_ds.parallel.distributed import init_distributed
-    from smelt_ds.parallel.engine import resolve_precision
+    from smelt_ds.cost.precision import resolve_precision
     from smelt_ds.train.build import build
 
     if compile_mode != "none":  # the config key train.compile (none | layers | model) selects it

@@ -4,5 +4,4 @@
 - :mod:`smelt_ds.config.data`: the ``data:`` section (sources, tokenizer, splits).
 - :mod:`smelt_ds.config.schedule`: :class:`LoopSchedule`, the visit plan a config's ``loop:`` means.
 - :mod:`smelt_ds.config.run`: :class:`RunConfig` and its sections; YAML, ``--set`` overrides, dump.
-- :mod:`smelt_ds.config.ds_template`: DeepSpeed templates, precision, checkpointed visits.
 """

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from smelt_ds.config.ds_template import resolve_precision
 from smelt_ds.config.run import RunConfig, config_from_dict, config_to_dict
 from smelt_ds.cost.budget import kv_cache_bytes_per_token
 from smelt_ds.cost.memory_terms import (
@@ -31,6 +30,7 @@ from smelt_ds.cost.memory_terms import (
     visit_activation_terms,
     with_policy,
 )
+from smelt_ds.cost.precision import resolve_precision
 from smelt_ds.cost.zero_config import zero_section
 from smelt_ds.errors import ConfigError
 

@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from smelt_ds.config.ds_template import checkpointed_visits
 from smelt_ds.config.run import RunConfig
+from smelt_ds.cost.activation_checkpointing import checkpointed_visits
 from smelt_ds.cost.budget import layer_params
 from smelt_ds.errors import ConfigError
 from smelt_ds.model.looping import LoopSchedule

@@ -42,10 +42,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from smelt_ds.config.ds_template import checkpointed_visits, resolve_precision
 from smelt_ds.config.run import RunConfig
+from smelt_ds.config.schedule import LoopSchedule
 from smelt_ds.cost import memory_terms
+from smelt_ds.cost.activation_checkpointing import checkpointed_visits
 from smelt_ds.cost.budget import layer_params
+from smelt_ds.cost.precision import resolve_precision
 from smelt_ds.model.looping import Visit
 
 __all__ = ["KEYS", "Zero3Tuning", "visit_numel", "trace", "reuse_distance_needed", "plan_zero3", "HEADROOM"]
@@ -92,7 +94,11 @@ def visit_numel(cfg: RunConfig, layer: int) -> int:
     """Parameter elements one visit of unique layer ``layer`` gathers on a GPU: attention, norms,
     router, the local experts (``num_experts / ep_size`` with an expert-parallel backend), shared
     expert or dense FFN (:func:`smelt_ds.cost.budget.layer_params`)."""
-    p = layer_params(cfg, layer)
+    return _gathered_numel(cfg, layer_params(cfg, layer))
+
+
+def _gathered_numel(cfg: RunConfig, p: dict[str, int]) -> int:
+    """:func:`visit_numel` from the layer's parameter counts ``p`` (:func:`layer_params`)."""
     experts = p["experts"] // cfg.moe_runtime.ep_size if cfg.moe_runtime.backend != "reference" else p["experts"]
     return p["attention"] + p["norms"] + p["router"] + experts + p["shared"] + p["dense"]
 
@@ -102,11 +108,13 @@ def trace(cfg: RunConfig, checkpointed: set | None = None) -> list[tuple[str, Vi
     the plan, then for every visit in reverse ``("recompute", v)`` when it is checkpointed,
     followed by ``("bwd", v)``."""
     schedule = cfg.schedule
-    if checkpointed is None:
+    return _trace(schedule.plan, checkpointed_visits(cfg, schedule) if checkpointed is None else checkpointed)
 
-        checkpointed = checkpointed_visits(cfg, schedule)
-    out = [("fwd", v) for v in schedule.plan]
-    for v in reversed(schedule.plan):
+
+def _trace(plan: list[Visit], checkpointed: set) -> list[tuple[str, Visit]]:
+    """:func:`trace` of the visit plan ``plan`` with the ``checkpointed`` visits."""
+    out = [("fwd", v) for v in plan]
+    for v in reversed(plan):
         if v in checkpointed:
             out.append(("recompute", v))
         out.append(("bwd", v))
@@ -123,18 +131,22 @@ def reuse_distance_needed(cfg: RunConfig, checkpointed: set | None = None) -> in
     ``sum(visit_numel of the uses between) + visit_numel(l)`` elements; that bound is the
     distance needed. 0 for an unlooped model.
     """
-    schedule = cfg.schedule
-    t = trace(cfg, checkpointed)
-    size = {layer: visit_numel(cfg, layer) for layer in range(cfg.model.num_layers)}
+    numel = [visit_numel(cfg, layer) for layer in range(cfg.model.num_layers)]
+    return _reuse_distance(cfg.schedule, trace(cfg, checkpointed), numel)
+
+
+def _reuse_distance(schedule: LoopSchedule, t: list[tuple[str, Visit]], numel: list[int]) -> int:
+    """:func:`reuse_distance_needed` from the trace ``t`` and the elements per visit of each unique
+    layer, ``numel[layer]``."""
     need = 0
-    for layer in range(cfg.model.num_layers):
+    for layer in range(len(numel)):
         if not schedule.is_looped(layer):
             continue
         uses = [i for i, (_, v) in enumerate(t) if v.layer == layer]
         for i, j in zip(uses, uses[1:]):
             if (t[i][0] == "fwd") != (t[j][0] == "fwd"):
                 continue  # forward -> backward: not a loop reuse
-            need = max(need, sum(size[v.layer] for _, v in t[i + 1:j]) + size[layer])
+            need = max(need, sum(numel[v.layer] for _, v in t[i + 1:j]) + numel[layer])
     return need
 
 
@@ -152,38 +164,42 @@ def _device_memory_bytes(world_size: int) -> int:
     return int(psutil.virtual_memory().total // max(1, min(world_size, 8)))
 
 
-def _free_bytes(cfg: RunConfig, world_size: int, device_memory: int, zero: dict[str, Any], act_bytes: int) -> int:
-    """Device memory minus model states, activation peak and buffers (without the ZeRO-3 window)
-    of the recipe's own setting, keeping :data:`HEADROOM` free."""
-
+def _room_to_gather(cfg: RunConfig, world_size: int, zero: dict[str, Any],
+                    device_memory_bytes: int | None) -> tuple[int, int, int]:
+    """``(bytes per parameter element, free bytes, device bytes)`` per GPU for ZeRO-3: the
+    device memory (``device_memory_bytes``, default this machine's) minus model states,
+    activation peak and buffers (without the ZeRO-3 window) of the recipe's own setting
+    (:mod:`smelt_ds.cost.memory_terms`), keeping :data:`HEADROOM` free."""
+    pbytes = 2 if resolve_precision(cfg) == "bf16" else 4
+    mem = device_memory_bytes if device_memory_bytes is not None else _device_memory_bytes(world_size)
     counts = memory_terms.param_counts(cfg)
-    nodes, gpus = (1, world_size)
     ds = cfg.deepspeed
-    ms = memory_terms.model_states(counts, nodes, gpus, 3, ds.offload_optimizer != "none", ds.offload_param != "none",
-                             "bf16" if act_bytes == 2 else "fp32", cfg.moe_runtime.ep_size if world_size % cfg.moe_runtime.ep_size == 0
-                             else 1)
+    ep = cfg.moe_runtime.ep_size if world_size % cfg.moe_runtime.ep_size == 0 else 1
+    ms = memory_terms.model_states(counts, 1, world_size, 3, ds.offload_optimizer != "none",
+                                   ds.offload_param != "none", "bf16" if pbytes == 2 else "fp32", ep)
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
-    act = memory_terms.activation_bytes(cfg, cfg.train.activation_checkpointing.policy, B, S, act_bytes).peak
-    tmp = memory_terms.temporary_bytes(cfg, counts, 3, B, S, act_bytes, ds_zero=zero)
+    act = memory_terms.activation_bytes(cfg, cfg.train.activation_checkpointing.policy, B, S, pbytes).peak
+    tmp = memory_terms.temporary_bytes(cfg, counts, 3, B, S, pbytes, ds_zero=zero)
     tmp.pop("zero3_window", None)
-    return int(device_memory * (1 - HEADROOM)) - ms.gpu - act - sum(tmp.values())
-
-
-def _param_bytes(cfg: RunConfig) -> int:
-
-    return 2 if resolve_precision(cfg) == "bf16" else 4
+    return pbytes, int(mem * (1 - HEADROOM)) - ms.gpu - act - sum(tmp.values()), mem
 
 
 def plan_zero3(cfg: RunConfig, zero: dict[str, Any], world_size: int,
                device_memory_bytes: int | None = None) -> Zero3Tuning:
     """Decide the three ZeRO-3 values for ``cfg`` given the ``zero_optimization`` section built so
-    far (template values = base). See the module docstring for the rules."""
+    far (template values = base). See the module docstring for the rules.
+
+    The facts come first (checkpointed visits, parameters per layer), then the decision; the
+    memory check (:func:`_room_to_gather`) runs only where tuning applies."""
+    schedule = cfg.schedule
+    checkpointed = checkpointed_visits(cfg, schedule)
+    params = [layer_params(cfg, layer) for layer in range(cfg.model.num_layers)]
+    numel = [_gathered_numel(cfg, p) for p in params]
     stage = cfg.deepspeed.effective_zero_stage
     user = {k: v for k, v in (cfg.deepspeed.config.get("zero_optimization", {}) or {}).items() if k in KEYS}
     base = _base_values(zero)
-    schedule = cfg.schedule
-    sizes = [visit_numel(cfg, v.layer) for v in schedule.plan]
-    block = sum(visit_numel(cfg, layer) for layer in range(cfg.model.num_layers) if schedule.is_looped(layer))
+    sizes = [numel[v.layer] for v in schedule.plan]
+    block = sum(n for layer, n in enumerate(numel) if schedule.is_looped(layer))
     out = Zero3Tuning(cfg.deepspeed.zero3_loop_tuning, stage, False, "", dict(base), base, {}, user, block, sizes)
     if cfg.deepspeed.zero3_loop_tuning == "off":
         out.reason = "deepspeed.zero3_loop_tuning is 'off': template / DeepSpeed values"
@@ -194,16 +210,14 @@ def plan_zero3(cfg: RunConfig, zero: dict[str, Any], world_size: int,
     if block == 0:
         out.reason = "no looped layers: template / DeepSpeed values"
         return _finish(out)
-    reuse = reuse_distance_needed(cfg)
+    reuse = _reuse_distance(schedule, _trace(schedule.plan, checkpointed), numel)
     prefetch = max(sizes)
     out.needed = {"stage3_max_reuse_distance": reuse, "stage3_prefetch_bucket_size": prefetch,
                   "stage3_max_live_parameters": reuse + 2 * prefetch}
     wanted = {k: max(base[k], out.needed[k]) for k in KEYS}
-    pbytes = _param_bytes(cfg)
+    pbytes, free, mem = _room_to_gather(cfg, world_size, zero, device_memory_bytes)
     extra = pbytes * max(0, wanted["stage3_max_reuse_distance"] + wanted["stage3_prefetch_bucket_size"]
                          - base["stage3_max_reuse_distance"] - base["stage3_prefetch_bucket_size"])
-    mem = device_memory_bytes if device_memory_bytes is not None else _device_memory_bytes(world_size)
-    free = _free_bytes(cfg, world_size, mem, zero, pbytes)
     out.extra_gathered_bytes, out.free_bytes, out.device_memory_bytes = extra, free, mem
     if extra > free:
         out.reason = (f"the looped block ({block:,} elements) would need {extra:,} more bytes gathered but only "

@@ -13,16 +13,10 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
-from smelt_ds.config.ds_template import (
-    DS_CONFIG_DIR,
-    checkpointed_visits,
-    deep_merge,
-    load_template,
-    resolve_precision,
-    template_name,
-)
-from smelt_ds.config.run import RunConfig, resolve_batch
-from smelt_ds.cost.zero_config import zero_section
+from smelt_ds.config.run import RunConfig, deep_merge, resolve_batch
+from smelt_ds.cost.activation_checkpointing import checkpointed_visits
+from smelt_ds.cost.precision import resolve_precision
+from smelt_ds.cost.zero_config import load_template, template_name, zero_section
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel.grad_norm import deepspeed_gradient_clipping
 from smelt_ds.parallel.moe_backends import autoep_config_section, moe_optimizer, optimizer_param_groups
@@ -30,8 +24,8 @@ from smelt_ds.parallel.moe_backends import autoep_config_section, moe_optimizer,
 if TYPE_CHECKING:
     from smelt_ds.model.looping import LoopingBlockManager
 
-__all__ = ["DS_CONFIG_DIR", "template_name", "load_template", "build_ds_config", "param_groups",
-           "lr_multiplier", "resolve_precision", "deep_merge"]
+__all__ = ["build_ds_config", "param_groups", "lr_multiplier", "initialize", "check_activation_checkpointing",
+           "configure_activation_checkpointing"]
 
 
 def build_ds_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:

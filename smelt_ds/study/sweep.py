@@ -54,7 +54,6 @@ from typing import Any, Callable
 import yaml
 from pydantic import Field, model_validator
 
-from smelt_ds.config.ds_template import deep_merge
 from smelt_ds.config.run import (
     LoopPosition,
     LoopRange,
@@ -63,6 +62,7 @@ from smelt_ds.config.run import (
     config_diff,
     config_from_dict,
     config_to_dict,
+    deep_merge,
     read_yaml_mapping,
     resolve_batch,
     validate_model,

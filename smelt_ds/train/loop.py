@@ -26,12 +26,12 @@ import torch
 
 from smelt_ds.config.run import RunConfig, dump_config, load_config
 from smelt_ds.cost.budget import compute_budget
+from smelt_ds.cost.precision import resolve_precision
 from smelt_ds.cost.zero_config import write_zero3_tuning
 from smelt_ds.errors import ConfigError
 from smelt_ds.model.moe import TopKRouter
 from smelt_ds.parallel.build_lock import check_build_lock
 from smelt_ds.parallel.distributed import find_free_port, init_distributed, on_rank0, sync_flag
-from smelt_ds.parallel.engine import resolve_precision
 from smelt_ds.parallel.grad_norm import clip_before_step, logged_grad_norm
 from smelt_ds.parallel.threads import ThreadChoice, apply_threads, thread_choice
 from smelt_ds.runs import checkpoint as ckpt

@@ -15,14 +15,11 @@ import pytest
 import torch
 
 from smelt_ds.config.run import config_from_dict
+from smelt_ds.cost.activation_checkpointing import checkpointed_visits
 from smelt_ds.errors import ConfigError
-from smelt_ds.model import SmeltLM, Visit
+from smelt_ds.model import SmeltLM
 from smelt_ds.model.moe import TopKRouter
-from smelt_ds.parallel.engine import (
-    check_activation_checkpointing,
-    checkpointed_visits,
-    configure_activation_checkpointing,
-)
+from smelt_ds.parallel.engine import check_activation_checkpointing, configure_activation_checkpointing
 from smelt_ds.testing import run_distributed
 from smelt_ds.train.objective import total_loss
 from tests.numerics import assert_close_chain, lm_chain_length, prob_tol
@@ -101,20 +98,6 @@ def _assert_recompute_routes(got, what):
 @pytest.fixture(scope="module")
 def reference():
     return _step(_raw("none"))
-
-
-def test_checkpointed_visits_per_policy():
-    cfg = config_from_dict(_raw())
-    model_plan = SmeltLM(cfg.model, cfg.moe, cfg.loop).schedule.plan  # middle of 4: 0 1 2 1 2 3
-    assert [v.layer for v in model_plan] == [0, 1, 2, 1, 2, 3]
-    want = {"none": set(), "full": set(model_plan),
-            "looped": {Visit(1, 0), Visit(2, 0), Visit(1, 1), Visit(2, 1)},
-            "every_n": {Visit(0, 0), Visit(2, 0), Visit(2, 1)}}
-    for policy, visits in want.items():
-        c = config_from_dict(_raw(policy))
-        assert checkpointed_visits(c, SmeltLM(c.model, c.moe, c.loop).schedule) == visits, policy
-    c = config_from_dict(_raw("every_n", every_n=3))
-    assert checkpointed_visits(c, SmeltLM(c.model, c.moe, c.loop).schedule) == {Visit(0, 0), Visit(1, 1)}
 
 
 @pytest.mark.parametrize("policy", POLICIES)

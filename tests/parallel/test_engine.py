@@ -11,7 +11,8 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from smelt_ds.config.run import config_from_dict, resolve_batch
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
-from smelt_ds.parallel.engine import build_ds_config, lr_multiplier, param_groups, template_name
+from smelt_ds.cost.zero_config import template_name
+from smelt_ds.parallel.engine import build_ds_config, lr_multiplier, param_groups
 
 TINY = {"model": {"vocab_size": 64, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2},
         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 16}}
