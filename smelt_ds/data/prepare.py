@@ -45,7 +45,7 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import datasets
 import numpy as np
@@ -56,6 +56,7 @@ from tokenizers import Tokenizer
 
 import smelt_ds
 from smelt_ds.config.data import DataConfig, SourceConfig
+from smelt_ds.data.builtin import builtin_key
 from smelt_ds.data.cache import (
     cache_root,
     host_tag,
@@ -65,13 +66,13 @@ from smelt_ds.data.cache import (
     sha256_json,
     write_json,
 )
-from smelt_ds.data.builtin import builtin_key
-from smelt_ds.data.distributed import rank_info, run_once
+from smelt_ds.data.distributed import is_preparing_rank, rank_info, run_once
 from smelt_ds.data.sources import SourceData, read_sources, source_fingerprint
 from smelt_ds.data.token_sources import (
     TOKEN_SPLIT_SCHEME,
     PackedStream,
     PackedTokens,
+    TokenFileChanged,
     scan_source,
     verify_token_files,
     write_source,
@@ -98,6 +99,7 @@ SPLITS = ("train", "validation")
 _ARROW_BATCH_ROWS = 4096
 _MAP_BATCH_ROWS = 1000
 _WRITE_BATCH_TOKENS = 1 << 24  # tokens routed to the shard writers at once, at most (when documents allow)
+_POLL_S = 0.2  # seconds between looks at a directory another rank prepares again
 SPLIT_SCHEME = "text-hash-v1"  # in the preparation key: outputs made with another split rule are not reused
 
 
@@ -706,7 +708,8 @@ def _prepare_token_sources(tmp: Path, cfg: DataConfig, tok: Tokenizer, eot_id: i
     return out
 
 
-def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None) -> PreparedData:
+def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None, *,
+                        reprepare_changed: bool = False) -> PreparedData:
     """Build (or reuse) everything the ``data`` section describes and open it.
 
     Builds the built-in corpus if a source needs it, trains or reuses the tokenizer, tokenises and
@@ -714,6 +717,11 @@ def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None) ->
     ``$SMELT_DS_CACHE``, else ``~/.cache/smelt-ds``); the shards go to ``cfg.output_dir`` when set,
     else ``<cache>/prepared/<key>``. In a distributed run only the preparing rank (see
     :mod:`smelt_ds.data.distributed`) does the work; the others wait for its completion marker.
+
+    ``reprepare_changed`` (``smelt-ds data prepare``): when the existing preparation of this key
+    no longer verifies because a token file changed with its size and modification time kept
+    (:class:`~smelt_ds.data.token_sources.TokenFileChanged`), prepare it again (see
+    :func:`_prepare_again`); without it (training, eval), that is refused.
 
     Returns the opened :class:`PreparedData` (shards verified per ``cfg.verify``).
     Raises ConfigError for bad sources or inputs, a failed preparation on the preparing rank, a
@@ -729,11 +737,77 @@ def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None) ->
                 else "sources, tokenizer, tokenisation, train/validation shards")
         _say(f"preparing the data now ({what}); cached afterwards in {out}, reused by every run with the same data "
              "settings")
-    created = run_once(out, lambda tmp: _prepare_into(tmp, cfg, root, key),
-                       shared_filesystem=cfg.shared_filesystem, timeout_s=cfg.prepare_timeout_s)
-    prepared = PreparedData.load(out, verify=cfg.verify)
+
+    def build(tmp: Path) -> None:
+        _prepare_into(tmp, cfg, root, key)
+
+    created = run_once(out, build, shared_filesystem=cfg.shared_filesystem, timeout_s=cfg.prepare_timeout_s)
+    seen = _meta_identity(out)
+    try:
+        prepared = PreparedData.load(out, verify=cfg.verify)
+    except ConfigError as e:
+        if not (reprepare_changed and _changed_or_moved(e, out, key, is_preparing_rank(cfg.shared_filesystem))):
+            raise
+        created = _prepare_again(out, build, cfg, e, seen)
+        prepared = PreparedData.load(out, verify=cfg.verify)
     if prepared.key != key:
         raise ConfigError(f"`data.output_dir` ({str(out)!r}) holds data prepared from other sources or settings "
                           f"(key {prepared.key[:12]}, wanted {key[:12]}): delete it or choose another output_dir")
     prepared.created = created
     return prepared
+
+
+def _meta_identity(out: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``out/meta.json``: a directory built again has another one."""
+    try:
+        st = (out / META_FILE).stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _meta_key(out: Path) -> str | None:
+    """The preparation key in ``out/meta.json``; None when it cannot be read."""
+    try:
+        return json.loads((out / META_FILE).read_text())["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _changed_or_moved(error: ConfigError, out: Path, key: str, preparing: bool) -> bool:
+    """Whether opening ``out`` (of preparation ``key``) failed because a token file changed, or,
+    on a waiting rank, because the preparing rank has just moved ``out`` aside to prepare it again."""
+    if isinstance(error, TokenFileChanged):
+        return _meta_key(out) == key
+    return not preparing and not is_complete(out)
+
+
+def _prepare_again(out: Path, build: Callable[[Path], None], cfg: DataConfig, changed: ConfigError,
+                   seen: tuple[int, int] | None) -> bool:
+    """Prepare ``out`` again after ``changed`` (its token files no longer match): the preparing
+    rank moves the old directory aside (a ``.NAME.tmp-<host>-<pid>-<random>`` sibling, removed
+    afterwards, or by the next build if this process is killed) and builds a new one as for a
+    first preparation (in a temporary directory renamed into place: ``out`` is absent or complete,
+    never partial); the other ranks wait until ``out`` is no longer the directory they opened
+    (``seen``: its meta.json's identity), then for the new one's completion marker (or the
+    preparing rank's failure). Returns True on the rank that built it. Raises ConfigError when
+    the rebuild fails or after ``data.prepare_timeout_s`` s of waiting."""
+    if is_preparing_rank(cfg.shared_filesystem):
+        path = changed.path if isinstance(changed, TokenFileChanged) else "a token file"
+        _say(f"{path} changed since {out} was prepared (its size and modification time kept, so the preparation key "
+             "did not change): preparing it again")
+        aside = out.parent / f".{out.name}.tmp-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        os.replace(out, aside)
+        try:
+            return run_once(out, build, shared_filesystem=cfg.shared_filesystem, timeout_s=cfg.prepare_timeout_s)
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)
+    start = time.time()
+    while is_complete(out) and _meta_identity(out) == seen:
+        if time.time() - start > cfg.prepare_timeout_s:
+            raise ConfigError(f"rank {rank_info().rank} waited {cfg.prepare_timeout_s:.0f} s for the preparing rank to "
+                              f"prepare {str(out)!r} again ({changed}): check that rank 0 runs `smelt-ds data prepare` "
+                              "with the same recipe, or raise data.prepare_timeout_s")
+        time.sleep(_POLL_S)
+    return run_once(out, build, shared_filesystem=cfg.shared_filesystem,
+                    timeout_s=max(1.0, cfg.prepare_timeout_s - (time.time() - start)))

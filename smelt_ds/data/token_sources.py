@@ -55,7 +55,7 @@ from smelt_ds.data.token_files import (
 from smelt_ds.errors import ConfigError
 
 __all__ = ["TOKEN_SPLIT_SCHEME", "resolve_token_paths", "token_source_files", "open_token_path", "scan_source",
-           "SourceScan", "write_source", "PackedStream", "PackedTokens", "verify_token_files", "open_any",
+           "SourceScan", "write_source", "PackedStream", "PackedTokens", "TokenFileChanged", "verify_token_files", "open_any",
            "inspect_file", "check_ids", "check_eot"]
 
 TOKEN_SPLIT_SCHEME = "token-key-v1"  # in the preparation key of recipes with token sources
@@ -396,29 +396,43 @@ class PackedTokens:
 # --------------------------------------------------------------------------------------------
 
 
-def _verify_file(ident: dict, name: str, level: str) -> None:
+class TokenFileChanged(ConfigError):
+    """A user file (``path``) of a token source no longer matches the manifest of a prepared
+    directory (missing, another size, another sampled sha256). ``smelt-ds data prepare`` catches
+    it to prepare the directory again (:func:`smelt_ds.data.prepare.prepare_from_config`)."""
+
+    def __init__(self, message: str, path: Path):
+        super().__init__(message)
+        self.path = path
+
+
+def _verify_file(root: Path, ident: dict, name: str, level: str) -> None:
     path = Path(ident["path"])
-    redo = ("the prepared data read this file in place: restore it, or prepare again (a change of size or "
-            "modification time gives a new preparation key, so `smelt-ds data prepare` and training do that)")
+    redo = ("the prepared data read this file in place: restore it, or prepare again (a change of size gives a new "
+            "preparation key, so `smelt-ds data prepare` and training do that)")
     if not path.is_file():
-        raise ConfigError(f"{str(path)!r} (of {name}) is missing: {redo}")
+        raise TokenFileChanged(f"{str(path)!r} (of {name}) is missing: {redo}", path)
     size = path.stat().st_size
     if size != ident["size"]:
-        raise ConfigError(f"{str(path)!r} (of {name}) has {size:,} bytes, {ident['size']:,} when it was prepared: it "
-                          f"was truncated or rewritten: {redo}")
+        raise TokenFileChanged(f"{str(path)!r} (of {name}) has {size:,} bytes, {ident['size']:,} when it was prepared: "
+                               f"it was truncated or rewritten: {redo}", path)
     if level == "checksum" and sha256_sample(path) != ident["sample_sha256"]:
-        raise ConfigError(f"{str(path)!r} (of {name}): its sampled sha256 differs from when it was prepared: it was "
-                          f"modified: {redo}")
+        raise TokenFileChanged(
+            f"{str(path)!r} (of {name}): its sampled sha256 differs from when it was prepared: it was modified (its "
+            f"size and modification time are unchanged, so its preparation key is too, and {str(root)!r} is reused): "
+            f"the prepared data read this file in place: restore it, or run `smelt-ds data prepare --recipe RECIPE` "
+            "with the recipe that prepared it, which sees the change and prepares that directory again", path)
 
 
 def verify_token_files(root: Path, meta: dict, level: str) -> None:
     """Check the user files of token sources (``size``: sizes; ``checksum``: also the sha256 of
     a 1 MiB sample of each) and the stream index arrays (size; ``checksum``: sha256).
-    Raises ConfigError naming the file and the fix."""
+    Raises :class:`TokenFileChanged` for a user file, ConfigError for a stream index, naming the
+    file and the fix."""
     for rec in meta.get("token_files", []):
-        _verify_file(rec, rec["name"], level)
+        _verify_file(root, rec, rec["name"], level)
         if rec["index"] is not None:
-            _verify_file(rec["index"], rec["name"], level)
+            _verify_file(root, rec["index"], rec["name"], level)
     for name, stream in meta.get("streams", {}).items():
         for arr in stream["arrays"].values():
             path = root / arr["file"]

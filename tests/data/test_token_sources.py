@@ -5,8 +5,10 @@ the vocabulary check, mixing with text sources, transformers tokenizer directori
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +20,8 @@ from smelt_ds.config.data import DataConfig
 from smelt_ds.data.loader import TrainLoader, ValidationLoader, check_compatible, windows_in
 from smelt_ds.data.prepare import PreparedData, prepare_from_config
 from smelt_ds.data.token_files import content_keys, select_smallest
-from smelt_ds.runs.tokenizer_file import load_tokenizer, tokenizer_hash
 from smelt_ds.errors import ConfigError
+from smelt_ds.runs.tokenizer_file import load_tokenizer, tokenizer_hash
 from smelt_ds.testing import scaled_timeout
 from tests.data.data_test_utils import assign_documents, split_at_eot, write_jsonl
 from tests.data.token_test_utils import (
@@ -232,22 +234,83 @@ def test_ids_beyond_the_model_vocabulary_name_the_file(megatron_data):
 
 
 def test_changed_files_are_detected_when_opened(tmp_path, small_tok, capsys):
+    """A .bin changed with its size and modification time kept (`touch -r`) keeps the preparation
+    key: opening refuses it (training too), `smelt-ds data prepare` prepares that key again from
+    the file as it is now, atomically (no temporary left), so the fix the refusal names works."""
     docs = random_documents(40, 1000, seed=6)
     write_megatron(tmp_path / "m", docs, np.uint16)
-    prepared = prepare_from_config(_cfg(tmp_path, [{"megatron": str(tmp_path / "m")}], small_tok))
+    cfg = _cfg(tmp_path, [{"megatron": str(tmp_path / "m")}], small_tok)
+    prepared = prepare_from_config(cfg)
     assert main(["data", "verify", str(prepared.root)]) == 0
     assert "; 1 token files match their sizes and sampled sha256" in capsys.readouterr().out
-    data = (tmp_path / "m.bin").read_bytes()
-    (tmp_path / "m.bin").write_bytes(data[:-2] + bytes([data[-2] ^ 1]) + data[-1:])  # same size, one bit
+    bin_, data = tmp_path / "m.bin", (tmp_path / "m.bin").read_bytes()
+    kept = bin_.stat()
+    ids = np.frombuffer(data, dtype=np.uint16).copy()
+    ids[0] ^= 1  # the first id of document 0 (ids are 2..999: still one of the tokenizer's)
+    ids.tofile(bin_)
+    os.utime(bin_, ns=(kept.st_atime_ns, kept.st_mtime_ns))  # touch -r: same size, same modification time
     PreparedData.load(prepared.root, verify="size")
-    with pytest.raises(ConfigError, match=r"m\.bin.*sampled sha256 differs.*prepare again"):
+    changed = rf"m\.bin.*sampled sha256 differs.*so its preparation key is too, and '{prepared.root}' is reused.*" \
+              r"run `smelt-ds data prepare --recipe RECIPE` with the recipe that prepared it"
+    with pytest.raises(ConfigError, match=changed):
         PreparedData.load(prepared.root)
+    with pytest.raises(ConfigError, match=changed):  # training and eval: refused, not prepared behind their back
+        prepare_from_config(cfg)
     assert main(["data", "verify", str(prepared.root)]) == 2
-    (tmp_path / "m.bin").write_bytes(data[:-2])
+    capsys.readouterr()
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"data": cfg.model_dump(mode="json")}))
+    assert main(["data", "prepare", "--recipe", str(tmp_path / "r.yaml")]) == 0
+    out, err = capsys.readouterr()
+    assert "prepared now" in out and f"m.bin changed since {prepared.root} was prepared" in err
+    again = prepare_from_config(cfg)  # what training opens now: verified, the same key and directory
+    assert (again.key, again.root) == (prepared.key, prepared.root)
+    docs[0][0] ^= 1
+    _check_read_back(again, packed(docs))
+    assert [p.name for p in prepared.root.parent.iterdir()] == [prepared.root.name]
+    bin_.write_bytes(data[:-2])
     with pytest.raises(ConfigError, match=rf"m\.bin.*has {len(data) - 2:,} bytes, {len(data):,} when it was prepared"):
         PreparedData.load(prepared.root, verify="size")
     with pytest.raises(ConfigError, match=r"m\.bin.*truncated"):  # a new key: prepared again, the .bin refused
-        prepare_from_config(_cfg(tmp_path, [{"megatron": str(tmp_path / "m")}], small_tok))
+        prepare_from_config(cfg)
+
+
+def test_a_waiting_rank_that_finds_the_preparation_moved_aside_waits_for_the_new_one(tmp_path, small_tok,
+                                                                                   monkeypatch):
+    """Rank 1 of `data prepare` (RANK=1 in this process) whose open comes just after rank 0 moved
+    the changed preparation aside: it waits for the one rank 0 builds (done here by a thread
+    running the build rank 0 runs, at that moment) instead of failing on a missing directory."""
+    import threading
+
+    import smelt_ds.data.prepare as prepare_module
+    from smelt_ds.data.cache import build_dir_atomically
+
+    docs = random_documents(40, 1000, seed=6)
+    write_megatron(tmp_path / "m", docs, np.uint16)
+    cfg = _cfg(tmp_path, [{"megatron": str(tmp_path / "m")}], small_tok)
+    old = prepare_from_config(cfg)
+    kept = (tmp_path / "m.bin").stat()
+    ids = np.fromfile(tmp_path / "m.bin", dtype=np.uint16)
+    ids[0] ^= 1
+    ids.tofile(tmp_path / "m.bin")
+    os.utime(tmp_path / "m.bin", ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    real_run_once, rank0 = prepare_module.run_once, []
+
+    def run_once_then_rank0_moves_it(out, build, **kw):
+        done = real_run_once(out, build, **kw)
+        if not rank0:  # rank 0, right after this rank saw the old directory complete
+            os.replace(out, tmp_path / "aside")
+            rank0.append(threading.Thread(target=lambda: (time.sleep(0.3), build_dir_atomically(out, build))))
+            rank0[0].start()
+        return done
+
+    monkeypatch.setattr(prepare_module, "run_once", run_once_then_rank0_moves_it)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    again = prepare_from_config(cfg, reprepare_changed=True)
+    rank0[0].join()
+    assert (again.root, again.created) == (old.root, False)
+    docs[0][0] ^= 1
+    _check_read_back(again, packed(docs))
 
 
 def test_text_and_token_sources_mix_with_one_tokenizer(tmp_path, small_tok, megatron_data):
