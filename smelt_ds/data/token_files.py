@@ -54,6 +54,8 @@ _CHUNK_DOCUMENTS = 1 << 18  # documents handled at once (index entries)
 _CHUNK_KEYS = 1 << 15  # documents hashed at once (arrays of 64 slots each: 16 MiB)
 #: the document key hashes the content's first KEY_HEAD_TOKENS and last KEY_TAIL_TOKENS tokens and its length
 KEY_HEAD_TOKENS, KEY_TAIL_TOKENS = 48, 16
+#: the uint32-read-as-uint16 check of raw files: windows of bytes read, and the pairs needed to decide
+DTYPE_SAMPLE_WINDOWS, DTYPE_SAMPLE_BYTES, DTYPE_MIN_PAIRS = 4, 1 << 20, 32
 
 
 @dataclass
@@ -270,7 +272,58 @@ def open_flat(path: str | Path, token_dtype: str | None, dtype_field: str = "tok
     if size % dtype.itemsize:
         raise _fail(p, f"{size:,} bytes is not a whole number of {dtype.name} tokens: truncated, or another dtype",
                     f"check `{dtype_field}`, or write the file again")
+    if dtype == np.uint16:
+        _refuse_uint32_as_uint16(p, size, dtype_field)
     return TokenFile(p, "raw", dtype, 0, size // dtype.itemsize)
+
+
+def _uint16_pairs_sample(path: Path, size: int) -> np.ndarray:
+    """Up to :data:`DTYPE_SAMPLE_WINDOWS` windows of :data:`DTYPE_SAMPLE_BYTES` of a raw file
+    (the first and the last included, evenly spaced), as (n, 2) uint16 pairs: column 0 holds the
+    ids at even positions of the file, column 1 those at odd positions (windows start on 4-byte
+    boundaries, so a pair is the two halves of one uint32)."""
+    pairs = np.memmap(path, dtype=np.uint16, mode="r", shape=(size // 4, 2))
+    per, n = DTYPE_SAMPLE_BYTES // 4, len(pairs)
+    starts = sorted({k * max(0, n - per) // (DTYPE_SAMPLE_WINDOWS - 1) for k in range(DTYPE_SAMPLE_WINDOWS)})
+    return np.concatenate([np.asarray(pairs[a:a + per]) for a in starts])
+
+
+def _refuse_uint32_as_uint16(path: Path, size: int, dtype_field: str) -> None:
+    """Refuse a raw file declared uint16 whose sample shows uint32 ids read as two uint16 each.
+
+    A little-endian uint32 id ``v`` reads as the uint16 ``v & 0xFFFF`` then ``v >> 16``: with ids
+    below 65,536 every uint16 at an odd position is 0; with ids below 262,144 (every vocabulary in
+    use: Gemma 3 has 262,144 tokens) every one is at most 3 while the low halves spread over
+    0..65,535. Big-endian uint32 ids give the same at even positions once each uint16's bytes are
+    swapped. Refused when the sample (:func:`_uint16_pairs_sample`) holds at least
+    :data:`DTYPE_MIN_PAIRS` pairs and the high halves are all 0 while the low halves are not, or
+    all at most 3 while the low halves reach 4,096.
+
+    False positives: a real uint16 file is refused only if every second token of the sample is id 0
+    (first rule), or one of ids 0..3 while the others reach id 4,096 (second rule): a file of
+    one-token documents, never text. A small vocabulary (DNA letters as ids 0..3) meets neither
+    rule: its ids never reach 4,096, and it is not id 0 at every second position. An odd number
+    of uint16, or fewer than 32 pairs, is never refused.
+
+    Raises ConfigError naming the file, what was seen and ``dtype_field`` (set to uint32)."""
+    if size % 4 or size < 4 * DTYPE_MIN_PAIRS:  # an odd number of uint16 cannot be uint32 ids; too few to tell
+        return
+    pairs = _uint16_pairs_sample(path, size)
+    little, big = pairs.max(axis=0), pairs.byteswap().max(axis=0)  # (2,): largest at even / odd positions
+    for hi, lo, parity, order in ((int(little[1]), int(little[0]), "odd", "little"),
+                                  (int(big[0]), int(big[1]), "even", "big")):
+        if not ((hi == 0 < lo) or (hi <= 3 and lo >= 4096)):
+            continue
+        swapped = " once its bytes are swapped" if order == "big" and hi else ""
+        seen = "0" if hi == 0 else f"at most {hi}{swapped}, while the others reach {lo:,}"
+        fix = (f"set `{dtype_field}` to uint32" if order == "little" else
+               f"write the ids again as little-endian uint32 (ids.astype('<u4').tofile(path)) and set `{dtype_field}` "
+               "to uint32")
+        where = ("the whole file" if size <= DTYPE_SAMPLE_WINDOWS * DTYPE_SAMPLE_BYTES else
+                 f"{DTYPE_SAMPLE_WINDOWS * DTYPE_SAMPLE_BYTES >> 20} MiB spread over it")
+        raise _fail(path, f"read as uint16 (`{dtype_field}`), every second uint16 is {seen} (those at {parity} "
+                          f"positions, in {where}): the file holds {order}-endian uint32 token ids below "
+                          f"{(hi + 1) * 65_536:,}, each read as two uint16", fix)
 
 
 # --------------------------------------------------------------------------------------------

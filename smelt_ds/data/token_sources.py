@@ -146,18 +146,28 @@ def check_ids(tf: TokenFile, st: ScanStats, where: str, id_space: int | None = N
         raise ConfigError(f"{tf.name!r} ({where}): holds token id {st.min_id}: token ids are never negative, so the "
                           "file is damaged or not token ids: write it again")
     if id_space is not None and st.max_id >= id_space:
-        hint = (" or its token dtype is not the one it was written with" if tf.format == "raw" else "")
+        problem = "the file was made with another tokenizer"
+        fix = "use the tokenizer the file was made with (data.tokenizer.path)"
+        if tf.format == "raw" and tf.dtype == np.uint32 and id_space <= 65_536 <= st.max_id:
+            field = f"{where}.token_dtype" if where.startswith("data.") else "--token-dtype"
+            problem += (", or it holds uint16 ids read as uint32 (two uint16 ids make one uint32 id of 65,536 or "
+                        "more)")
+            fix = f"set `{field}` to uint16 if the file was written as uint16, else {fix}"
+        elif tf.format == "raw":
+            problem += ", or its token dtype is not the one it was written with"
         raise ConfigError(f"{tf.name!r} ({where}): holds token id {st.max_id}, but the tokenizer ({tokenizer}) has ids "
-                          f"0..{id_space - 1}: the file was made with another tokenizer{hint}: use the tokenizer the "
-                          "file was made with (data.tokenizer.path)")
+                          f"0..{id_space - 1}: {problem}: {fix}")
 
 
 def check_eot(tf: TokenFile, st: ScanStats, eot_id: int | None, field_name: str) -> None:
     """Refuse a flat file in which ``eot_id`` never occurs (``field_name``: where it was given)."""
     if tf.format != "megatron" and eot_id is not None and st.ended_by_eot == 0:
+        dtype_field = field_name.replace("eot_id", "token_dtype").replace("eot-id", "token-dtype")
+        dtype = (f", or `{dtype_field}` ({tf.dtype.name}) is not the dtype the file was written with"
+                 if tf.format == "raw" else "")
         raise ConfigError(f"{tf.name!r}: no end-of-text id {eot_id} in its {tf.num_tokens:,} tokens, so it holds no "
                           f"document end: `{field_name}` is not the id the file's documents end with (or the file is "
-                          "one unfinished document): give the right id")
+                          f"one unfinished document){dtype}: give the right id{' and dtype' if dtype else ''}")
 
 
 def scan_source(src: SourceConfig, index: int, eot_id: int, id_space: int, cfg: DataConfig, work: Path) -> SourceScan:

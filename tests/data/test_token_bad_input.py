@@ -1,6 +1,6 @@
-"""Token sources: damaged files, ids outside the tokenizer, recipe mistakes, and `smelt-ds data
-inspect` (its numbers against the files' writers, its exit codes). Every refusal names the file
-(or field), the problem and the fix."""
+"""Token sources: damaged files, ids outside the tokenizer, a raw file's dtype declared wrong,
+recipe mistakes, and `smelt-ds data inspect` (its numbers against the files' writers, its exit
+codes). Every refusal names the file (or field), the problem and the fix."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from smelt_ds.cli import main
 from smelt_ds.config.data import DataConfig
 from smelt_ds.config.run import config_from_dict, load_config
 from smelt_ds.data.prepare import prepare_from_config
+from smelt_ds.data.token_files import open_flat
 from smelt_ds.errors import ConfigError
 from tests.data.token_test_utils import EOT, random_documents, word_tokenizer, write_flat, write_megatron
 
@@ -210,3 +211,82 @@ def test_inspect_prints_what_the_writers_wrote(tmp_path, tok, capsys):
     assert f"tokens       {flat_tokens:,}" in flat
     assert main(["data", "inspect", str(tmp_path / "f.npy")]) == 0
     assert "unknown: give --eot-id" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------
+# a raw file's token_dtype declared wrong (the ids the tokenizer has do not always catch it)
+# --------------------------------------------------------------------------------------------
+
+
+def _ids(n: int, high: int, seed: int) -> np.ndarray:
+    """``n`` ids in [2, high), every 200th the end-of-text id, as int64."""
+    ids = np.random.default_rng(seed).integers(2, high, n)
+    ids[199::200] = EOT
+    return ids
+
+
+LITTLE, BIG = "set `{}` to uint32", r"write the ids again as little-endian uint32 \(ids.astype\('<u4'\).tofile\(path\)\) " \
+                                     "and set `{}` to uint32"
+
+
+@pytest.mark.parametrize("high, order, seen, fix", [
+    (1000, "<u4", r"every second uint16 is 0 \(those at odd positions, in the whole file\): the file holds "
+                  r"little-endian uint32 token ids below 65,536", LITTLE),
+    (150_000, "<u4", r"every second uint16 is at most 2, while the others reach [\d,]+ \(those at odd positions, in the "
+                     r"whole file\): the file holds little-endian uint32 token ids below 196,608", LITTLE),
+    (1000, ">u4", r"every second uint16 is 0 \(those at even positions, in the whole file\): the file holds "
+                  r"big-endian uint32 token ids below 65,536", BIG),
+], ids=["ids below 65,536", "ids up to 150,000", "big-endian"])
+def test_uint32_ids_declared_uint16_are_refused(tmp_path, tok, capsys, high, order, seen, fix):
+    """uint32 ids written by numpy, declared uint16: refused when preparing and by `data inspect`
+    (exit 2), naming the file, what was seen and the fix; the same file declared uint32 prepares.
+    With ids up to 150,000 every uint16 is an id of a 150,000-token tokenizer: only this check
+    can tell."""
+    _ids(20_000, high, seed=1).astype(order).tofile(tmp_path / "code.u32.bin")
+    src = {"tokens": str(tmp_path / "code.u32.bin"), "token_dtype": "uint16", "eot_id": EOT}
+    if high == 1000:  # preparing: with the tokenizer the ids were made with
+        field = r"data.sources\[0\].token_dtype"
+        with pytest.raises(ConfigError, match=rf"code\.u32\.bin': read as uint16 \(`{field}`\), {seen}, each read as "
+                                              rf"two uint16: {fix.format(field)}$"):
+            prepare_from_config(DataConfig(sources=[src], tokenizer={"path": str(tok)}, cache_dir=str(tmp_path / "c")))
+    capsys.readouterr()
+    assert main(["data", "inspect", src["tokens"], "--token-dtype", "uint16", "--eot-id", "0"]) == 2
+    assert re.search(rf"^smelt-ds data inspect: .*code\.u32\.bin: .*{seen}, each read as two uint16: "
+                     rf"{fix.format('--token-dtype')}$", capsys.readouterr().err)
+    if order == "<u4" and high == 1000:
+        prepared = prepare_from_config(DataConfig(sources=[{**src, "token_dtype": "uint32"}],
+                                                  tokenizer={"path": str(tok)}, cache_dir=str(tmp_path / "c")))
+        assert prepared.meta["token_files"][0]["documents"] == 100
+
+
+def test_real_uint16_files_that_look_alike_in_places_are_read(tmp_path):
+    """No false refusal: DNA-like ids 0..3 whose end-of-text ids (4) all fall on even positions (so
+    every odd one is at most 3), and a 6 MiB uint16 corpus whose first MiB happens to hold id 0 at
+    every odd position (the spread sample sees the rest). Reference: the ids numpy wrote."""
+    dna = np.random.default_rng(2).integers(0, 4, 40_000)
+    dna[::1000] = 4
+    dna.astype(np.uint16).tofile(tmp_path / "dna.bin")
+    text = _ids(3 << 20, 1000, seed=3)
+    text[1:1 << 19:2] = 0  # the first MiB: (x, 0) pairs
+    text.astype(np.uint16).tofile(tmp_path / "text.bin")
+    for name, ids in (("dna.bin", dna), ("text.bin", text)):
+        tf = open_flat(tmp_path / name, "uint16")
+        assert np.array_equal(tf.tokens(), ids)
+
+
+def test_uint16_ids_declared_uint32_are_refused(tmp_path, tok, capsys):
+    """The opposite: uint16 ids read as uint32 pair up into ids of 65,536 and more, beyond a
+    tokenizer below 65,536 ids; the refusal names token_dtype uint16 as a fix."""
+    _ids(20_000, 1000, seed=4).astype(np.uint16).tofile(tmp_path / "f.bin")
+    src = {"tokens": str(tmp_path / "f.bin"), "token_dtype": "uint32", "eot_id": EOT}
+    top = int(np.fromfile(tmp_path / "f.bin", dtype=np.uint32).max())  # numpy's reading as uint32
+    assert top >= 65_536
+    fix = r"holds uint16 ids read as uint32 .*: set `{}` to uint16 if the file was written as uint16"
+    with pytest.raises(ConfigError, match=rf"f\.bin' \(data.sources\[0\]\): holds token id {top}, but the tokenizer .*"
+                                          + fix.format(r"data.sources\[0\].token_dtype")):
+        prepare_from_config(DataConfig(sources=[src], tokenizer={"path": str(tok)}, cache_dir=str(tmp_path / "c")))
+    capsys.readouterr()
+    assert main(["data", "inspect", src["tokens"], "--token-dtype", "uint32", "--tokenizer", str(tok)]) == 2
+    assert re.search(fix.format("--token-dtype"), capsys.readouterr().err)
+    assert main(["data", "inspect", src["tokens"], "--token-dtype", "uint32", "--eot-id", "0"]) == 2
+    assert "`--token-dtype` (uint32) is not the dtype the file was written with" in capsys.readouterr().err
