@@ -40,7 +40,9 @@ def check_compatible(prepared: PreparedData, model_vocab_size: int, tokenizer_ha
 
     - the tokenizer's vocabulary (tokens) is at most ``model_vocab_size`` (``model.vocab_size``; a
       larger model vocabulary is a padded one, as Megatron-LM pads to a multiple of 128 and
-      Qwen3-MoE's 151,936 rows hold a 151,669-token tokenizer);
+      Qwen3-MoE's 151,936 rows hold a 151,669-token tokenizer); the fix named is a larger
+      ``model.vocab_size`` when the tokenizer was given (``data.tokenizer.path``), else also a
+      smaller trained tokenizer;
     - every token id in the shards is below ``model_vocab_size`` (for token sources, the largest id
       of each file, from the manifest, naming the file; checked first);
     - when given, ``tokenizer_hash`` (e.g. from a checkpoint) equals the shards' tokenizer hash.
@@ -52,10 +54,16 @@ def check_compatible(prepared: PreparedData, model_vocab_size: int, tokenizer_ha
                               f"model.vocab_size to at least {f['max_token_id'] + 1} (a multiple of 128 is usual), or "
                               "drop the file from the source")
     if prepared.vocab_size > model_vocab_size:
+        given = prepared.meta.get("config", {}).get("tokenizer", {}).get("path")
+        padded = -(-prepared.vocab_size // 128) * 128
+        fix = (f"set model.vocab_size to at least {prepared.vocab_size} (e.g. {padded}, padded to a multiple of 128 "
+               f"as Megatron-LM does): the tokenizer is the one given in data.tokenizer.path ({given!r}), so its size "
+               "is fixed" if given else
+               f"set model.vocab_size to {prepared.vocab_size}, or prepare the data with "
+               f"data.tokenizer.vocab_size={model_vocab_size}")
         raise ConfigError(f"`model.vocab_size` ({model_vocab_size}) is smaller than the tokenizer of the prepared "
                           f"data ({prepared.vocab_size} tokens, tokenizer {prepared.tokenizer_hash[:12]}, "
-                          f"{prepared.root}): set model.vocab_size to {prepared.vocab_size}, or prepare the data "
-                          f"with data.tokenizer.vocab_size={model_vocab_size}")
+                          f"{prepared.root}): {fix}")
     top = max((s["max_token_id"] for s in prepared.meta["shards"]), default=-1)
     if top >= model_vocab_size:
         raise ConfigError(f"prepared shards hold token id {top}, not below `model.vocab_size` ({model_vocab_size}): "

@@ -1,6 +1,7 @@
 """Token sources: damaged files, ids outside the tokenizer, a raw file's dtype declared wrong,
-recipe mistakes, and `smelt-ds data inspect` (its numbers against the files' writers, its exit
-codes). Every refusal names the file (or field), the problem and the fix."""
+recipe mistakes, a model vocabulary below the tokenizer, and `smelt-ds data inspect` (its numbers
+against the files' writers, its exit codes). Every refusal names the file (or field), the
+problem and the fix."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 from smelt_ds.cli import main
 from smelt_ds.config.data import DataConfig
 from smelt_ds.config.run import config_from_dict, load_config
-from smelt_ds.data.prepare import prepare_from_config
+from smelt_ds.data.loader import check_compatible
+from smelt_ds.data.prepare import PreparedData, prepare_from_config
 from smelt_ds.data.token_files import open_flat
 from smelt_ds.errors import ConfigError
 from tests.data.token_test_utils import EOT, random_documents, word_tokenizer, write_flat, write_megatron
@@ -290,3 +292,22 @@ def test_uint16_ids_declared_uint32_are_refused(tmp_path, tok, capsys):
     assert re.search(fix.format("--token-dtype"), capsys.readouterr().err)
     assert main(["data", "inspect", src["tokens"], "--token-dtype", "uint32", "--eot-id", "0"]) == 2
     assert "`--token-dtype` (uint32) is not the dtype the file was written with" in capsys.readouterr().err
+
+
+def test_a_model_vocabulary_below_a_given_tokenizer_names_model_vocab_size(tmp_path, tok):
+    """With data.tokenizer.path the tokenizer's size is fixed: the fix is model.vocab_size (padded
+    to a multiple of 128), never data.tokenizer.vocab_size (which only sizes a trained one)."""
+    write_megatron(tmp_path / "m", random_documents(30, 900, seed=5), np.uint16)  # ids below 900
+    prepared = prepare_from_config(DataConfig(sources=[{"megatron": str(tmp_path / "m")}],
+                                              tokenizer={"path": str(tok)}, cache_dir=str(tmp_path / "c")))
+    check_compatible(prepared, 1000)
+    with pytest.raises(ConfigError) as e:
+        check_compatible(prepared, 950)
+    assert re.search(r"`model.vocab_size` \(950\) is smaller than the tokenizer of the prepared data \(1000 tokens.*"
+                     r"set model.vocab_size to at least 1000 \(e.g. 1024, padded to a multiple of 128 .*"
+                     rf"data.tokenizer.path \('{tok}'\)", str(e.value))
+    assert "data.tokenizer.vocab_size" not in str(e.value)
+    meta = {**prepared.meta, "config": {**prepared.meta["config"], "tokenizer": {"path": None}}}  # as if trained
+    with pytest.raises(ConfigError, match=r"set model.vocab_size to 1000, or prepare the data with "
+                                          r"data.tokenizer.vocab_size=950"):
+        check_compatible(PreparedData(prepared.root, meta), 950)
