@@ -29,8 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("smelt_ds.config.cli", "the resolved recipe (what `smelt-ds train` runs); validate recipes"),
     "data": ("smelt_ds.data.cli", "build the built-in corpus, train a tokenizer, prepare shards"),
     "train": ("smelt_ds.train.cli", "train a recipe (one process, or N local ranks via the deepspeed launcher)"),
-    "export": ("smelt_ds.train.cli", "consolidate a checkpoint into fp32 weights + the resolved recipe, or a "
-                                     "Hugging Face model (--format hf)"),
+    "export": ("smelt_ds.interop.cli", "consolidate a checkpoint into fp32 weights + the resolved recipe, or a "
+                                       "Hugging Face model (--format hf)"),
     "eval": ("smelt_ds.eval.cli", "validation loss, in-context curves, harness tasks, HumanEval, loop counts"),
     "analyze": ("smelt_ds.eval.cli", "attention sink, routing and logit lens per (layer, visit)"),
     "generate": ("smelt_ds.eval.cli", "decode text with the per-visit KV cache and print tokens/s"),

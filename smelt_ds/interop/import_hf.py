@@ -19,7 +19,6 @@ Both are written atomically; neither replaces anything but an earlier import.
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import sys
@@ -33,6 +32,7 @@ from smelt_ds.config.run import config_from_dict, dump_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import staged_directory, write_text_atomic
 from smelt_ds.interop import known_archs, smelt_format
+from smelt_ds.interop.configuration_smelt import SmeltConfig
 from smelt_ds.model import SmeltLM
 from smelt_ds.runs.export import EXPORT_FILES, HF_MARKER
 from smelt_ds.runs.provenance import RUN_TOKENIZER
@@ -107,10 +107,8 @@ def _check_smelt_config(config: dict[str, Any], path: Path) -> None:
                           "smelt-ds uses plain RoPE (rope_type default)")
     fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map", "architectures",
                                                            "transformers_version")}
-    # the standalone config class imports transformers: loaded on first use, not with the CLI
-    smelt_config = importlib.import_module("smelt_ds.interop.configuration_smelt").SmeltConfig
     try:
-        smelt_config(**fields)
+        SmeltConfig(**fields)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{path}: {e}") from None
     if not (path.parent / HF_MARKER).is_file():

@@ -4,5 +4,5 @@ lock) is :mod:`smelt_ds.runs`.
 
 - :mod:`smelt_ds.train.loop`: ``build()``, ``train()``, metrics, summary; ``python -m smelt_ds.train``.
 - :mod:`smelt_ds.train.data`: the training and validation loaders of a run.
-- Commands: ``smelt-ds train``, ``smelt-ds export`` (:mod:`smelt_ds.train.cli`).
+- Commands: ``smelt-ds train`` (:mod:`smelt_ds.train.cli`).
 """

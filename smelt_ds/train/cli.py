@@ -1,4 +1,4 @@
-"""``smelt-ds train`` and ``smelt-ds export``."""
+"""``smelt-ds train`` (``smelt-ds export`` is :mod:`smelt_ds.interop.cli`'s)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from typing import Any, Callable, Iterator
 
 from smelt_ds.config.run import RunConfig, load_config
 from smelt_ds.errors import ConfigError
-from smelt_ds.interop.cli import add_export_arguments, run_export_hf
-from smelt_ds.runs.export import export_checkpoint
 from smelt_ds.runs.provenance import init_from_tokenizer
 from smelt_ds.runs.run_lock import RunLock
 from smelt_ds.train.guards import check_optional_packages, check_run_dir
@@ -32,21 +30,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=1, help="local ranks (default 1: this process)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_train)
-
-    e = sub.add_parser("export", help="consolidate a checkpoint into fp32 weights + the resolved recipe, or a "
-                                      "Hugging Face model (--format hf)",
-                       description="Write model.pt (fp32 state dict in the reference layout) and config.yaml, "
-                                   "loadable by SmeltLM on one CPU process (smelt_ds.runs.export.load_exported); "
-                                   "with --format hf a transformers model directory (config.json, safetensors, "
-                                   "tokenizer, model card), checked by parity with the source model.",
-                       epilog="examples:\n  smelt-ds export runs/tiny-smelt -o exports/tiny-smelt\n"
-                              "  smelt-ds export runs/tiny-smelt --format hf -o hf/tiny-smelt",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("run_dir", help="run directory, a checkpoints/stepNNNNNNNN directory, or (--format hf) an "
-                                   "export directory")
-    e.add_argument("-o", "--output", required=True, help="output directory")
-    add_export_arguments(e)
-    e.set_defaults(func=run_export)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -175,16 +158,3 @@ def _handling(signals: tuple[signal.Signals, ...], handler: Callable[[int, Any],
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def run_export(args: argparse.Namespace) -> int:
-    if args.format == "hf":
-        return run_export_hf(args)
-    hf_only = [flag for flag, on in (("--hf-arch", args.hf_arch != "auto"), ("--no-check", args.no_check),
-                                     ("--max-shard-size", args.max_shard_size != "5GB")) if on]
-    if hf_only:
-        raise ConfigError(f"{', '.join(hf_only)} {'applies' if len(hf_only) == 1 else 'apply'} to --format hf only: "
-                          "add --format hf, or drop it")
-    out = export_checkpoint(args.run_dir, args.output)
-    print(f"wrote {out}")
-    return 0
