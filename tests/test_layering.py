@@ -1,20 +1,26 @@
 """The package's import layering (DESIGN §2, docs/architecture.md), read from the source with ``ast``.
 
 Layers, bottom to top: ``base`` (errors, package data, argparse conventions) -> ``config`` -> ``model`` ->
-``cost`` -> ``parallel`` -> ``run`` (data, train, eval) -> ``study`` (study, launch) -> ``cli`` -> ``testing``
-(the test helpers, which may import any production module). An
-import may point down or sideways, never up. The tests fail on any upward import, on an import
-cycle at module level, on DeepSpeed under ``model/`` or ``cost/``, and on any import of the
-package's own modules inside a function (own modules are imported at module level, where the
-layering keeps them acyclic; heavy optional third-party imports such as ``deepspeed`` may stay
-lazy). The one import by name, ``smelt_ds/cli.py``'s command table (``COMMANDS``: command ->
-(module, help), imported only when its command runs), is read as module-level imports of
-``smelt_ds.cli``. A test of the test plants each violation in a scratch package and checks it is caught.
+``cost`` -> ``parallel`` -> ``runs`` (the run directory and its artifacts) -> ``run`` (data, train, eval,
+interop) -> ``study`` (study, launch) -> ``cli`` -> ``testing`` (the test helpers, which may import any
+production module). An import may point down, or sideways to another package of the same floor as
+long as the packages of a floor import each other without a cycle. The tests fail on any upward
+import; on an import cycle at module level, and on one between packages (``train`` -> ``eval`` ->
+``train`` through different modules is a knot too); on DeepSpeed under ``model/`` or ``cost/``; on
+any import of the package's own modules inside a function (own modules are imported at module
+level, where the layering keeps them acyclic; heavy optional third-party imports such as
+``deepspeed`` may stay lazy); on importing a module by name (``importlib.import_module``,
+``__import__``: invisible to the other checks), except where :data:`KNOWN_DYNAMIC` says why; and on
+any import of ``smelt_ds.testing`` from production code. The one import by name of our own modules,
+``smelt_ds/cli.py``'s command table (``COMMANDS``: command -> (module, help), imported only when its
+command runs), is read as module-level imports of ``smelt_ds.cli``. A test of the test plants each
+violation in a scratch package and checks it is caught.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from collections import Counter
 from pathlib import Path
 
@@ -36,6 +42,14 @@ ORDER = list(LAYERS)
 
 # imports that point up: (importer, imported)
 KNOWN_UPWARD: set[tuple[str, str]] = set()  # none left: keep it so
+
+#: modules that import a module named by a computed string, and why none of them is ours (a string
+#: literal naming a smelt_ds module is refused everywhere)
+KNOWN_DYNAMIC = {
+    "smelt_ds.cli": "the command table COMMANDS (read as imports of smelt_ds.cli)",
+    "smelt_ds.train.trackers": "the optional third-party tracker packages (wandb, mlflow)",
+    "smelt_ds.interop.smelt_format": "an export's copied modeling files, as a package named by their hash",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -105,6 +119,7 @@ def _resolve(graph: dict[str, list[tuple[str, bool]]]) -> dict[str, list[tuple[s
     return {m: [(module_of(t), top) for t, top in imps] for m, imps in graph.items()}
 
 
+@functools.cache  # read once per test run: every check below reads the same tree
 def _graph(root: Path = PACKAGE) -> dict[str, list[tuple[str, bool]]]:
     return _resolve({_module_name(p): imports_of(p.read_text(), _module_name(p)) for p in sorted(root.rglob("*.py"))})
 
@@ -125,9 +140,8 @@ def function_level_counts(graph) -> Counter:
     return Counter(mod for mod, imps in graph.items() for t, top in imps if not top and t.startswith("smelt_ds"))
 
 
-def module_level_cycles(graph) -> list[list[str]]:
-    """Strongly connected components (size > 1) of the module-level import graph (Tarjan)."""
-    edges = {m: sorted({t for t, top in imps if top and t in graph and t != m}) for m, imps in graph.items()}
+def strongly_connected(edges: dict[str, list[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node of a directed graph (Tarjan), each sorted."""
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):
@@ -135,7 +149,7 @@ def module_level_cycles(graph) -> list[list[str]]:
         counter[0] += 1
         stack.append(v)
         on.add(v)
-        for w in edges[v]:
+        for w in edges.get(v, []):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -158,6 +172,85 @@ def module_level_cycles(graph) -> list[list[str]]:
     return out
 
 
+def module_level_cycles(graph) -> list[list[str]]:
+    """Import cycles between modules through module-level imports."""
+    return strongly_connected({m: sorted({t for t, top in imps if top and t in graph and t != m})
+                               for m, imps in graph.items()})
+
+
+def package_of(module: str) -> str | None:
+    """``smelt_ds.X`` for ``smelt_ds.X`` and everything under it; None for the package root."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and parts[0] == "smelt_ds" else None
+
+
+def package_graph(graph) -> dict[str, list[str]]:
+    """Package -> the other packages its modules import (at any level), e.g. ``smelt_ds.train`` ->
+    ``smelt_ds.eval``."""
+    edges: dict[str, set[str]] = {}
+    for mod, imps in graph.items():
+        a = package_of(mod)
+        if a is None:
+            continue
+        edges.setdefault(a, set())
+        for t, _ in imps:
+            b = package_of(t)
+            if b is not None and b != a:
+                edges[a].add(b)
+    return {a: sorted(bs) for a, bs in edges.items()}
+
+
+def package_cycles(graph) -> list[list[str]]:
+    """Import cycles between packages: packages of one floor that import each other, directly or
+    through a third, whichever modules the imports come from."""
+    return strongly_connected(package_graph(graph))
+
+
+#: the functions that import a module by name (``importlib.import_module``, ``__import__``), whatever
+#: they are reached through (``importlib.``, an alias, a bare name)
+_DYNAMIC_CALLS = {"import_module", "__import__"}
+
+
+def dynamic_imports(source: str) -> list[tuple[int, str | None]]:
+    """``(line, imported name)`` for every import by name in ``source`` (``importlib.import_module``,
+    ``import_module``, ``__import__``); the name is the string given, or None when it is computed."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        if name in _DYNAMIC_CALLS:
+            arg = node.args[0]
+            out.append((node.lineno, arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+                        else None))
+    return out
+
+
+def own_dynamic_imports(sources: dict[str, str]) -> list[tuple[str, int, str]]:
+    """``(module, line, what)`` for each import by name that may load one of our modules: a string
+    naming ``smelt_ds`` (or a relative name) anywhere, a computed name outside :data:`KNOWN_DYNAMIC`."""
+    bad = []
+    for mod, source in sources.items():
+        for line, name in dynamic_imports(source):
+            if name is None and mod not in KNOWN_DYNAMIC:
+                bad.append((mod, line, "a computed module name"))
+            elif name is not None and (name.split(".")[0] == "smelt_ds" or name.startswith(".")):
+                bad.append((mod, line, name))
+    return bad
+
+
+@functools.cache
+def _sources(root: Path = PACKAGE) -> dict[str, str]:
+    return {_module_name_in(p, root.parent): p.read_text() for p in sorted(root.rglob("*.py"))}
+
+
+def imports_of_test_helpers(graph) -> list[tuple[str, str]]:
+    """``(production module, smelt_ds.testing module)``: the test helpers imported by production code."""
+    return sorted({(m, t) for m, imps in graph.items() if package_of(m) != "smelt_ds.testing"
+                   for t, _ in imps if package_of(t) == "smelt_ds.testing"})
+
+
 def test_every_module_has_a_layer():
     missing = [m for m in _graph() if m != "smelt_ds" and _layer(m) is None]
     assert not missing, f"modules without a layer in tests/test_layering.py LAYERS: {missing}"
@@ -175,6 +268,27 @@ def test_known_upward_imports_still_exist_or_are_removed_from_the_list():
 
 def test_no_import_cycle_at_module_level():
     assert module_level_cycles(_graph()) == []
+
+
+def test_no_import_cycle_between_packages():
+    assert package_cycles(_graph()) == [], "packages of one floor importing each other (DESIGN §2: no cycle)"
+
+
+def test_no_import_by_name_of_own_modules():
+    bad = own_dynamic_imports(_sources())
+    assert not bad, (f"imports by name that may load a smelt_ds module (module, line, name): {bad}; import it at "
+                     "module level, or add the module to KNOWN_DYNAMIC saying why its names are never ours")
+
+
+def test_known_dynamic_imports_still_exist():
+    sources = _sources()
+    gone = [m for m in KNOWN_DYNAMIC if m not in sources or not dynamic_imports(sources[m])]
+    assert not gone, f"these modules no longer import by name: remove them from KNOWN_DYNAMIC: {gone}"
+
+
+def test_production_code_never_imports_the_test_helpers():
+    bad = imports_of_test_helpers(_graph())
+    assert not bad, f"production modules importing smelt_ds.testing (move what they use into production): {bad}"
 
 
 def deepspeed_imports(graph, packages=("smelt_ds.model", "smelt_ds.cost")) -> list[tuple[str, str]]:
@@ -216,6 +330,68 @@ def test_checks_catch_planted_violations(tmp_path):
     assert function_level_counts(graph) == Counter({"smelt_ds.train": 1})
     assert deepspeed_imports(graph) == [("smelt_ds.cost.memory", "deepspeed"),
                                         ("smelt_ds.model.lm", "deepspeed")]
+
+
+def _scratch(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A scratch ``smelt_ds`` package under ``tmp_path`` with ``files`` (path -> source) and their
+    packages' ``__init__.py``; returns its root."""
+    pkg = tmp_path / "smelt_ds"
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = pkg / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for d in [path.parent, *path.parent.parents]:
+            if d == pkg.parent:
+                break
+            (d / "__init__.py").touch()
+        path.write_text(text)
+    return pkg
+
+
+def _scratch_graph(pkg: Path):
+    return _resolve({_module_name_in(p, pkg.parent): imports_of(p.read_text(), _module_name_in(p, pkg.parent))
+                     for p in sorted(pkg.rglob("*.py"))})
+
+
+def test_a_cycle_between_packages_through_different_modules_is_caught(tmp_path):
+    """train.a -> eval.b -> train.c: no module imports itself back, but the packages do (an import
+    inside a function counts: it ties the packages as much)."""
+    pkg = _scratch(tmp_path, {"train/a.py": "from smelt_ds.eval.b import f\n",
+                              "eval/b.py": "def f():\n    from smelt_ds.train.c import g\n    return g\n",
+                              "train/c.py": "def g():\n    pass\n",
+                              "interop/d.py": "from smelt_ds.eval.b import f\nfrom smelt_ds.train.c import g\n"})
+    graph = _scratch_graph(pkg)
+    assert module_level_cycles(graph) == [] and upward_imports(graph) == set()
+    assert package_cycles(graph) == [["smelt_ds.eval", "smelt_ds.train"]]  # interop -> both is no cycle
+    # the cycle through a third package: eval -> interop -> train -> eval
+    (pkg / "eval" / "b.py").write_text("from smelt_ds.interop.d import h\n")
+    (pkg / "interop" / "d.py").write_text("from smelt_ds.train.c import g\n\ndef h():\n    pass\n")
+    assert package_cycles(_scratch_graph(pkg)) == [["smelt_ds.eval", "smelt_ds.interop", "smelt_ds.train"]]
+
+
+def test_imports_by_name_of_own_modules_are_caught(tmp_path):
+    pkg = _scratch(tmp_path, {
+        "interop/import_hf.py": "import importlib\n\ndef f():\n"
+                                "    return importlib.import_module('smelt_ds.interop.configuration_smelt')\n",
+        "eval/x.py": "def f():\n    return __import__('smelt_ds.model.lm')\n",
+        "eval/y.py": "from importlib import import_module\n\ndef f(name):\n    return import_module(name)\n",
+        "eval/z.py": "import importlib as il\n\ndef f():\n    return il.import_module('.lm', 'smelt_ds.model')\n",
+        "train/trackers.py": "import importlib\n\ndef f(m):\n    importlib.import_module('wandb')\n"
+                             "    return importlib.import_module(m)\n",
+        "cli.py": "import importlib\n\ndef f(m):\n    return importlib.import_module(m)\n",
+        "interop/smelt_format.py": "import importlib\n\ndef f():\n    return importlib.import_module('smelt_ds.x')\n"})
+    assert sorted(own_dynamic_imports(_sources(pkg))) == [
+        ("smelt_ds.eval.x", 2, "smelt_ds.model.lm"), ("smelt_ds.eval.y", 4, "a computed module name"),
+        ("smelt_ds.eval.z", 4, ".lm"), ("smelt_ds.interop.import_hf", 4, "smelt_ds.interop.configuration_smelt"),
+        ("smelt_ds.interop.smelt_format", 4, "smelt_ds.x")]  # a literal of ours even in a KNOWN_DYNAMIC module
+
+
+def test_production_imports_of_the_test_helpers_are_caught(tmp_path):
+    pkg = _scratch(tmp_path, {"testing/distributed.py": "from smelt_ds.parallel.distributed import find_free_port\n",
+                              "parallel/distributed.py": "def find_free_port():\n    pass\n",
+                              "train/loop.py": "def f():\n    from smelt_ds.testing.distributed import run\n",
+                              "data/x.py": "import smelt_ds.testing\n"})
+    assert imports_of_test_helpers(_scratch_graph(pkg)) == [
+        ("smelt_ds.data.x", "smelt_ds.testing"), ("smelt_ds.train.loop", "smelt_ds.testing.distributed")]
 
 
 def test_the_command_table_is_read_as_imports_of_the_cli():
