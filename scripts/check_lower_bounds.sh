@@ -92,11 +92,12 @@ def worker(rank, world, steps):
 
     import tests.parallel.test_moe_backends as T
     from smelt_ds.parallel import moe_backends as mb
+    from smelt_ds.parallel.ds_config import expert_parallel_section
 
     cfg = T.tiny_cfg(backend="autoep", ep_size=2)
     model = mb.apply_backend(T.build(cfg), cfg, zero_stage=3)
     engine, *_ = deepspeed.initialize(
-        model=model, config=T.ds_config(3, expert_parallel=mb.autoep_config_section(cfg)),
+        model=model, config=T.ds_config(3, expert_parallel=expert_parallel_section(cfg)),
         model_parameters=[{"params": list(model.parameters()), "name": "all"}],
         optimizer=mb.moe_optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
     rows = []

@@ -1,8 +1,8 @@
-"""DeepSpeed side of a run: the DeepSpeed config, optimizer parameter groups, LR schedule, precision.
+"""DeepSpeed side of a run: optimizer parameter groups, LR schedule, activation-checkpointing
+wiring, and ``deepspeed.initialize``.
 
-The model never imports DeepSpeed; this module does (DESIGN §2, §7). The DeepSpeed config is a
-template from ``ds_configs/`` (chosen from ``deepspeed.zero_stage`` and the offload options)
-filled from the recipe; every key of the recipe's ``deepspeed.config`` is merged last, unchanged.
+The model never imports DeepSpeed; this module does (DESIGN §2, §7). The engine consumes the
+DeepSpeed config as :func:`smelt_ds.parallel.ds_config.build_ds_config` assembles it.
 """
 
 from __future__ import annotations
@@ -13,48 +13,17 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
-from smelt_ds.config.run import RunConfig, deep_merge, resolve_batch
+from smelt_ds.config.run import RunConfig
 from smelt_ds.cost.activation_checkpointing import checkpointed_visits
-from smelt_ds.cost.precision import resolve_precision
-from smelt_ds.cost.zero_config import load_template, template_name, zero_section
 from smelt_ds.errors import ConfigError
-from smelt_ds.parallel.grad_norm import deepspeed_gradient_clipping
-from smelt_ds.parallel.moe_backends import autoep_config_section, moe_optimizer, optimizer_param_groups
+from smelt_ds.parallel.ds_config import build_ds_config
+from smelt_ds.parallel.moe_backends import moe_optimizer, optimizer_param_groups
 
 if TYPE_CHECKING:
     from smelt_ds.model.looping import LoopingBlockManager
 
-__all__ = ["build_ds_config", "param_groups", "lr_multiplier", "initialize", "check_activation_checkpointing",
+__all__ = ["param_groups", "lr_multiplier", "initialize", "check_activation_checkpointing",
            "configure_activation_checkpointing"]
-
-
-def build_ds_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config JSON for ``world_size`` ranks.
-
-    Filled from the recipe: micro-batch, gradient accumulation, train batch size (samples),
-    gradient clipping, bf16, ZeRO offload devices, the AutoEP ``expert_parallel`` section when
-    ``moe_runtime.backend`` is ``autoep``, the comms logger; then ``deepspeed.config`` is merged in.
-    Raises ConfigError for an inconsistent global batch (see :func:`smelt_ds.config.run.resolve_batch`).
-    """
-    t, ds = cfg.train, cfg.deepspeed
-    accum, _ = resolve_batch(cfg, world_size)
-    out = load_template(template_name(cfg))
-    out["train_micro_batch_size_per_gpu"] = t.micro_batch_size
-    out["gradient_accumulation_steps"] = accum
-    out["train_batch_size"] = t.micro_batch_size * accum * world_size
-
-    out["gradient_clipping"] = deepspeed_gradient_clipping(cfg)
-    out["bf16"] = {"enabled": resolve_precision(cfg) == "bf16"}
-    out["zero_optimization"] = zero_section(cfg, world_size)  # template, loop tuning, the recipe's keys
-    if cfg.moe_runtime.backend == "autoep":
-
-        out["expert_parallel"] = autoep_config_section(cfg)
-    if ds.comms_logger:
-        out["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
-    if ds.offload_optimizer != "none":
-        out["optimizer"] = {"type": "AdamW", "params": {"lr": t.lr, "betas": list(t.betas), "eps": t.eps,
-                                                        "weight_decay": t.weight_decay}}
-    return deep_merge(out, ds.config)
 
 
 # ---------------------------------------------------------------------------------------------

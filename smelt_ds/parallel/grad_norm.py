@@ -36,11 +36,12 @@ and numbers in ``docs/deepspeed_notes.md``):
   the whole DP group (ZeRO-1/2; ``_average_expert_grad_norms`` then averages equal values) or over
   the partition group and the AutoEP expert-parallel group (ZeRO-3).
 
-So :func:`deepspeed_gradient_clipping` turns DeepSpeed's clipping off for an EP backend at
-ZeRO-0 and :func:`clip_before_step` clips there instead, between the accumulation boundary's
-``engine.backward`` (which all-reduces the ZeRO-0 gradients) and ``engine.step()``; at ZeRO-1/2/3
-DeepSpeed clips, and :func:`clip_before_step` only computes the norm (from the optimizer's
-gradient partitions) for logging, which :func:`logged_grad_norm` checks against DeepSpeed's.
+So the DeepSpeed config turns DeepSpeed's clipping off for an EP backend at ZeRO-0
+(:func:`smelt_ds.parallel.ds_config.gradient_clipping`) and :func:`clip_before_step` clips there
+instead, between the accumulation boundary's ``engine.backward`` (which all-reduces the ZeRO-0
+gradients) and ``engine.step()``; at ZeRO-1/2/3 DeepSpeed clips, and :func:`clip_before_step` only
+computes the norm (from the optimizer's gradient partitions) for logging, which
+:func:`logged_grad_norm` checks against DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import torch
 from smelt_ds.errors import ConfigError
 
 __all__ = ["GradShard", "global_grad_norm", "param_grad_shards", "zero_grad_shards", "engine_grad_norm",
-           "clip_grads_", "clip_before_step", "deepspeed_gradient_clipping", "logged_grad_norm",
+           "clip_grads_", "clip_before_step", "logged_grad_norm",
            "NORM_MISMATCH_RTOL", "EP_BACKENDS"]
 
 #: Backends whose expert parameters DeepSpeed treats as MoE parameters (``allreduce = False``).
@@ -200,9 +201,9 @@ def clip_before_step(engine, max_norm: float) -> float | None:
     norm before clipping (:func:`engine_grad_norm`), and at ZeRO-0 the clipping itself.
 
     ZeRO-0 with DeepSpeed's clipping off (``engine.gradient_clipping() == 0``, what
-    :func:`deepspeed_gradient_clipping` writes for EP backends) clips ``param.grad`` to
-    ``max_norm`` here; with DeepSpeed's clipping on and no expert parameters, DeepSpeed clips
-    (correctly) and this only measures. ZeRO-1/2/3: DeepSpeed clips with its own norm (correct,
+    :func:`smelt_ds.parallel.ds_config.gradient_clipping` writes for EP backends) clips
+    ``param.grad`` to ``max_norm`` here; with DeepSpeed's clipping on and no expert parameters,
+    DeepSpeed clips (correctly) and this only measures. ZeRO-1/2/3: DeepSpeed clips with its own norm (correct,
     see the module doc); this returns the norm of the partitions, or None under offload.
 
     Raises:
@@ -226,30 +227,6 @@ def clip_before_step(engine, max_norm: float) -> float | None:
     assert norm is not None  # engine_grad_norm always has the norm at ZeRO-0
     clip_grads_(params, max_norm, norm)
     return norm
-
-
-def deepspeed_gradient_clipping(cfg) -> float:
-    """The ``gradient_clipping`` value for the DeepSpeed config of ``cfg``: ``train.grad_clip``,
-    except 0.0 (off) for an EP backend at ZeRO stage 0, where :func:`clip_before_step` clips
-    with the true norm instead (DeepSpeed's ZeRO-0 norm is wrong with expert parameters).
-
-    Raises:
-        ConfigError: EP backend at ZeRO-0 and ``deepspeed.config.gradient_clipping`` is set
-            to a non-zero value (it would re-enable DeepSpeed's wrong clipping).
-    """
-    clip = cfg.train.grad_clip
-    if cfg.moe_runtime.backend not in EP_BACKENDS:
-        return clip
-
-    if cfg.deepspeed.effective_zero_stage == 0:
-        raw = (cfg.deepspeed.config or {}).get("gradient_clipping")
-        if raw:
-            raise ConfigError(f"`deepspeed.config.gradient_clipping` ({raw!r}) with moe_runtime.backend "
-                              f"'{cfg.moe_runtime.backend}' at ZeRO stage 0 would turn on DeepSpeed's own clipping, whose "
-                              "norm is wrong with expert parameters: remove it and set train.grad_clip instead "
-                              "(smelt clips with the true global norm)")
-        return 0.0
-    return clip
 
 
 def logged_grad_norm(engine, norm: float | None) -> float:

@@ -18,7 +18,7 @@ autoep      DeepSpeed AutoEP replaces ``layers.{i}.mlp`` in           0-3     ``
 How the engine uses it (:func:`smelt_ds.parallel.engine.initialize`, :func:`smelt_ds.train.build.build`; all
 ranks, same order): after ``deepspeed.init_distributed`` and ``SmeltLM(cfg.model, cfg.moe, cfg.loop)``,
 :func:`apply_backend` converts the model (before ``deepspeed.initialize``; raises ConfigError);
-``build_ds_config`` adds the ``expert_parallel`` section (:func:`autoep_config_section`) for
+:func:`smelt_ds.parallel.ds_config.build_ds_config` adds the ``expert_parallel`` section for
 ``autoep``; :func:`optimizer_param_groups` splits expert parameters into ``moe`` groups for
 ``deepspeed``; and ``deepspeed.initialize`` gets ``optimizer=moe_optimizer(torch.optim.AdamW,
 ...)``, a factory DeepSpeed calls after AutoEP has replaced the layers.
@@ -49,17 +49,13 @@ from smelt_ds.config.run import check_moe_backend
 from smelt_ds.errors import fail
 from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU, load_balancing_loss, router_z_loss
 
-__all__ = ["BACKENDS", "AUTOEP_LAYER_PATTERN", "apply_backend", "check_backend_runtime",
+__all__ = ["BACKENDS", "apply_backend", "check_backend_runtime",
            "tutel_available", "CapacityRouterOutput", "smelt_topk_gate_class", "smelt_fused_experts_class",
            "DeepSpeedMoE", "convert_to_deepspeed_moe",
            "expert_parallel_rank", "optimizer_param_groups", "split_params_into_moe_groups", "moe_optimizer",
-           "autoep_config_section", "attach_autoep_hooks", "autoep_layers"]
+           "attach_autoep_hooks", "autoep_layers"]
 
 BACKENDS = ("reference", "deepspeed", "autoep")
-
-#: Module-name regex AutoEP matches against ``named_modules()`` of the model given to
-#: ``deepspeed.initialize`` (``re.fullmatch``): our MoE FFNs are ``layers.{i}.mlp``.
-AUTOEP_LAYER_PATTERN = r"layers\.\d+\.mlp"
 
 _ModuleT = TypeVar("_ModuleT", bound=nn.Module)
 
@@ -124,9 +120,10 @@ def apply_backend(model: _ModuleT, cfg, zero_stage: int | None = None, world_siz
       :class:`DeepSpeedMoE` holding this rank's experts (``ep_size > 1`` creates DeepSpeed's
       ``ep_size_{n}`` expert groups now, so the local experts can be picked).
     * ``autoep``: the layers are replaced later by ``deepspeed.initialize`` from the
-      ``expert_parallel`` section (:func:`autoep_config_section`); this registers a forward
-      pre-hook on ``model`` that attaches the router hooks (:func:`attach_autoep_hooks`) to the
-      replaced layers on the first forward, so the aux and z losses reach ``SmeltLM``'s loss.
+      ``expert_parallel`` section (:func:`smelt_ds.parallel.ds_config.expert_parallel_section`);
+      this registers a forward pre-hook on ``model`` that attaches the router hooks
+      (:func:`attach_autoep_hooks`) to the replaced layers on the first forward, so the aux and z
+      losses reach ``SmeltLM``'s loss.
 
     ``world_size`` defaults to ``torch.distributed``'s when initialised. Returns ``model``.
     Raises ConfigError (see :func:`check_backend_runtime`).
@@ -544,52 +541,6 @@ def optimizer_param_groups(model: nn.Module, param_groups: list[dict[str, Any]],
 # ---------------------------------------------------------------------------------------------
 # autoep backend
 # ---------------------------------------------------------------------------------------------
-
-
-def _fits_grouped_mm(cfg) -> bool:
-    """torch._grouped_mm (CPU and CUDA) needs 16-byte-aligned row strides of H and F in fp32/bf16."""
-    return all((n * 2) % 16 == 0 for n in (cfg.model.hidden_size, cfg.moe.expert_ffn_size))
-
-
-def autoep_config_section(cfg, module_prefix: str = "") -> dict[str, Any]:
-    """The ``expert_parallel`` section of the DeepSpeed config for ``moe_runtime.backend: autoep``.
-
-    A custom AutoEP layer pattern (no ``preset_model``): our MoE FFNs are the modules named
-    ``{module_prefix}layers.{i}.mlp`` (dense FFN layers have no ``experts`` child and are
-    skipped by AutoEP) with children ``gate`` (``[E, H]`` Linear) and ``experts`` holding the
-    fused ``gate_up_proj [E, 2F, H]`` (``expert_w3: null`` = gate and up fused, gate first) and
-    ``down_proj [E, H, F]``, optional ``shared_expert`` + ``shared_expert_gate`` (sigmoid).
-    ``top_k`` is set explicitly: AutoEP reads ``num_experts_per_tok`` only from ``model.config``,
-    which SmeltLM does not have (E is read from the router weight shape).
-
-    ``module_prefix`` is prepended when the model given to ``deepspeed.initialize`` wraps SmeltLM
-    (e.g. ``"model."``). What AutoEP cannot run (``aux_loss_free_bias``, ``router_jitter``) was
-    refused when the recipe was loaded (:func:`smelt_ds.config.run.check_moe_backend`).
-    """
-    moe = cfg.moe
-    prefix = module_prefix.replace(".", r"\.")
-    section: dict[str, Any] = {
-        "enabled": True,
-        "autoep_size": cfg.moe_runtime.ep_size,
-        "moe_layer_pattern": prefix + AUTOEP_LAYER_PATTERN,
-        "router_pattern": "gate",
-        "expert_pattern": "experts",
-        "expert_w1": "gate_up_proj",
-        "expert_w2": "down_proj",
-        "expert_w3": None,
-        "top_k": moe.top_k,
-        "score_func": moe.score_func,
-        "score_apply": "post",
-        "route_norm": moe.norm_topk_prob,
-        "route_scale": 1.0,
-        "expert_activation": "swiglu",
-        "use_grouped_mm": _fits_grouped_mm(cfg),
-        "has_shared_experts": bool(moe.shared_expert_ffn_size),
-    }
-    if moe.shared_expert_ffn_size:
-        section["shared_experts_pattern"] = "shared_expert"
-        section["shared_experts_gate_pattern"] = "shared_expert_gate"
-    return section
 
 
 def autoep_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -1,18 +1,15 @@
-"""DeepSpeed config assembly, optimizer groups and LR schedules (single process, no training)."""
+"""Optimizer groups, LR schedules, the global batch and backend refusals (single process, no training)."""
 
 from __future__ import annotations
 
 import math
 
-import deepspeed.runtime.config as ds_runtime_config
 import pytest
-from deepspeed.runtime.config import DeepSpeedConfig
 
 from smelt_ds.config.run import config_from_dict, resolve_batch
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
-from smelt_ds.cost.zero_config import template_name
-from smelt_ds.parallel.engine import build_ds_config, lr_multiplier, param_groups
+from smelt_ds.parallel.engine import lr_multiplier, param_groups
 
 TINY = {"model": {"vocab_size": 64, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2},
         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 16}}
@@ -25,47 +22,6 @@ def _cfg(**sections):
     return config_from_dict(raw)
 
 
-@pytest.mark.parametrize("ds", [
-    {"zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
-    {"zero_stage": 3, "offload_optimizer": "cpu"}, {"zero_stage": 3, "offload_param": "cpu"},
-])
-@pytest.mark.parametrize("world", [1, 4])
-def test_ds_config_parses_with_deepspeed(ds, world, monkeypatch):
-    cfg = _cfg(deepspeed=ds, train={"micro_batch_size": 3, "seq_len": 16, "global_batch_tokens": 3 * 16 * 2 * world})
-    d = build_ds_config(cfg, world)
-
-    class DataParallel:  # DeepSpeed reads the data-parallel size from an mpu object
-        @staticmethod
-        def get_data_parallel_world_size():
-            return world
-
-    monkeypatch.setattr(ds_runtime_config.dist, "get_rank", lambda: 0)
-    parsed = DeepSpeedConfig(d, mpu=DataParallel())
-    assert parsed.zero_optimization_stage == ds["zero_stage"]
-    assert parsed.train_micro_batch_size_per_gpu == 3
-    assert parsed.gradient_accumulation_steps == 2
-    assert parsed.train_batch_size == 3 * 2 * world
-    assert parsed.gradient_clipping == cfg.train.grad_clip
-    assert not parsed.bfloat16_config.enabled  # CPU: fp32
-    expected = {"zero_stage": 0, "offload_optimizer": "none", "offload_param": "none", **ds}
-    assert template_name(cfg) == ("zero3_offload_param" if expected["offload_param"] != "none" else
-                                  "zero3_offload_optimizer" if expected["offload_optimizer"] != "none" else
-                                  f"zero{ds['zero_stage']}")
-    if expected["offload_optimizer"] == "cpu":
-        assert parsed.zero_config.offload_optimizer.device == "cpu"
-
-
-def test_user_deepspeed_keys_pass_through_unchanged():
-    extra = {"zero_optimization": {"stage3_max_live_parameters": 12345, "reduce_bucket_size": 777},
-             "steps_per_print": 7, "some_future_key": {"a": [1, 2]}}
-    cfg = _cfg(deepspeed={"zero_stage": 3, "config": extra})
-    d = build_ds_config(cfg, 1)
-    assert d["zero_optimization"]["stage3_max_live_parameters"] == 12345
-    assert d["zero_optimization"]["reduce_bucket_size"] == 777
-    assert d["zero_optimization"]["stage"] == 3  # template keys the user did not set stay
-    assert d["steps_per_print"] == 7 and d["some_future_key"] == {"a": [1, 2]}
-
-
 def test_global_batch_consistency():
     cfg = _cfg(train={"micro_batch_size": 4, "seq_len": 32, "global_batch_tokens": 4 * 32 * 2 * 3})
     assert resolve_batch(cfg, 2) == (3, 768)
@@ -75,8 +31,6 @@ def test_global_batch_consistency():
                       "gradient_accumulation_steps": 3})
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
         resolve_batch(cfg, 1)
-    with pytest.raises(ConfigError, match="template"):
-        build_ds_config(_cfg(deepspeed={"template": "zero9"}), 1)
 
 
 def test_config_refuses_bad_backend_combinations():

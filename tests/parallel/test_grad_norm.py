@@ -11,7 +11,7 @@ step is nearly invariant to the gradient's scale and would hide it).
 
 Each distributed case builds its engine like the training loop does (``build_ds_config`` from
 the recipe, so the ``ds_configs/`` templates and ``gradient_clipping`` as written by
-:func:`smelt_ds.parallel.grad_norm.deepspeed_gradient_clipping`), runs one forward/backward, then
+:func:`smelt_ds.parallel.ds_config.gradient_clipping`), runs one forward/backward, then
 ``smelt_ds.train.loop._grad_norm_before_step`` (norm; clipping at ZeRO-0 with an EP backend),
 ``engine.step()`` and ``smelt_ds.train.loop._grad_norm`` (the logged value).
 
@@ -214,7 +214,7 @@ def _cases_worker(rank: int, world: int, cases) -> dict:
     from deepspeed.utils import groups
 
     from smelt_ds.parallel import moe_backends as mb
-    from smelt_ds.parallel.engine import build_ds_config
+    from smelt_ds.parallel.ds_config import build_ds_config
     from smelt_ds.train.loop import _grad_norm, _grad_norm_before_step
 
     res = {}
@@ -388,25 +388,6 @@ def test_param_grad_shards_single_process():
     assert [(s.grad is g, s.copies) for s, g in zip(shards, (w.grad, e.grad))] == [(True, 1), (True, 1)]
     assert len(shards) == 2
     assert gn.global_grad_norm(shards) == pytest.approx(math.sqrt(9 * 2 + 16 * 2))
-
-
-def test_deepspeed_gradient_clipping_per_backend_and_stage():
-    for backend in ("reference", "deepspeed", "autoep"):
-        for stage in (0, 1, 2, 3):
-            if backend == "deepspeed" and stage == 3:
-                continue
-            want = 0.0 if backend != "reference" and stage == 0 else CLIP
-            assert gn.deepspeed_gradient_clipping(make_cfg(backend, stage)) == want, (backend, stage)
-    from smelt_ds.parallel.engine import build_ds_config
-
-    assert build_ds_config(make_cfg("autoep", 0), 2)["gradient_clipping"] == 0.0
-    assert build_ds_config(make_cfg("autoep", 2), 2)["gradient_clipping"] == CLIP
-    # the stage passed through in deepspeed.config wins
-    passthrough = make_cfg("deepspeed", 2, config={"zero_optimization": {"stage": 0}})
-    assert gn.deepspeed_gradient_clipping(passthrough) == 0.0
-    with pytest.raises(ConfigError, match=r"`deepspeed.config.gradient_clipping` \(0.5\).*'autoep'.*train.grad_clip"):
-        gn.deepspeed_gradient_clipping(make_cfg("autoep", 0, config={"gradient_clipping": 0.5}))
-    assert gn.deepspeed_gradient_clipping(make_cfg("reference", 0, config={"gradient_clipping": 0.5})) == CLIP
 
 
 class _FakeEngine:

@@ -21,6 +21,7 @@ from smelt_ds.config.run import MoERuntimeConfig, TrainConfig, config_from_dict 
 from smelt_ds.errors import ConfigError  # noqa: E402
 from smelt_ds.model import SmeltLM  # noqa: E402
 from smelt_ds.parallel import moe_backends as mb  # noqa: E402
+from smelt_ds.parallel.ds_config import expert_parallel_section  # noqa: E402
 from smelt_ds.testing import run_distributed  # noqa: E402
 from smelt_ds.train.objective import total_loss  # noqa: E402
 from tests.numerics import assert_close_chain, lm_chain_length, prob_tol  # noqa: E402
@@ -276,7 +277,7 @@ def test_autoep_conversion_matches_reference(score_func, shared, dense):
     cfg = tiny_cfg({"first_k_dense": dense}, backend="autoep", score_func=score_func, shared_expert_ffn_size=shared)
     ref = build(cfg)
     model = mb.apply_backend(copy.deepcopy(ref), cfg)
-    conf = parse_autoep_config(mb.autoep_config_section(cfg))
+    conf = parse_autoep_config(expert_parallel_section(cfg))
     validate_autoep_config(conf, world_size=2, pp_size=1, tp_size=1, sp_size=1)
     auto_ep = AutoEP(model, conf)
     specs = auto_ep.ep_parser()
@@ -295,19 +296,6 @@ def test_autoep_conversion_matches_reference(score_func, shared, dense):
         torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=loss_tol(), atol=0.0)
     assert model.recorder.router_stats() == ref.recorder.router_stats()
     assert b.aux_loss.requires_grad and b.z_loss.requires_grad
-
-
-def test_autoep_config_section_fields():
-    cfg = tiny_cfg(backend="autoep", ep_size=2, shared_expert_ffn_size=8, norm_topk_prob=False)
-    sec = mb.autoep_config_section(cfg)
-    assert sec["enabled"] is True and sec["autoep_size"] == 2 and sec["top_k"] == 2
-    assert sec["moe_layer_pattern"] == r"layers\.\d+\.mlp" and sec["router_pattern"] == "gate"
-    assert sec["expert_pattern"] == "experts" and sec["expert_w3"] is None
-    assert (sec["expert_w1"], sec["expert_w2"]) == ("gate_up_proj", "down_proj")
-    assert sec["route_norm"] is False and sec["score_func"] == "softmax"
-    assert sec["has_shared_experts"] is True and sec["shared_experts_gate_pattern"] == "shared_expert_gate"
-    assert "load_balance_coeff" not in sec
-    assert mb.autoep_config_section(cfg, module_prefix="model.")["moe_layer_pattern"] == r"model\.layers\.\d+\.mlp"
 
 
 def test_split_params_into_moe_groups_keeps_group_options():
@@ -377,7 +365,7 @@ def test_autoep_rejects_what_autoep_rejects():
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
 
     with pytest.raises(ValueError, match="load_balance_coeff"):  # what DeepSpeed itself does
-        parse_autoep_config({**mb.autoep_config_section(cfg), "load_balance_coeff": 1e-3})
+        parse_autoep_config({**expert_parallel_section(cfg), "load_balance_coeff": 1e-3})
 
 
 def test_num_experts_not_divisible_by_ep_size():
@@ -463,7 +451,7 @@ def _autoep_worker(rank: int, world: int, steps: int) -> dict:
         if ckpt:
             model.blocks.configure_checkpointing(lambda visit: True, non_reentrant_checkpoint)
         engine, *_ = deepspeed.initialize(
-            model=model, config=ds_config(3, expert_parallel=mb.autoep_config_section(cfg)),
+            model=model, config=ds_config(3, expert_parallel=expert_parallel_section(cfg)),
             model_parameters=[{"params": list(model.parameters()), "name": "all"}],
             optimizer=mb.moe_optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
         rows = []
@@ -516,7 +504,7 @@ def _empty_expert_worker(rank: int, world: int) -> dict:
         for i in _zero_moe_inputs(rank):
             model.layers[i].post_attention_layernorm.register_forward_hook(lambda m, a, out: out * 0.0)
         model = mb.apply_backend(model, cfg, zero_stage=stage)
-        extra = {"expert_parallel": mb.autoep_config_section(cfg)} if backend == "autoep" else {}
+        extra = {"expert_parallel": expert_parallel_section(cfg)} if backend == "autoep" else {}
         engine, *_ = deepspeed.initialize(
             model=model, config=ds_config(stage, **extra),
             model_parameters=mb.optimizer_param_groups(model, [{"params": list(model.parameters()), "name": "all"}],

@@ -19,7 +19,7 @@ from smelt_ds.cost.memory import GiB, estimate
 from smelt_ds.cost.zero_config import template_name
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.placement import MIN_HEADROOM, load_raw, resolve
-from smelt_ds.parallel.engine import build_ds_config
+from smelt_ds.parallel.ds_config import build_ds_config
 from smelt_ds.study.recipes import (
     DOCS_TABLE,
     SIZES,
