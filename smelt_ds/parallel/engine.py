@@ -100,19 +100,16 @@ def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
     """
     import deepspeed
 
-    ds_config = build_ds_config(cfg, world_size)
+    f = lr_multiplier(cfg)
     groups = param_groups(model, cfg)
     if cfg.moe_runtime.backend != "reference":
-
         groups = optimizer_param_groups(model, groups, cfg)
     t = cfg.train
-    optimizer = None
-    if "optimizer" not in ds_config:
-        # a factory, called by DeepSpeed after AutoEP replaced the MoE layers, so that the groups
-        # it sees are the converted ones (split into expert / non-expert groups)
-
-        optimizer = moe_optimizer(torch.optim.AdamW, lr=t.lr, betas=t.betas, eps=t.eps)
-    f = lr_multiplier(cfg)
+    # a factory, called by DeepSpeed after AutoEP replaced the MoE layers, so that the groups it
+    # sees are the converted ones (split into expert / non-expert groups)
+    adamw = moe_optimizer(torch.optim.AdamW, lr=t.lr, betas=t.betas, eps=t.eps)
+    ds_config = build_ds_config(cfg, world_size)
+    optimizer = None if "optimizer" in ds_config else adamw  # an optimizer offload: DeepSpeed's CPU Adam
 
     def scheduler(opt):
         return torch.optim.lr_scheduler.LambdaLR(
