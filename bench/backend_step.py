@@ -43,7 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from smelt_ds.config.run import load_config  # noqa: E402
+from smelt_ds.config.loading import load_config  # noqa: E402
 
 BACKENDS = ("reference", "deepspeed", "autoep")
 PARTS = ("forward", "backward", "clip", "optimizer")

@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from smelt_ds.config.run import load_config  # noqa: E402
+from smelt_ds.config.loading import load_config  # noqa: E402
 
 #: (backend, ZeRO stage or None for the recipe's, expert-parallel size, ranks)
 CELLS = {"reference": ("reference", None, 1, 1), "deepspeed": ("deepspeed", 2, 2, 2), "autoep": ("autoep", 3, 2, 2)}

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from smelt_ds.config.data import DataConfig
-from smelt_ds.config.run import load_config
+from smelt_ds.config.loading import load_config
 from smelt_ds.data.loader import TrainLoader
 from smelt_ds.data.prepare import PreparedData, prepare_from_config
 from smelt_ds.model import SmeltLM

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from smelt_ds.config.loading import load_config
 from smelt_ds.cost.budget import compute_budget
-from smelt_ds.config.run import load_config
 from smelt_ds.model import SmeltLM
 
 ROOT = Path(__file__).resolve().parents[1]

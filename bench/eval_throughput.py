@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from smelt_ds.config.run import load_config
+from smelt_ds.config.loading import load_config
 from smelt_ds.eval.harness import SmeltHarnessLM
 from smelt_ds.model import SmeltLM
 

@@ -151,7 +151,7 @@ def _fail_arg(text: str) -> tuple[str, str]:
 
 
 def _load(plan: dict[str, Any]):
-    from smelt_ds.config.run import load_config
+    from smelt_ds.config.loading import load_config
 
     return load_config(ROOT / plan["recipe"], overrides(plan))
 

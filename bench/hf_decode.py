@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from smelt_ds.config.run import load_config
+from smelt_ds.config.loading import load_config
 from smelt_ds.interop import known_archs, smelt_format
 from smelt_ds.model import SmeltLM
 

@@ -28,7 +28,7 @@ import timeit
 
 import torch
 
-from smelt_ds.config.run import load_config
+from smelt_ds.config.loading import load_config
 from smelt_ds.model import SmeltLM
 from smelt_ds.model.ranges import named_range, set_ranges
 from smelt_ds.train.objective import total_loss

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from smelt_ds.config.run import load_config
+from smelt_ds.config.loading import load_config
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.model import SmeltLM
 from smelt_ds.parallel.compile import compile_counters, compile_layers

@@ -24,7 +24,7 @@ def _merge(base: dict, over: dict) -> dict:
 @pytest.fixture
 def tiny_cfg():
     """``tiny_cfg({"loop": {...}})`` -> a validated RunConfig of a 4-layer, 32-wide model."""
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
 
     def make(overrides: dict | None = None):
         return config_from_dict(_merge(TINY, overrides or {}))

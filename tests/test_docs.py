@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from smelt_ds.config.run import load_config
+from smelt_ds.config.loading import load_config
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.parallel.threads import ThreadChoice
 from smelt_ds.train.console import banner, step_line, summary_lines, val_line

@@ -11,7 +11,7 @@ A `smelt-ds` command (also ``python -m smelt_ds...``, ``deepspeed ... --module s
     too, ``smelt-ds lm-eval ...`` with lm-eval's own), after the placeholders of
     :data:`PLACEHOLDERS` (``RECIPE``, ``RUN``, ...) are replaced by concrete values;
 (b) for the commands that take a recipe (:data:`VALIDATED`), the recipe with its ``--set``
-    overrides loads and validates (:func:`smelt_ds.config.run.load_config`; a sweep is planned);
+    overrides loads and validates (:func:`smelt_ds.config.loading.load_config`; a sweep is planned);
     every ``--set KEY=VALUE`` fragment of a help text validates on every shipped tiny recipe;
 (c) falls in exactly one class:
 
@@ -52,7 +52,7 @@ import pytest
 import yaml
 
 from smelt_ds import cli
-from smelt_ds.config.run import apply_overrides, config_from_dict, load_config
+from smelt_ds.config.loading import apply_overrides, config_from_dict, load_config
 from smelt_ds.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

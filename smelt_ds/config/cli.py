@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from smelt_ds.config.loading import config_to_dict, dump_config, load_config
 from smelt_ds.config.reference import reference_markdown
-from smelt_ds.config.run import config_to_dict, dump_config, load_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import write_or_check_generated
 from smelt_ds.resources import CHECKOUT

@@ -117,7 +117,7 @@ class LoopSchedule:
 
     @classmethod
     def from_config(cls, loop_cfg, num_layers: int) -> "LoopSchedule":
-        """Build from a :class:`smelt_ds.config.run.LoopConfig`. Raises ConfigError."""
+        """Build from a :class:`smelt_ds.config.loop.LoopConfig`. Raises ConfigError."""
         if loop_cfg.position == "custom" or (loop_cfg.ranges is not None and loop_cfg.position == "asymmetric"):
             if not loop_cfg.ranges:
                 raise ConfigError(f"`loop.ranges` ({loop_cfg.ranges!r}) must list at least one range for "
@@ -193,7 +193,7 @@ class LoopSchedule:
 
 
 def build_schedule(loop_cfg, num_layers: int) -> LoopSchedule:
-    """The visit plan of a ``loop`` section (:class:`smelt_ds.config.run.LoopConfig`) over
+    """The visit plan of a ``loop`` section (:class:`smelt_ds.config.loop.LoopConfig`) over
     ``num_layers`` unique layers: what ``RunConfig.schedule`` returns and what ``SmeltLM`` builds
     from its ``loop_cfg`` and ``model_cfg.num_layers``. Raises ConfigError."""
     return LoopSchedule.from_config(loop_cfg, num_layers)

@@ -31,7 +31,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from smelt_ds.config.run import LoopConfig, RunConfig, config_from_dict
+from smelt_ds.config.loading import config_from_dict
+from smelt_ds.config.loop import LoopConfig
+from smelt_ds.config.run import RunConfig
 from smelt_ds.config.schedule import LoopSchedule
 from smelt_ds.errors import ConfigError
 

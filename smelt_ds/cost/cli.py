@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from smelt_ds.arguments import CommaList
-from smelt_ds.config.run import load_config, read_recipe
+from smelt_ds.config.loading import load_config, read_recipe
 from smelt_ds.cost.budget import DTYPE_BYTES, Budget, compute_budget, deviations, match_baseline
 from smelt_ds.errors import ConfigError
 

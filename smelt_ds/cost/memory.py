@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from smelt_ds.config.run import RunConfig, config_from_dict, config_to_dict
+from smelt_ds.config.loading import config_from_dict, config_to_dict
+from smelt_ds.config.run import RunConfig
 from smelt_ds.cost.budget import kv_cache_bytes_per_token
 from smelt_ds.cost.memory_terms import (
     POLICIES,

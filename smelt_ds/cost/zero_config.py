@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from smelt_ds.config.run import RunConfig, deep_merge
+from smelt_ds.config.loading import deep_merge
+from smelt_ds.config.run import RunConfig
 from smelt_ds.cost.zero3_tuning import KEYS, Zero3Tuning, plan_zero3
 from smelt_ds.errors import ConfigError
 from smelt_ds.resources import DS_CONFIG_DIR

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from smelt_ds.config.run import apply_overrides, config_from_dict, load_config
+from smelt_ds.config.loading import apply_overrides, config_from_dict, load_config
 from smelt_ds.data.builtin import build_builtin_corpus
 from smelt_ds.data.prepare import PreparedData, build_tokenizer, prepare_from_config
 from smelt_ds.data.token_files import ScanStats, TokenFile

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from smelt_ds.arguments import CommaList
+from smelt_ds.config.loop import loop_with_repeats
 from smelt_ds.cost.budget import compute_budget
-from smelt_ds.config.run import loop_with_repeats
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval import harness
 from smelt_ds.eval.data import corpus_config, open_eval_data

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from smelt_ds.arguments import CommaList
-from smelt_ds.config.run import RunConfig, load_config
+from smelt_ds.config.loading import load_config
+from smelt_ds.config.run import RunConfig
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.plots import DPI, safe_name

@@ -38,7 +38,7 @@ Conventions (those of the harness's ``HFLM`` for a causal decoder, ``lm_eval/mod
   ``max_gen_toks`` new tokens at most, stopped at end-of-text and cut at the first ``until``
   string.
 - Test-time loop count: ``loop_repeats`` R and ``exit_after`` P run the plan of
-  :func:`smelt_ds.config.run.loop_with_repeats` (same weights; the KV cache has one slot per
+  :func:`smelt_ds.config.loop.loop_with_repeats` (same weights; the KV cache has one slot per
   visit of that plan) during every request, and the model's own plan afterwards.
 """
 
@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 
-from smelt_ds.config.run import LoopConfig, loop_with_repeats
+from smelt_ds.config.loop import LoopConfig, loop_with_repeats
 from smelt_ds.config.schedule import build_schedule
 from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError
@@ -215,7 +215,7 @@ class SmeltHarnessLM(TemplateLM):
         device: ``cpu`` (default) or ``cuda[:i]`` (a ``cuda:i`` this machine lacks falls back to
             ``cuda`` or ``cpu``, as in HFLM). dtype: ``float32`` (default) or ``bfloat16``.
         loop_repeats, exit_after: test-time loop count R and early exit after P passes of every
-            loop range (:func:`smelt_ds.config.run.loop_with_repeats`); looped runs only.
+            loop range (:func:`smelt_ds.config.loop.loop_with_repeats`); looped runs only.
         allow_other_tokenizer: score with ``data.tokenizer.path`` even when it is not the run's.
         seed: seed of sampled generation (default 1234). logits_cache: reuse one forward for
             requests that differ only in their last continuation token (HFLM's default, true).

@@ -4,7 +4,7 @@
 repeat count R: validation loss per domain (nats/token; ``all`` the mean of the domains' values, each domain weighted equally), the visit plan
 actually run, the KV-cache slots of that plan (one per visit) and its budgets (forward FLOPs per
 token, KV-cache bytes per token; :func:`smelt_ds.cost.budget.compute_budget`). The plan comes from
-:func:`smelt_ds.config.run.loop_with_repeats` and is applied with ``SmeltLM.set_loop``; the trained
+:func:`smelt_ds.config.loop.loop_with_repeats` and is applied with ``SmeltLM.set_loop``; the trained
 plan is restored afterwards. A Baseline (no loop range) is scored once, on its own plan, and its
 rows say ``no loop``.
 
@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
-from smelt_ds.config.run import LoopConfig, loop_with_repeats
+from smelt_ds.config.loop import LoopConfig, loop_with_repeats
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.data import open_eval_data

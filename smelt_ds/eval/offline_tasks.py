@@ -72,7 +72,8 @@ from typing import Any, Callable
 import numpy as np
 
 import smelt_ds
-from smelt_ds.config.run import RunConfig, load_config
+from smelt_ds.config.loading import load_config
+from smelt_ds.config.run import RunConfig
 from smelt_ds.data.prepare import PreparedData, prepare_from_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import write_atomic

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from smelt_ds.config.run import RunConfig, load_config
+from smelt_ds.config.loading import load_config
+from smelt_ds.config.run import RunConfig
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError

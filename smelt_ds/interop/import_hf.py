@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import yaml
 
-from smelt_ds.config.run import config_from_dict, dump_config
+from smelt_ds.config.loading import config_from_dict, dump_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import staged_directory, write_text_atomic
 from smelt_ds.interop import known_archs, smelt_format

@@ -47,7 +47,9 @@ from typing import Any
 
 import torch
 
-from smelt_ds.config.run import RunConfig, TrainConfig, config_from_dict
+from smelt_ds.config.loading import config_from_dict
+from smelt_ds.config.run import RunConfig
+from smelt_ds.config.train import TrainConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.model.lm import SmeltLM
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smelt_ds.config.run import ClusterLayout, RunConfig
+from smelt_ds.config.cluster import ClusterLayout
+from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.placement import MIN_HEADROOM, memory_report, place, zero3_decision
 from smelt_ds.resources import DATA_ROOT

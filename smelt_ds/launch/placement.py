@@ -8,7 +8,7 @@ use that many GPUs (:func:`check_world`). :func:`memory_report` estimates the re
 option and checkpointing policy there (it fits when it leaves :data:`MIN_HEADROOM` of the device
 memory free); :func:`nodes_to_fit` finds the fewest nodes on which it fits.
 
-A **layout** (:class:`smelt_ds.config.run.ClusterLayout`, the recipe's ``cluster`` section) says
+A **layout** (:class:`smelt_ds.config.cluster.ClusterLayout`, the recipe's ``cluster`` section) says
 on how many nodes x GPUs of which memory the recipe runs; its ``overrides`` (``--set`` strings,
 e.g. a bigger micro-batch on 141 GB H200s) are applied before the user's own ``--set``. Recipes
 without ``cluster.layouts`` (the CPU recipes) resolve to :data:`CPU_LAYOUT` (``cpu``: 1 node x 1
@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from smelt_ds.config.run import ClusterLayout, RunConfig, apply_overrides, config_from_dict, read_recipe, resolve_batch
+from smelt_ds.config.cluster import ClusterLayout
+from smelt_ds.config.loading import apply_overrides, config_from_dict, read_recipe
+from smelt_ds.config.run import RunConfig
+from smelt_ds.config.train import resolve_batch
 from smelt_ds.cost.memory import ZERO_OPTIONS, Fix, GiB, MemoryReport, check_cluster, estimate, row_fits
 from smelt_ds.cost.zero_config import zero3_plan
 from smelt_ds.errors import ConfigError
@@ -37,7 +40,7 @@ CPU_LAYOUT = ClusterLayout(gpu="cpu", device_memory_gib=8.0, nodes=1, gpus_per_n
 
 def load_raw(path: str | Path) -> dict[str, Any]:
     """The YAML mapping of a recipe file, its ``base:`` chain merged
-    (:func:`smelt_ds.config.run.read_recipe`). Raises ConfigError for a missing file or bad YAML."""
+    (:func:`smelt_ds.config.loading.read_recipe`). Raises ConfigError for a missing file or bad YAML."""
     return read_recipe(path, "recipe file", "recipes/xl/smelt.yaml")[0]
 
 
@@ -172,7 +175,7 @@ def check_world(cfg: RunConfig, layout_name: str, layout: ClusterLayout, nodes: 
                               f"micro-batches of {t.micro_batch_size} x {t.seq_len} tokens, one per data-parallel "
                               f"rank at most; use at most {micro_batches} GPUs, or raise train.global_batch_tokens "
                               "/ lower train.micro_batch_size")
-    return resolve_batch(cfg, world)
+    return resolve_batch(cfg.train, world)
 
 
 def place(recipe: str | Path, layout: str | None = None, overrides: list[str] | None = None,

@@ -21,7 +21,9 @@ from smelt_ds.model.looping import LoopingBlockManager, Visit, VisitContext
 from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU
 
 if TYPE_CHECKING:
-    from smelt_ds.config.run import LoopConfig, ModelConfig, MoEConfig
+    from smelt_ds.config.loop import LoopConfig
+    from smelt_ds.config.model import ModelConfig
+    from smelt_ds.config.moe import MoEConfig
 
 __all__ = ["Block", "VisitRecorder", "LMOutput", "SmeltLM", "routing_divergence"]
 
@@ -109,8 +111,8 @@ class Block(nn.Module):
     """
 
     def __init__(self, model_cfg: ModelConfig, moe_cfg: MoEConfig, layer_idx: int):
-        """``model_cfg``: a :class:`smelt_ds.config.run.ModelConfig`; ``moe_cfg``: a
-        :class:`smelt_ds.config.run.MoEConfig` (used when ``layer_idx >= model_cfg.first_k_dense``)."""
+        """``model_cfg``: a :class:`smelt_ds.config.model.ModelConfig`; ``moe_cfg``: a
+        :class:`smelt_ds.config.moe.MoEConfig` (used when ``layer_idx >= model_cfg.first_k_dense``)."""
         m, moe = model_cfg, moe_cfg
         super().__init__()
         self.layer_idx = layer_idx
@@ -203,7 +205,7 @@ class LMOutput:
 class SmeltLM(nn.Module):
     """A SMELT or Baseline decoder built from its architecture only: ``SmeltLM(model_cfg, moe_cfg,
     loop_cfg)`` with the ``model``, ``moe`` and ``loop`` sections of a recipe
-    (:class:`smelt_ds.config.run.ModelConfig`, ``MoEConfig``, ``LoopConfig``). How the MoE runs
+    (:class:`smelt_ds.config.model.ModelConfig`, ``MoEConfig``, ``LoopConfig``). How the MoE runs
     (``moe_runtime``) and the loss coefficients (``train``) are applied from outside.
 
     Attributes:
@@ -257,7 +259,7 @@ class SmeltLM(nn.Module):
 
     def set_loop(self, loop_cfg: LoopConfig) -> LoopConfig:
         """Run another visit plan with the same weights (a test-time loop count, see
-        :func:`smelt_ds.config.run.loop_with_repeats`); returns the loop section it replaced.
+        :func:`smelt_ds.config.loop.loop_with_repeats`); returns the loop section it replaced.
 
         Parameters are untouched (they belong to the unique layers, not to the plan); the per-visit
         KV cache of a later ``forward``/``generate`` has one slot per visit of the new plan.

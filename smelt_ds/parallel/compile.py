@@ -21,7 +21,7 @@ fails on the second visit).
 
 ``model``: the whole forward through DeepSpeed's :meth:`DeepSpeedEngine.compile` (torch.compile
 of the engine's module). Supported with the reference backend at ZeRO 0-2 without DeepSpeed's
-activation checkpointing; :func:`smelt_ds.config.run.check_compile` refuses the rest at load time.
+activation checkpointing; :func:`smelt_ds.config.run.check_run_config` refuses the rest at load time.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from smelt_ds.config.run import RunConfig, deep_merge, resolve_batch
+from smelt_ds.config.loading import deep_merge
+from smelt_ds.config.run import RunConfig
+from smelt_ds.config.train import resolve_batch
 from smelt_ds.cost.precision import resolve_precision
 from smelt_ds.cost.zero_config import load_template, template_name, zero_section
 from smelt_ds.errors import ConfigError
@@ -42,7 +44,7 @@ def build_ds_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
 
     Raises:
         ConfigError: an unknown template, an inconsistent global batch
-            (:func:`smelt_ds.config.run.resolve_batch`), bf16 on a GPU without it, or
+            (:func:`smelt_ds.config.train.resolve_batch`), bf16 on a GPU without it, or
             ``deepspeed.config.gradient_clipping`` where smelt-ds clips itself
             (:func:`gradient_clipping`).
     """
@@ -52,7 +54,7 @@ def build_ds_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     precision = resolve_precision(cfg)
     template = load_template(template_name(cfg))
     zero = zero_section(cfg, world_size)
-    accum, _ = resolve_batch(cfg, world_size)
+    accum, _ = resolve_batch(cfg.train, world_size)
     micro = cfg.train.micro_batch_size
     out = {**template, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
            "train_batch_size": micro * accum * world_size, "gradient_clipping": clipping,
@@ -103,7 +105,7 @@ def expert_parallel_section(cfg: RunConfig, module_prefix: str = "") -> dict[str
 
     ``module_prefix`` is prepended when the model given to ``deepspeed.initialize`` wraps SmeltLM
     (e.g. ``"model."``). What AutoEP cannot run (``aux_loss_free_bias``, ``router_jitter``) was
-    refused when the recipe was loaded (:func:`smelt_ds.config.run.check_moe_backend`).
+    refused when the recipe was loaded (:func:`smelt_ds.config.moe.check_moe_backend`).
     """
     if cfg.moe_runtime.backend != "autoep":
         return None

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smelt_ds.config.run import check_moe_backend
+from smelt_ds.config.moe import check_moe_backend
 from smelt_ds.errors import fail
 from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU, load_balancing_loss, router_z_loss
 
@@ -81,7 +81,7 @@ def check_backend_runtime(cfg, zero_stage: int | None = None, world_size: int | 
     What a recipe can never run (e.g. ``deepspeed`` + ZeRO-3, ``score_func: sigmoid``,
     ``aux_loss_free_bias``, ``use_tutel`` with another backend, ``num_experts`` not divisible by
     ``ep_size``) is refused when the recipe is loaded
-    (:func:`smelt_ds.config.run.check_moe_backend`); this adds:
+    (:func:`smelt_ds.config.moe.check_moe_backend`); this adds:
 
     * ``zero_stage``: the ZeRO stage of the DeepSpeed config actually used, when it is not the
       recipe's (``cfg.deepspeed.effective_zero_stage``): the load-time rules are rerun for it;
@@ -347,8 +347,8 @@ class DeepSpeedMoE(nn.Module):
     """
 
     def __init__(self, hidden_size: int, moe_cfg, runtime_cfg):
-        """``moe_cfg``: the architecture (:class:`smelt_ds.config.run.MoEConfig`); ``runtime_cfg``:
-        how it runs (:class:`smelt_ds.config.run.MoERuntimeConfig`: ``ep_size``, capacity, tutel)."""
+        """``moe_cfg``: the architecture (:class:`smelt_ds.config.moe.MoEConfig`); ``runtime_cfg``:
+        how it runs (:class:`smelt_ds.config.moe.MoERuntimeConfig`: ``ep_size``, capacity, tutel)."""
         super().__init__()
         rt, ep_size = runtime_cfg, runtime_cfg.ep_size
         self.num_experts, self.num_experts_per_tok = moe_cfg.num_experts, moe_cfg.top_k

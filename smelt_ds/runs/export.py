@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from smelt_ds.config.run import RunConfig, dump_config, load_config
+from smelt_ds.config.loading import dump_config, load_config
+from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import staged_directory
 from smelt_ds.model import SmeltLM

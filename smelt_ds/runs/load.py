@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from smelt_ds.config.run import RunConfig, load_config
+from smelt_ds.config.loading import load_config
+from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.runs.export import REFERENCE_OVERRIDES, export_checkpoint, load_exported

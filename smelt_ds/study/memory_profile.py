@@ -15,7 +15,8 @@ from typing import Any, Iterable
 
 import torch
 
-from smelt_ds.config.run import RunConfig, config_from_dict, config_to_dict
+from smelt_ds.config.loading import config_from_dict, config_to_dict
+from smelt_ds.config.run import RunConfig
 from smelt_ds.cost.memory import POLICIES, activation_bytes, estimate, model_states, param_counts
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM

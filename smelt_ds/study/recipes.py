@@ -27,7 +27,9 @@ from typing import Any
 import yaml
 
 from smelt_ds import resources
-from smelt_ds.config.run import RunConfig, config_from_dict, deep_merge, resolve_batch
+from smelt_ds.config.loading import config_from_dict, deep_merge
+from smelt_ds.config.run import RunConfig
+from smelt_ds.config.train import resolve_batch
 from smelt_ds.cost.budget import Budget, compute_budget, deviations, match_baseline
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.placement import MIN_HEADROOM, load_raw, memory_report, resolve, zero_option
@@ -95,7 +97,7 @@ def derive_variants(baseline_path: str | Path, tolerance: float = 0.01) -> dict[
     (every other field, and the comments citing its sources, stay in the Baseline's file). Raises
     ConfigError when a variant deviates beyond ``tolerance``, when the Baseline's ``loop`` section
     holds more than ``position: none`` (it would reach every variant through ``base:``), or when
-    the written text, its base merged (:func:`smelt_ds.config.run.read_recipe`), is not the
+    the written text, its base merged (:func:`smelt_ds.config.loading.read_recipe`), is not the
     matcher's recipe.
     """
     path = Path(baseline_path)
@@ -206,7 +208,7 @@ def recipe_rows(entries: list[RecipeEntry] | None = None) -> tuple[list[dict[str
             c, lay = r.config, r.layout
             rep = memory_report(c, lay)
             row = rep.configured
-            accum, _ = resolve_batch(c, lay.nodes * lay.gpus_per_node)
+            accum, _ = resolve_batch(c.train, lay.nodes * lay.gpus_per_node)
             layout_rows.append({"size": e.size, "variant": e.variant, "layout": name, "gpu": lay.gpu,
                                 "device_memory_gib": lay.device_memory_gib, "nodes": lay.nodes,
                                 "gpus_per_node": lay.gpus_per_node, "zero": zero_option(c),

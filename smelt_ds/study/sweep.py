@@ -54,20 +54,19 @@ from typing import Any, Callable
 import yaml
 from pydantic import Field, model_validator
 
-from smelt_ds.config.run import (
-    LoopPosition,
-    LoopRange,
-    RunConfig,
+from smelt_ds.config.loading import (
     apply_overrides,
     config_diff,
     config_from_dict,
     config_to_dict,
     deep_merge,
     read_yaml_mapping,
-    resolve_batch,
     validate_model,
 )
+from smelt_ds.config.loop import LoopPosition, LoopRange
+from smelt_ds.config.run import RunConfig
 from smelt_ds.config.schema import StrictModel
+from smelt_ds.config.train import resolve_batch
 from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.jobs import LAUNCHERS_DIR, JobOptions, JobPlan, fill_template, per_node_command, plan_job, render
@@ -278,7 +277,7 @@ def _architecture_raw(sweep: SweepConfig, source: Path, size: str, raw: dict[str
 
 
 def _steps(cfg: RunConfig, tokens: float, scale: float) -> tuple[int, int]:
-    _, per_step = resolve_batch(cfg, 1)
+    _, per_step = resolve_batch(cfg.train, 1)
     return max(1, round(tokens * scale / per_step)), per_step
 
 

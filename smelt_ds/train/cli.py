@@ -11,7 +11,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from smelt_ds.config.run import RunConfig, load_config
+from smelt_ds.config.loading import load_config
+from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.runs.provenance import init_from_tokenizer
 from smelt_ds.runs.run_lock import RunLock
@@ -51,7 +52,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def check_before_launch(args: argparse.Namespace) -> RunConfig:
     """What every rank would refuse, checked once in the launching process: the recipe with its
-    ``--set`` overrides (:func:`smelt_ds.config.run.load_config`), optional packages
+    ``--set`` overrides (:func:`smelt_ds.config.loading.load_config`), optional packages
     (:func:`smelt_ds.train.guards.check_optional_packages`), the trackers' packages
     (:func:`smelt_ds.train.trackers.check_trackers`), the profiled window and ranks
     (:func:`smelt_ds.train.profiler.check_profile`), the run directory's lock (another

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smelt_ds.config.run import RunConfig, config_diff, config_to_dict
+from smelt_ds.config.loading import config_diff, config_to_dict
+from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel.distributed import on_rank0
 from smelt_ds.parallel.moe_backends import TUTEL_INSTALL_HINT, tutel_available

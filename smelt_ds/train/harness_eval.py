@@ -1,7 +1,7 @@
 """In-loop downstream evaluation: lm-evaluation-harness tasks on the model under training, every
 ``eval.harness_interval`` steps (OLMo-core's in-loop evaluator callback in spirit).
 
-Recipe fields (:class:`smelt_ds.config.run.EvalConfig`)::
+Recipe fields (:class:`smelt_ds.config.eval.EvalConfig`)::
 
     eval:
       harness_tasks: [lambada_local, code_next_line]   # task, group or tag names

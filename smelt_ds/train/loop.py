@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from smelt_ds.config.run import RunConfig, dump_config, load_config
+from smelt_ds.config.loading import dump_config, load_config
+from smelt_ds.config.run import RunConfig
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.cost.precision import resolve_precision
 from smelt_ds.cost.zero_config import write_zero3_tuning

@@ -20,7 +20,7 @@ __all__ = ["total_loss"]
 
 def total_loss(out: Any, train_cfg: Any) -> torch.Tensor:
     """``lm + aux_coef * aux + z_coef * z`` (a scalar tensor) of a :class:`smelt_ds.model.lm.LMOutput`
-    computed with labels; ``train_cfg`` is a :class:`smelt_ds.config.run.TrainConfig`
+    computed with labels; ``train_cfg`` is a :class:`smelt_ds.config.train.TrainConfig`
     (``aux_loss_coef``, ``z_loss_coef``). ``lm_loss`` alone when the model has no MoE visit.
 
     Raises ValueError when ``out`` has no ``lm_loss`` (forward without labels).

@@ -43,7 +43,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from smelt_ds.config.run import RunConfig, config_to_dict, dump_config
+from smelt_ds.config.loading import config_to_dict, dump_config
+from smelt_ds.config.run import RunConfig
 from smelt_ds.config.tracking import MlflowSection
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import write_json_atomic, write_text_atomic

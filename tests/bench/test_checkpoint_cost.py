@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from smelt_ds.config.run import load_config  # noqa: E402
+from smelt_ds.config.loading import load_config  # noqa: E402
 from smelt_ds.model import SmeltLM  # noqa: E402
 from smelt_ds.testing.distributed import scaled_timeout  # noqa: E402
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smelt_ds.config.run import load_config
+from smelt_ds.config.loading import load_config
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.cost.memory import activation_bytes
 from smelt_ds.testing.distributed import scaled_timeout, timeout_scale

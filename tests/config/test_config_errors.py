@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from smelt_ds.config.run import config_from_dict, load_config, read_yaml_with_lines
+from smelt_ds.config.loading import config_from_dict, load_config, read_yaml_with_lines
 from smelt_ds.errors import ConfigError
 
 RECIPE = """\

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from smelt_ds.cli import main
-from smelt_ds.config.run import dump_config, load_config, read_recipe
+from smelt_ds.config.loading import dump_config, load_config, read_recipe
 from smelt_ds.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import torch
 import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.cost.budget import compute_budget, kv_cache_bytes_per_token, match_baseline
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import KVCache, SmeltLM

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from smelt_ds.cli import main as cli_main
-from smelt_ds.config.run import config_from_dict, config_to_dict, load_config
+from smelt_ds.config.loading import config_from_dict, config_to_dict, load_config
 from smelt_ds.cost import memory
 from smelt_ds.cost.budget import kv_cache_bytes_per_token
 from smelt_ds.errors import ConfigError

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.cost import zero_config
 from smelt_ds.cost.zero3_tuning import KEYS, plan_zero3, reuse_distance_needed, trace, visit_numel
 from smelt_ds.cost.zero_config import write_zero3_tuning, zero_section

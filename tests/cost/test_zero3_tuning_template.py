@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smelt_ds.config.run import config_from_dict, load_config
+from smelt_ds.config.loading import config_from_dict, load_config
 from smelt_ds.cost.zero3_tuning import KEYS, plan_zero3, reuse_distance_needed, visit_numel
 from smelt_ds.cost.zero_config import load_template
 from smelt_ds.parallel.ds_config import build_ds_config

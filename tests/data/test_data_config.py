@@ -8,7 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from smelt_ds.config.data import DataConfig, SourceConfig, TokenizerConfig
-from smelt_ds.config.run import config_from_dict, load_config
+from smelt_ds.config.loading import config_from_dict, load_config
 from smelt_ds.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

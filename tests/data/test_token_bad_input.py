@@ -14,7 +14,7 @@ import pytest
 
 from smelt_ds.cli import main
 from smelt_ds.config.data import DataConfig
-from smelt_ds.config.run import config_from_dict, load_config
+from smelt_ds.config.loading import config_from_dict, load_config
 from smelt_ds.data.loader import check_compatible
 from smelt_ds.data.prepare import PreparedData, prepare_from_config
 from smelt_ds.data.token_files import open_flat

@@ -27,7 +27,7 @@ def eval_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smelt_cfg(eval_cache):
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from tests.eval.eval_test_utils import tiny_raw
 
     return config_from_dict(tiny_raw(eval_cache))
@@ -45,7 +45,7 @@ def eval_data(smelt_cfg):
 def random_exports(tmp_path_factory, eval_cache, eval_data):
     """Random-weight exports ``{"baseline": dir, "smelt": dir}`` (init_std 0.2 so that attention
     and routing are far from uniform)."""
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.model import SmeltLM
     from tests.eval.eval_test_utils import baseline_raw, export_model, tiny_raw
 

@@ -42,7 +42,7 @@ def baseline_raw(cache: Path, **sections) -> dict:
 def export_model(model, cfg, out: Path) -> Path:
     """Write ``model.pt`` + ``config.yaml`` (of the RunConfig ``cfg`` the model was built from) like
     ``smelt-ds export`` (no training, no DeepSpeed)."""
-    from smelt_ds.config.run import dump_config
+    from smelt_ds.config.loading import dump_config
 
     out.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), out / "model.pt")
@@ -51,7 +51,7 @@ def export_model(model, cfg, out: Path) -> Path:
 
 
 def train_worker(rank: int, world: int, raw: dict) -> str:
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.train.loop import train
 
     return str(train(config_from_dict(raw)).run_dir)

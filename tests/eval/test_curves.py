@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from smelt_ds import cli
-from smelt_ds.config.run import dump_config, load_config
+from smelt_ds.config.loading import dump_config, load_config
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval import curves

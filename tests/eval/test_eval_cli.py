@@ -124,7 +124,7 @@ def test_generate_greedy_matches_full_recompute(trained_run, capsys):
 def test_generate_with_a_test_time_loop_count(random_exports, capsys):
     """--loop-repeats 3: the printed plan has 8 visits and the text is the greedy decode of a model
     whose plan was set to 3 repeats (reference: the same weights with set_loop, full recompute)."""
-    from smelt_ds.config.run import loop_with_repeats
+    from smelt_ds.config.loop import loop_with_repeats
     from smelt_ds.eval.data import open_eval_data
     from smelt_ds.eval.generation import encode_prompt
     from smelt_ds.runs.load import load_run

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import yaml
 from lm_eval.api.instance import Instance
 
-from smelt_ds.config.run import loop_with_repeats
+from smelt_ds.config.loop import loop_with_repeats
 from smelt_ds.config.schedule import build_schedule
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.harness import (SmeltHarnessLM, evaluate_model, harness_records, metric_table, own_lengths,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from smelt_ds.config.run import loop_with_repeats
+from smelt_ds.config.loop import loop_with_repeats
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.eval.data import open_eval_data
 from smelt_ds.eval.harness import evaluate_model, metric_table

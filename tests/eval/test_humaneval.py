@@ -114,7 +114,7 @@ def test_encode_pair_is_the_harness_split(eval_data):
 def test_canonical_loss_equals_direct_computation(eval_data, eval_cache, problems):
     """A model whose window holds whole problems: the loss is the mean of the solution tokens'
     -log p from one forward over [eot] + context + solution."""
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.model import SmeltLM
     from tests.eval.eval_test_utils import tiny_raw
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smelt_ds.config.run import LoopRange, config_from_dict, loop_with_repeats
+from smelt_ds.config.loading import config_from_dict
+from smelt_ds.config.loop import LoopRange, loop_with_repeats
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.data import open_eval_data

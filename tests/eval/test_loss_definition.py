@@ -25,7 +25,7 @@ def loss_rtol(raw: dict) -> float:
     """Training's validation (the engine's forward, its threads) and the evaluation (a plain forward)
     round differently: a token mean of the forward chain (Higham & Mary's bound, tests/numerics.py).
     A changed definition (token- instead of domain-weighted, other windows) moves a loss by > 1e-3."""
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
 
     return prob_tol(lm_chain_length(config_from_dict(raw), 0, backward=False, seq=32) + EVAL_BATCHES * 4 * 32)
 
@@ -132,7 +132,7 @@ def test_same_flags_on_an_earlier_checkpoint_equal_its_validation(run, eval_data
 
 
 def test_summary_line_states_the_windows(run):
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.train.data import build_data
     from smelt_ds.train.validation import describe_validation, validation_windows
 
@@ -149,7 +149,7 @@ def test_summary_line_states_the_windows(run):
 
 
 def _two_rank_validation(rank, world, raw, export):
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.train.data import build_data
     from smelt_ds.runs.export import load_exported
     from smelt_ds.train.validation import evaluate, validation_windows

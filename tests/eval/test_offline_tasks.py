@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tasks_cfg(eval_cache):
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from tests.eval.eval_test_utils import tiny_raw
 
     return config_from_dict(tiny_raw(eval_cache, data={"validation_share": 0.5}))
@@ -295,7 +295,7 @@ def test_refuses_a_split_too_small_for_16_shots(smelt_cfg, tmp_path):
 
 
 def test_cli(tasks_cfg, built, tmp_path, capsys):
-    from smelt_ds.config.run import dump_config
+    from smelt_ds.config.loading import dump_config
 
     recipe = tmp_path / "recipe.yaml"
     dump_config(tasks_cfg, recipe)

@@ -118,7 +118,7 @@ def test_resume_with_data_of_another_tokenizer_is_refused(tmp_path, trained_run)
 def test_init_from_trains_on_with_the_exports_tokenizer(trained_run, corpus, tmp_path, eval_cache):
     """A new run from an export on other data keeps the export's tokenizer (config.yaml says so);
     another tokenizer needs train.init_from_any_tokenizer."""
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.errors import ConfigError
     from smelt_ds.runs.load import resolve_export
     from smelt_ds.runs.provenance import init_from_tokenizer

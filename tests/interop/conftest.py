@@ -30,7 +30,7 @@ def interop_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def interop_data(interop_cache):
     """EvalData of the tiny recipes (``.tokenizer``, ``.eot_id``, validation documents)."""
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.eval.data import open_eval_data
     from tests.eval.eval_test_utils import tiny_raw
 
@@ -42,7 +42,7 @@ def make_export(tmp_path_factory, interop_cache, interop_data):
     """``make_export(name, **sections)`` -> a random-weight export directory (model.pt, config.yaml,
     tokenizer.json) of the tiny SMELT recipe with ``sections`` merged in (``model={"qk_norm": True}``,
     ``loop={"position": "none"}``, ...); init_std 0.2 so attention and routing are far from uniform."""
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.model import SmeltLM
     from tests.eval.eval_test_utils import export_model, tiny_raw
 

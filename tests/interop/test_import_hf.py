@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from smelt_ds.cli import main
-from smelt_ds.config.run import load_config
+from smelt_ds.config.loading import load_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.runs.load import resolve_export
 from smelt_ds.interop.export import export_hf

@@ -20,7 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from smelt_ds.config.run import RunConfig, config_from_dict
+from smelt_ds.config.loading import config_from_dict
+from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.interop.known_archs import (build_known_hf, known_hf_config, match_hf_architecture, import_hf_model,
                                           recipe_from_hf_config, to_known_state_dict)

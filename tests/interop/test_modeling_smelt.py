@@ -24,7 +24,7 @@ import pytest
 import torch
 import transformers
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.config.schedule import build_schedule
 from smelt_ds.errors import ConfigError
 from smelt_ds.interop.configuration_smelt import SmeltConfig, derive_visit_plan

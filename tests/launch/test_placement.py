@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from smelt_ds.config.run import load_config
+from smelt_ds.config.loading import load_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.placement import resolve
 

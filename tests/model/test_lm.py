@@ -378,7 +378,7 @@ def test_state_dict_holds_each_layer_once():
     """The looping block manager must not register the layers a second time: a duplicate
     (blocks.layers.*) would be saved twice and, on an expert-parallel load, overwrite each rank's
     own experts with rank 0's."""
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.model import SmeltLM
 
     cfg = config_from_dict({"model": {"num_layers": 4, "hidden_size": 32, "max_seq_len": 64},

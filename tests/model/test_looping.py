@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from smelt_ds.config.run import LoopConfig
+from smelt_ds.config.loop import LoopConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import LoopSchedule, LoopSpan, SmeltLM, Visit
 from smelt_ds.model.looping import VisitContext

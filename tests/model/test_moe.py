@@ -336,7 +336,7 @@ def _tied_step(policy: str, score_func: str = "softmax"):
     """One forward + backward of a 4-layer model (plan 0 1 2 1 2 3) whose routers are all zero, so
     every token's scores tie exactly (softmax 1/E, sigmoid 1/2). Returns the loss, all gradients
     and the experts chosen by every router call (forward visits, then recomputes)."""
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.model import SmeltLM
     from smelt_ds.model.moe import TopKRouter
     from smelt_ds.parallel.engine import configure_activation_checkpointing

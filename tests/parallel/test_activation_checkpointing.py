@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.cost.activation_checkpointing import checkpointed_visits
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM

@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
 from smelt_ds.parallel.compile import compile_counters, compile_layers
@@ -186,7 +186,7 @@ def test_aux_loss_free_bias_counts_tokens_once_per_visit_compiled():
 def _engine_rank(rank, world, raw, steps):
     import torch.distributed as dist
 
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.train.build import build
 
     torch._dynamo.utils.counters.clear()
@@ -270,7 +270,7 @@ def test_unknown_compile_value_names_the_choices():
 
 
 def test_a_resume_may_switch_compilation_but_not_the_optimisation(tmp_path):
-    from smelt_ds.config.run import config_to_dict
+    from smelt_ds.config.loading import config_to_dict
     from smelt_ds.train.guards import _check_resume_overrides
 
     old = config_to_dict(config_from_dict(_raw()))

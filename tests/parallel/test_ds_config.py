@@ -16,7 +16,7 @@ import deepspeed.runtime.config as ds_runtime_config
 import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.cost import zero_config
 from smelt_ds.cost.zero_config import template_name
 from smelt_ds.errors import ConfigError

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from smelt_ds.config.run import config_from_dict, resolve_batch
+from smelt_ds.config.loading import config_from_dict
+from smelt_ds.config.train import resolve_batch
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
 from smelt_ds.parallel.engine import lr_multiplier, param_groups
@@ -24,13 +25,13 @@ def _cfg(**sections):
 
 def test_global_batch_consistency():
     cfg = _cfg(train={"micro_batch_size": 4, "seq_len": 32, "global_batch_tokens": 4 * 32 * 2 * 3})
-    assert resolve_batch(cfg, 2) == (3, 768)
+    assert resolve_batch(cfg.train, 2) == (3, 768)
     with pytest.raises(ConfigError, match="train.global_batch_tokens"):
-        resolve_batch(cfg, 4)  # 768 / (4*32*4) is not an integer
+        resolve_batch(cfg.train, 4)  # 768 / (4*32*4) is not an integer
     cfg = _cfg(train={"micro_batch_size": 4, "seq_len": 32, "global_batch_tokens": 256,
                       "gradient_accumulation_steps": 3})
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
-        resolve_batch(cfg, 1)
+        resolve_batch(cfg.train, 1)
 
 
 def test_config_refuses_bad_backend_combinations():

@@ -17,7 +17,7 @@ import gc
 import pytest
 import torch
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.model import SmeltLM
 from smelt_ds.parallel.engine import lr_multiplier, param_groups
 from smelt_ds.testing import run_distributed

@@ -64,7 +64,7 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from smelt_ds.config.run import config_from_dict  # noqa: E402
+from smelt_ds.config.loading import config_from_dict  # noqa: E402
 from smelt_ds.errors import ConfigError  # noqa: E402
 from smelt_ds.model import SmeltLM  # noqa: E402
 from smelt_ds.parallel import grad_norm as gn  # noqa: E402

@@ -17,7 +17,9 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from smelt_ds.config.run import MoERuntimeConfig, TrainConfig, config_from_dict  # noqa: E402
+from smelt_ds.config.loading import config_from_dict  # noqa: E402
+from smelt_ds.config.moe import MoERuntimeConfig  # noqa: E402
+from smelt_ds.config.train import TrainConfig  # noqa: E402
 from smelt_ds.errors import ConfigError  # noqa: E402
 from smelt_ds.model import SmeltLM  # noqa: E402
 from smelt_ds.parallel import moe_backends as mb  # noqa: E402

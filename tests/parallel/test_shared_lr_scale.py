@@ -27,7 +27,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from smelt_ds.config.run import config_from_dict  # noqa: E402
+from smelt_ds.config.loading import config_from_dict  # noqa: E402
 from smelt_ds.testing import run_distributed  # noqa: E402
 from smelt_ds.train.objective import total_loss  # noqa: E402
 from tests.numerics import FP32_U  # noqa: E402

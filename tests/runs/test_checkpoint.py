@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.testing import run_distributed, scaled_timeout
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.testing import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.testing import run_distributed
 from tests.numerics import assert_close_chain, model_chain_length, prob_tol
 

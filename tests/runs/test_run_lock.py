@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.testing import run_distributed
 
 
@@ -91,7 +91,7 @@ def test_training_into_a_locked_run_directory_is_refused_before_writing(tmp_path
 def _crashed_before_its_first_checkpoint(run: Path, cfg) -> None:
     """What a fresh run writes before its first checkpoint (loop._fit), left by a crash; plus an
     older run's summary, a sweep's label and a partial checkpoint directory."""
-    from smelt_ds.config.run import dump_config
+    from smelt_ds.config.loading import dump_config
     from smelt_ds.runs.run_lock import LOCK_NAME
 
     (run / "tb").mkdir(parents=True)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from smelt_ds.config.run import load_config
+from smelt_ds.config.loading import load_config
 from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.cost.cli import parse_ranges
 from smelt_ds.cost.memory import GiB, estimate

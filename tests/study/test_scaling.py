@@ -157,7 +157,7 @@ def test_flops_model_recovers_its_terms_and_reports_residuals():
 
 
 def test_flops_model_fits_real_budgets_of_a_width_family():
-    from smelt_ds.config.run import config_from_dict
+    from smelt_ds.config.loading import config_from_dict
     from smelt_ds.cost.budget import compute_budget
 
     cfgs = [config_from_dict({"model": {"hidden_size": h, "vocab_size": 4096, "max_seq_len": 128},

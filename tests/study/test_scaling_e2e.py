@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from smelt_ds.config.run import load_config
+from smelt_ds.config.loading import load_config
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.testing import run_distributed
 

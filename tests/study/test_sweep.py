@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from smelt_ds.config.run import config_from_dict, load_config
+from smelt_ds.config.loading import config_from_dict, load_config
 from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.placement import load_raw
@@ -94,7 +94,7 @@ def test_materialize_writes_loadable_recipes_and_labels(tmp_path):
 
 
 def test_status_and_conflicting_run_directories(tmp_path):
-    from smelt_ds.config.run import dump_config
+    from smelt_ds.config.loading import dump_config
     from smelt_ds.runs import checkpoint as ckpt
 
     path = _sweep(tmp_path)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.parallel.threads import ThreadChoice
 from smelt_ds.testing import run_distributed

@@ -74,7 +74,7 @@ def _exact() -> bool:
 def test_golden_file_matches_the_script(case):
     """The file exists, was written with the script's current overrides, and its LR column is the
     full recipe's first 50 steps (the warmup): the golden curve is *the* tiny recipe's start."""
-    from smelt_ds.config.run import load_config
+    from smelt_ds.config.loading import load_config
     from smelt_ds.parallel.engine import lr_multiplier
 
     path = golden.golden_path(case)

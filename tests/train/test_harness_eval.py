@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.errors import ConfigError
 from smelt_ds.testing import run_distributed
 from tests.eval.eval_test_utils import tiny_raw

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.testing import run_distributed, scaled_timeout
 from smelt_ds.train.objective import total_loss
 from tests.numerics import model_chain_length, prob_tol

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smelt_ds.config.run import config_from_dict
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
 from smelt_ds.model.ranges import set_ranges

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from smelt_ds.config.run import config_from_dict, config_to_dict
+from smelt_ds.config.loading import config_from_dict, config_to_dict
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
 from smelt_ds.testing import run_distributed
