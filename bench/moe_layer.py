@@ -31,7 +31,8 @@ import time
 import torch
 import torch._dynamo
 
-from smelt_ds.model.moe import MoE, has_grouped_mm
+from smelt_ds.model.experts import has_grouped_mm
+from smelt_ds.model.moe import MoE
 
 HF_IMPLS = ("eager", "batched_mm", "grouped_mm")
 TARGET = 0.67  # issue 17: ours / transformers' fastest <= 0.67 at every shape

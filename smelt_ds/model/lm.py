@@ -17,8 +17,10 @@ from torch import nn
 
 from smelt_ds.config.schedule import build_schedule
 from smelt_ds.model.attention import AttnProbsHook, CausalSelfAttention, KVCache, RMSNorm, RotaryEmbedding
+from smelt_ds.model.experts import SwiGLU
 from smelt_ds.model.looping import LoopingBlockManager, Visit, VisitContext
-from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU
+from smelt_ds.model.moe import MoE
+from smelt_ds.model.router import RouterOutput
 
 if TYPE_CHECKING:
     from smelt_ds.config.loop import LoopConfig
@@ -154,7 +156,7 @@ class Block(nn.Module):
         ``(y (B, S, H), route, losses)``. ``route`` is the reference MoE's
         ``(logits_TE, probs_TE, topk_idx_TK, topk_weight_TK)`` (None for a dense layer), ``losses``
         its unscaled ``{"aux", "z"}`` (empty for a dense layer). ``count_tokens``: see
-        :meth:`smelt_ds.model.moe.TopKRouter.forward`. Needs a reference ``mlp`` (:class:`MoE` or
+        :meth:`smelt_ds.model.router.TopKRouter.forward`. Needs a reference ``mlp`` (:class:`MoE` or
         :class:`SwiGLU`); a backend's MoE layer runs through :meth:`forward`."""
         x, h = self.attention(x, cos, sin)
         route: tuple[torch.Tensor, ...] | None = None

@@ -47,7 +47,10 @@ from torch import nn
 
 from smelt_ds.config.moe import check_moe_backend
 from smelt_ds.errors import fail
-from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU, load_balancing_loss, router_z_loss
+from smelt_ds.model.experts import SwiGLU
+from smelt_ds.model.losses import load_balancing_loss, router_z_loss
+from smelt_ds.model.moe import MoE
+from smelt_ds.model.router import RouterOutput
 
 __all__ = ["BACKENDS", "apply_backend", "check_backend_runtime",
            "tutel_available", "CapacityRouterOutput", "smelt_topk_gate_class", "smelt_fused_experts_class",

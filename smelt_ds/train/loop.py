@@ -30,7 +30,7 @@ from smelt_ds.cost.budget import compute_budget
 from smelt_ds.cost.precision import resolve_precision
 from smelt_ds.cost.zero_config import write_zero3_tuning
 from smelt_ds.errors import ConfigError
-from smelt_ds.model.moe import TopKRouter
+from smelt_ds.model.router import TopKRouter
 from smelt_ds.parallel.build_lock import check_build_lock
 from smelt_ds.parallel.distributed import find_free_port, init_distributed, on_rank0, sync_flag
 from smelt_ds.parallel.grad_norm import clip_before_step, logged_grad_norm

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from smelt_ds.model import KVCache, SmeltLM, Visit, VisitRecorder, routing_divergence
-from smelt_ds.model.moe import MoE, RouterOutput, SwiGLU
+from smelt_ds.model.experts import SwiGLU
+from smelt_ds.model.moe import MoE
+from smelt_ds.model.router import RouterOutput
 from smelt_ds.train.objective import total_loss
 from tests.numerics import assert_close_chain, chain_tol, lm_chain_length
 

@@ -322,7 +322,7 @@ def test_checkpointing_skipped_in_eval_without_grad_and_with_kv_cache(tiny_cfg):
 def test_recompute_does_not_double_count_tokens_per_expert(tiny_cfg, reentrant):
     from torch.utils.checkpoint import checkpoint
 
-    from smelt_ds.model.moe import TopKRouter
+    from smelt_ds.model.router import TopKRouter
 
     def tokens(ckpt: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)

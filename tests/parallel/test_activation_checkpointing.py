@@ -18,7 +18,7 @@ from smelt_ds.config.loading import config_from_dict
 from smelt_ds.cost.activation_checkpointing import checkpointed_visits
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
-from smelt_ds.model.moe import TopKRouter
+from smelt_ds.model.router import TopKRouter
 from smelt_ds.parallel.engine import check_activation_checkpointing, configure_activation_checkpointing
 from smelt_ds.testing import run_distributed
 from smelt_ds.train.objective import total_loss

@@ -197,7 +197,7 @@ def _experts_pair(G: int, E: int, C: int, H: int, F_: int):
     zero (unfilled slots) plus an upstream gradient."""
     from deepspeed.moe.experts import Experts
 
-    from smelt_ds.model.moe import SwiGLU
+    from smelt_ds.model.experts import SwiGLU
 
     torch.manual_seed(G * 100 + E)
     loop = Experts(SwiGLU(H, F_), E, expert_group_name="ep_size_1")

@@ -1,0 +1,133 @@
+"""The MoE experts: E SwiGLU experts in two 3-D weights, run on token copies sorted by expert
+(``torch._grouped_mm`` where available, else a per-expert loop); and the dense SwiGLU FFN (dense
+layers, the shared expert).
+
+Layout (the Qwen3-MoE / Mixtral layout of transformers 5)::
+
+    mlp.experts.gate_up_proj        [E, 2F, H]   gate and up projections of every expert
+    mlp.experts.down_proj           [E, H, F]
+
+Shape legend (suffix letters, as in torchtitan's moe.py): B batch, S sequence, T = B*S tokens,
+H hidden, E experts, K top-k, F expert intermediate size, N = T*K routed token copies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from smelt_ds.model.grouped_gemm import grouped_linear
+
+__all__ = ["GroupedExperts", "SwiGLU", "has_grouped_mm"]
+
+
+def has_grouped_mm() -> bool:
+    """Whether the installed torch has ``torch._grouped_mm`` (torch >= 2.8)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU FFN ``down(silu(gate(x)) * up(x))``; x: ``(..., H)`` -> ``(..., H)``."""
+
+    def __init__(self, hidden_size: int, ffn_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.down_proj = nn.Linear(ffn_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    # torch._grouped_mm's backward rejects expanded (stride 0) gradients, e.g. from .sum().
+    if t.requires_grad:
+        t.register_hook(lambda g: g.contiguous())
+    return t
+
+
+class _SwiGLUActivation(torch.autograd.Function):
+    """``silu(gate) * up`` of the fused projection ``h_N2F = [gate | up]`` -> ``(N, F)``.
+
+    Saves only ``h_N2F`` (autograd would also keep ``silu(gate)``, ``N F`` more) and recomputes
+    ``silu`` in backward (on a contiguous copy of the gate half there: torch's CPU silu runs about
+    3x faster on contiguous rows). The ``(N, 2F)`` gradient is contiguous, as
+    ``torch._grouped_mm``'s backward needs:
+    ``d gate = g * up * silu'(gate)`` (``aten.silu_backward``), ``d up = g * silu(gate)``.
+    """
+
+    @staticmethod
+    def forward(ctx, h_N2F: torch.Tensor) -> torch.Tensor:
+        F_ = h_N2F.shape[-1] // 2
+        # silu of the strided gate half, as autograd's path and the standalone modeling_smelt.py
+        # compute it (a contiguous copy would run torch's vectorised silu, about 3x faster on
+        # CPU, but its exp differs in the last bit and the logits parity tests are at 1e-6)
+        a_NF = F.silu(h_N2F[:, :F_])
+        ctx.save_for_backward(h_N2F)
+        return a_NF.mul_(h_N2F[:, F_:])
+
+    @staticmethod
+    def backward(ctx, g_NF: torch.Tensor) -> torch.Tensor:
+        (h_N2F,) = ctx.saved_tensors
+        F_ = h_N2F.shape[-1] // 2
+        gate_NF, up_NF = h_N2F[:, :F_].contiguous(), h_N2F[:, F_:]
+        d_gate = torch.ops.aten.silu_backward(g_NF * up_NF, gate_NF)
+        d_up = F.silu(gate_NF).mul_(g_NF)
+        return torch.cat([d_gate, d_up], dim=-1)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as two 3-D tensors; computes sorted token copies group by group.
+
+    ``forward(x_NH, counts_E)``: ``x_NH`` rows sorted by expert, ``counts_E`` rows per expert
+    (int64, sums to N); returns ``(N, H)``. The grouped path has no data-dependent Python (it
+    compiles into one graph); the loop path reads ``counts_E`` on the host.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, impl: str = "auto"):
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_size, ffn_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
+        self.auto = impl == "auto"
+        if impl == "auto":
+            impl = "grouped_mm" if has_grouped_mm() else "loop"
+        if impl == "grouped_mm" and not has_grouped_mm():
+            raise RuntimeError("moe.expert_impl 'grouped_mm' needs torch._grouped_mm (torch >= 2.8); "
+                               "use expert_impl 'loop' or 'auto'")
+        self.impl = impl
+
+    def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        if self.impl == "grouped_mm" and self._grouped_mm_fits(x_NH):
+            return self._forward_grouped(x_NH, counts_E)
+        return self._forward_loop(x_NH, counts_E)
+
+    def _grouped_mm_fits(self, x_NH: torch.Tensor) -> bool:
+        """torch._grouped_mm needs row strides that are multiples of 16 bytes (H and F); 'auto'
+        falls back to the loop otherwise, an explicit 'grouped_mm' says why it cannot run."""
+        size = x_NH.element_size()
+        if (self.hidden_dim * size) % 16 == 0 and (self.intermediate_dim * size) % 16 == 0:
+            return True
+        if self.auto:
+            return False
+        raise RuntimeError(f"moe.expert_impl 'grouped_mm' needs hidden_size ({self.hidden_dim}) and "
+                           f"expert_ffn_size ({self.intermediate_dim}) times {size} bytes to be multiples of "
+                           "16 bytes; use expert_impl 'auto' or 'loop', or round the sizes")
+
+    def _forward_grouped(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        offs_E = torch.cumsum(counts_E, dim=0).to(torch.int32)
+        h_N2F = grouped_linear(x_NH, self.gate_up_proj, offs_E)
+        a_NF = _SwiGLUActivation.apply(h_N2F)
+        out_NH = grouped_linear(a_NF, self.down_proj, offs_E)
+        return _contiguous_grad(out_NH)
+
+    def _forward_loop(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        # unbind, not self.gate_up_proj[e]: indexing a parameter E times makes backward allocate
+        # and fill E full-size [E, 2F, H] gradients; unbind's backward stacks once.
+        outs = []
+        for x_nH, w_2FH, w_HF in zip(torch.split(x_NH, counts_E.tolist(), dim=0),
+                                     self.gate_up_proj.unbind(0), self.down_proj.unbind(0)):
+            gate_nF, up_nF = F.linear(x_nH, w_2FH).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate_nF) * up_nF, w_HF))
+        return torch.cat(outs, dim=0)
