@@ -177,14 +177,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, backend: str = 
                 rank, status, payload = results.get(timeout=0.2)
                 outcomes[rank] = (status, payload)
                 if status == "error":
-                    _drain(results, outcomes, seconds=2.0 * scale)  # let the peers report their own errors
+                    _drain(results, outcomes, world_size, seconds=2.0 * scale)  # the peers' own errors
                     break
                 continue
             except queue_mod.Empty:
                 pass
             dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
             if dead:
-                _drain(results, outcomes, seconds=1.0 * scale)
+                _drain(results, outcomes, world_size, seconds=1.0 * scale)
                 for r in dead:
                     if r not in outcomes:
                         outcomes[r] = ("error", f"process exited with code {procs[r].exitcode} without a result")
@@ -206,9 +206,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, backend: str = 
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
-def _drain(results, outcomes: dict, seconds: float) -> None:
+def _drain(results, outcomes: dict, world_size: int, seconds: float) -> None:
+    """Collect the outcomes still queued for up to ``seconds`` (wall clock), or until every one of
+    the ``world_size`` ranks has one (a failed one-rank run returns at once)."""
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end and len(outcomes) < world_size:
         try:
             rank, status, payload = results.get(timeout=0.1)
             outcomes.setdefault(rank, (status, payload))

@@ -75,3 +75,21 @@ def test_run_distributed_times_out_at_the_scaled_limit(monkeypatch):
 def test_process_group_timeout_is_scaled(monkeypatch):
     monkeypatch.setenv(TIMEOUT_SCALE_ENV, "0.5")
     assert run_distributed(_pg_timeout_s, world_size=1, timeout=120, init_deepspeed=False) == [60.0]
+
+
+def _raise_on_every_rank(rank: int, world: int) -> int:
+    raise ValueError(f"boom on rank {rank}")
+
+
+@pytest.mark.distributed
+def test_a_failed_run_returns_once_every_rank_has_reported(monkeypatch):
+    """After a rank's error, run_distributed waits up to 2 s x scale for the peers' own errors (60 s
+    here), but no longer than until every rank has reported: when all ranks failed at once, the
+    error is back in about the start-up time (1-2 s), with every rank's traceback."""
+    monkeypatch.setenv(TIMEOUT_SCALE_ENV, "30")
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError, match=r"(?s)failed on ranks \[0, 1\].*boom on rank .*boom on rank "):
+        run_distributed(_raise_on_every_rank, world_size=2, init_deepspeed=False)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 30.0, f"took {elapsed:.1f} s: it waited out the 60 s for peers that had all reported"
+    assert multiprocessing.active_children() == []
