@@ -93,3 +93,31 @@ def test_a_failed_run_returns_once_every_rank_has_reported(monkeypatch):
     elapsed = time.monotonic() - t0
     assert elapsed < 30.0, f"took {elapsed:.1f} s: it waited out the 60 s for peers that had all reported"
     assert multiprocessing.active_children() == []
+
+
+def _raise_on_rank_1(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()  # rank 0 waits for a peer that died: must not hang the test
+    return rank
+
+
+def _sleep_on_rank_0(rank: int, world: int) -> int:
+    if rank == 0:
+        time.sleep(600)
+    return rank
+
+
+@pytest.mark.distributed
+def test_run_distributed_propagates_errors_and_times_out(monkeypatch):
+    monkeypatch.setenv("SMELT_TEST_TIMEOUT_SCALE", "1")  # this test waits the whole limit: keep it 30 s in CI
+
+    with pytest.raises(DistributedTestError, match=r"(?s)failed on ranks.*--- rank 1 ---.*ValueError: boom on rank 1"):
+        run_distributed(_raise_on_rank_1, world_size=2, timeout=60, init_deepspeed=False)
+    # 30 s (times SMELT_TEST_TIMEOUT_SCALE) leaves a loaded machine time to start both ranks; rank 0
+    # sleeps 600 s, so it must be the one reported (rank 1 returns at once once it is up)
+    with pytest.raises(DistributedTestError, match=rf"timed out after {scaled_timeout(30):g} s \(timeout=30 s x "
+                       r"SMELT_TEST_TIMEOUT_SCALE=[0-9.e+-]+\); ranks without a result: \[0\]"):
+        run_distributed(_sleep_on_rank_0, world_size=2, timeout=30, init_deepspeed=False)

@@ -1,37 +1,13 @@
-"""MoE backends: run the reference MoE layers of a built :class:`SmeltLM` through DeepSpeed.
+"""The ``deepspeed`` MoE backend: each reference MoE layer replaced by :class:`DeepSpeedMoE`, a
+``deepspeed.moe.layer.MoE`` (capacity factor, token dropping, expert parallelism over
+``moe_runtime.ep_size`` ranks, tutel kernels when installed) holding this rank's experts, with
+our router statistics and the reference losses.
 
-The model package never imports DeepSpeed; this module does and is applied from outside, like
-torchtitan's ``parallelize.py``. One recipe field, ``moe_runtime.backend``, picks how the same reference
-layout (``mlp.gate.weight [E, H]``, ``mlp.experts.gate_up_proj [E, 2F, H]``,
-``mlp.experts.down_proj [E, H, F]``, optional ``mlp.shared_expert`` + ``mlp.shared_expert_gate``)
-runs:
+DeepSpeed is imported inside functions (the classes built on it on first use), so importing this
+module does not import DeepSpeed.
 
-==========  =======================================================  ======  ========================
-backend     what runs                                                ZeRO    expert parallel
-==========  =======================================================  ======  ========================
-reference   ``smelt_ds.model.moe.MoE`` (dropless, plain PyTorch)     0-3     no
-deepspeed   :class:`DeepSpeedMoE` around ``deepspeed.moe.layer.MoE``  0-2     ``moe_runtime.ep_size``
-autoep      DeepSpeed AutoEP replaces ``layers.{i}.mlp`` in           0-3     ``autoep_size =
-            ``deepspeed.initialize`` (``expert_parallel`` section)            moe_runtime.ep_size``
-==========  =======================================================  ======  ========================
-
-How the engine uses it (:func:`smelt_ds.parallel.engine.initialize`, :func:`smelt_ds.train.build.build`; all
-ranks, same order): after ``deepspeed.init_distributed`` and ``SmeltLM(cfg.model, cfg.moe, cfg.loop)``,
-:func:`apply_backend` converts the model (before ``deepspeed.initialize``; raises ConfigError);
-:func:`smelt_ds.parallel.ds_config.build_ds_config` adds the ``expert_parallel`` section for
-``autoep``; :func:`optimizer_param_groups` splits expert parameters into ``moe`` groups for
-``deepspeed``; and ``deepspeed.initialize`` gets ``optimizer=moe_optimizer(torch.optim.AdamW,
-...)``, a factory DeepSpeed calls after AutoEP has replaced the layers.
-
-Every backend leaves the same unweighted ``out.aux_loss`` / ``out.z_loss`` (means over MoE *visits*,
-the reference definitions), which :func:`smelt_ds.train.objective.total_loss` weights, so the
-training loop does not change with the backend.
-Checkpoints of every backend also carry the weights in the reference layout
-(:mod:`smelt_ds.runs.reference_weights`).
-
-What DeepSpeed 0.19.8 does with these layers (gating maths, aux-loss differences, ZeRO and
-optimizer-group constraints, AutoEP's limits, checkpoint files) and why the code is as it is:
-``docs/deepspeed_notes.md``.
+Shape legend: T tokens, H hidden, E experts (``E_local`` on this rank), K top-k, F expert
+intermediate size, G source ranks of an all-to-all, C capacity rows per expert and rank, N rows.
 """
 
 from __future__ import annotations
@@ -39,36 +15,23 @@ from __future__ import annotations
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Iterable, TypeVar, cast
+from typing import Any, Iterable, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smelt_ds.config.moe import check_moe_backend
-from smelt_ds.errors import fail
 from smelt_ds.model.experts import SwiGLU
 from smelt_ds.model.losses import load_balancing_loss, router_z_loss
 from smelt_ds.model.moe import MoE
 from smelt_ds.model.router import RouterOutput
+from smelt_ds.parallel.moe_backends.expert_parallel import expert_parallel_rank, moe_blocks
 
-__all__ = ["BACKENDS", "apply_backend", "check_backend_runtime",
-           "tutel_available", "CapacityRouterOutput", "smelt_topk_gate_class", "smelt_fused_experts_class",
-           "DeepSpeedMoE", "convert_to_deepspeed_moe",
-           "expert_parallel_rank", "optimizer_param_groups", "split_params_into_moe_groups", "moe_optimizer",
-           "attach_autoep_hooks", "autoep_layers"]
-
-BACKENDS = ("reference", "deepspeed", "autoep")
-
-_ModuleT = TypeVar("_ModuleT", bound=nn.Module)
+__all__ = ["TUTEL_INSTALL_HINT", "tutel_available", "CapacityRouterOutput", "smelt_topk_gate_class",
+           "smelt_fused_experts_class", "DeepSpeedMoE", "convert_to_deepspeed_moe"]
 
 TUTEL_INSTALL_HINT = ("pip install --upgrade git+https://github.com/microsoft/tutel@main "
                       "(tutel is not on the package index; needs a CUDA build)")
-
-
-# ---------------------------------------------------------------------------------------------
-# validation
-# ---------------------------------------------------------------------------------------------
 
 
 def tutel_available() -> bool:
@@ -76,82 +39,6 @@ def tutel_available() -> bool:
     from deepspeed.moe import sharded_moe
 
     return importlib.util.find_spec("tutel") is not None and sharded_moe.TUTEL_INSTALLED
-
-
-def check_backend_runtime(cfg, zero_stage: int | None = None, world_size: int | None = None) -> None:
-    """Raise :class:`ConfigError` for what only the running job can tell about ``moe_runtime.backend``.
-
-    What a recipe can never run (e.g. ``deepspeed`` + ZeRO-3, ``score_func: sigmoid``,
-    ``aux_loss_free_bias``, ``use_tutel`` with another backend, ``num_experts`` not divisible by
-    ``ep_size``) is refused when the recipe is loaded
-    (:func:`smelt_ds.config.moe.check_moe_backend`); this adds:
-
-    * ``zero_stage``: the ZeRO stage of the DeepSpeed config actually used, when it is not the
-      recipe's (``cfg.deepspeed.effective_zero_stage``): the load-time rules are rerun for it;
-    * ``world_size``: the number of ranks, when known (``moe_runtime.ep_size`` must divide it);
-    * ``use_tutel`` with the ``deepspeed`` backend: the optional ``tutel`` package must be importable.
-
-    Args:
-        cfg: a :class:`smelt_ds.config.run.RunConfig`.
-    """
-    moe, rt = cfg.moe, cfg.moe_runtime
-    if zero_stage is not None and zero_stage != cfg.deepspeed.effective_zero_stage:
-        check_moe_backend(moe, rt, zero_stage)
-    if rt.backend == "reference":
-        return
-    if world_size is not None and world_size % rt.ep_size:
-        fail("moe_runtime.ep_size", rt.ep_size, f"must divide the number of ranks ({world_size})",
-              "launch a multiple of ep_size ranks or lower moe_runtime.ep_size")
-    if rt.backend == "deepspeed" and rt.use_tutel and not tutel_available():
-        fail("moe_runtime.use_tutel", True, "needs the optional package `tutel`, which is not installed",
-              f"install it ({TUTEL_INSTALL_HINT}) or set moe_runtime.use_tutel to false")
-
-
-# ---------------------------------------------------------------------------------------------
-# entry point
-# ---------------------------------------------------------------------------------------------
-
-
-def apply_backend(model: _ModuleT, cfg, zero_stage: int | None = None, world_size: int | None = None,
-                  use_data_before_expert_parallel: bool = False) -> _ModuleT:
-    """Prepare ``model`` (a :class:`SmeltLM` with reference MoE layers) for ``cfg.moe_runtime.backend``.
-
-    Call it after the process group is initialised and *before* ``deepspeed.initialize``.
-
-    * ``reference``: returns ``model`` unchanged.
-    * ``deepspeed``: replaces every ``layers.{i}.mlp`` :class:`MoE` in place by a
-      :class:`DeepSpeedMoE` holding this rank's experts (``ep_size > 1`` creates DeepSpeed's
-      ``ep_size_{n}`` expert groups now, so the local experts can be picked).
-    * ``autoep``: the layers are replaced later by ``deepspeed.initialize`` from the
-      ``expert_parallel`` section (:func:`smelt_ds.parallel.ds_config.expert_parallel_section`);
-      this registers a forward pre-hook on ``model`` that attaches the router hooks
-      (:func:`attach_autoep_hooks`) to the replaced layers on the first forward, so the aux and z
-      losses reach ``SmeltLM``'s loss.
-
-    ``world_size`` defaults to ``torch.distributed``'s when initialised. Returns ``model``.
-    Raises ConfigError (see :func:`check_backend_runtime`).
-    """
-    if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        world_size = torch.distributed.get_world_size()
-    check_backend_runtime(cfg, zero_stage, world_size)
-    if cfg.moe_runtime.backend == "deepspeed":
-        convert_to_deepspeed_moe(model, cfg, use_data_before_expert_parallel)
-    elif cfg.moe_runtime.backend == "autoep" and not getattr(model, "_smelt_autoep_prehook", False):
-        model.register_forward_pre_hook(_autoep_prehook)
-        cast(Any, model)._smelt_autoep_prehook = True
-    return model
-
-
-def _moe_blocks(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    """``(name, block)`` for every decoder block whose FFN slot holds an MoE."""
-    for i, block in enumerate(getattr(model, "layers", [])):
-        if getattr(block, "is_moe", False):
-            yield f"layers.{i}", block
-
-
-# ---------------------------------------------------------------------------------------------
-# deepspeed backend
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -183,7 +70,7 @@ class CapacityRouterOutput(RouterOutput):
 def smelt_topk_gate_class() -> type[nn.Module]:
     """The class ``SmeltTopKGate`` (below), a subclass of DeepSpeed's ``TopKGate``, built on first
     use so that importing smelt_ds does not import DeepSpeed (``smelt-ds budget`` and the other
-    analytic commands never need it). ``moe_backends.SmeltTopKGate`` returns the same class."""
+    analytic commands never need it)."""
     from deepspeed.moe import sharded_moe
     from deepspeed.moe.sharded_moe import TopKGate
 
@@ -323,14 +210,6 @@ def smelt_fused_experts_class() -> type[nn.Module]:
     return SmeltFusedExperts
 
 
-def __getattr__(name: str) -> Any:
-    if name == "SmeltTopKGate":
-        return smelt_topk_gate_class()
-    if name == "SmeltFusedExperts":
-        return smelt_fused_experts_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class DeepSpeedMoE(nn.Module):
     """The ``deepspeed`` backend's FFN: ``deepspeed.moe.layer.MoE`` + our losses and statistics.
 
@@ -444,31 +323,6 @@ def _gate_choices(logits_TE: torch.Tensor, probs_TE: torch.Tensor, k: int) -> to
     return torch.stack([first_T, masked_TE.argmax(dim=-1)], dim=-1)
 
 
-def expert_parallel_rank(ep_size: int, use_data_before_expert_parallel: bool = False) -> int:
-    """This rank's index in its DeepSpeed expert-parallel group ``ep_size_{ep_size}``.
-
-    Creates DeepSpeed's expert and expert-data groups if they do not exist yet (every rank must
-    call this, in the same order), exactly as the engine would in ``deepspeed.initialize``.
-    Raises RuntimeError when ``ep_size > 1`` and torch.distributed is not initialised.
-    """
-    if ep_size == 1:
-        return 0
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise RuntimeError(f"moe_runtime.ep_size ({ep_size}) > 1 needs torch.distributed initialised before "
-                           "apply_backend (e.g. deepspeed.init_distributed())")
-    import deepspeed
-    from deepspeed import comm as ds_dist
-    from deepspeed.utils import groups
-
-    if not ds_dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
-    name = f"ep_size_{ep_size}"
-    if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep_size,
-                                                use_data_before_expert_parallel_=use_data_before_expert_parallel)
-    return groups._get_expert_parallel_rank(name)
-
-
 def convert_to_deepspeed_moe(model: nn.Module, cfg, use_data_before_expert_parallel: bool = False) -> int:
     """Replace every reference :class:`MoE` in ``model.layers[i].mlp`` by a :class:`DeepSpeedMoE`
     built from the same weights (this rank's experts only). Returns the number of layers converted.
@@ -478,133 +332,8 @@ def convert_to_deepspeed_moe(model: nn.Module, cfg, use_data_before_expert_paral
     """
     ep_rank = expert_parallel_rank(cfg.moe_runtime.ep_size, use_data_before_expert_parallel)
     n = 0
-    for _, block in _moe_blocks(model):
+    for _, block in moe_blocks(model):
         if isinstance(block.mlp, MoE):
             block.mlp = DeepSpeedMoE.from_reference(block.mlp, cfg.moe, cfg.moe_runtime, ep_rank)
             n += 1
     return n
-
-
-# ---------------------------------------------------------------------------------------------
-# optimizer parameter groups
-# ---------------------------------------------------------------------------------------------
-
-
-def split_params_into_moe_groups(param_groups: Iterable[dict[str, Any]] | dict[str, Any] | Iterable[nn.Parameter]
-                                 ) -> list[dict[str, Any]]:
-    """DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` made safe for our groups.
-
-    Every group gets a ``name`` if it has none (DeepSpeed indexes by it); expert parameters
-    (``param.allreduce is False``) move into copies of their group with ``moe: True`` and
-    ``name: "ep_size_{n}"`` (all other keys, e.g. ``lr_scale`` and ``weight_decay``, are kept);
-    empty groups are dropped. ZeRO-1/2 refuse MoE models whose optimizer has no ``moe`` group
-    (``AssertionError: The model has moe layers, but None of the param groups are marked as MoE``).
-    """
-    groups: list[Any] = [param_groups] if isinstance(param_groups, dict) else list(param_groups)
-    if groups and not isinstance(groups[0], dict):  # a plain iterable of parameters
-        groups = [{"params": groups}]
-    groups = [{**g, "params": list(g["params"]), "name": g.get("name", f"group{i}")} for i, g in enumerate(groups)]
-    if any(g.get("moe") for g in groups):
-        return groups
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-    out = split_params_into_different_moe_groups_for_optimizer(groups)
-    return [g for g in out if g["params"]]
-
-
-class moe_optimizer:  # noqa: N801 - used like a function: optimizer=moe_optimizer(AdamW, lr=...)
-    """A client optimizer *factory* for ``deepspeed.initialize(optimizer=..., model_parameters=groups)``.
-
-    DeepSpeed calls it with ``model_parameters`` after AutoEP has replaced the MoE layers (and
-    remapped the groups to the new parameters); it splits expert parameters into ``moe`` groups
-    (:func:`split_params_into_moe_groups`) and builds ``optimizer_cls(groups, **kwargs)``. Works
-    for every backend and ZeRO stage; for the reference backend the split is a no-op.
-    """
-
-    def __init__(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
-        self.optimizer_cls, self.kwargs = optimizer_cls, kwargs
-
-    def __call__(self, param_groups) -> torch.optim.Optimizer:
-        return self.optimizer_cls(split_params_into_moe_groups(param_groups), **self.kwargs)
-
-
-def optimizer_param_groups(model: nn.Module, param_groups: list[dict[str, Any]], cfg) -> list[dict[str, Any]]:
-    """Optimizer parameter groups for ``cfg.moe_runtime.backend``; call after :func:`apply_backend`.
-
-    * ``reference`` / ``autoep``: ``param_groups`` unchanged. (AutoEP's expert parameters do not
-      exist before ``deepspeed.initialize``; DeepSpeed remaps a client optimizer's groups to the
-      replaced parameters and, for a DeepSpeed-config optimizer, splits MoE groups itself.)
-    * ``deepspeed``: :func:`split_params_into_moe_groups`.
-    """
-    if cfg.moe_runtime.backend == "deepspeed":
-        return split_params_into_moe_groups(param_groups)
-    return param_groups
-
-
-# ---------------------------------------------------------------------------------------------
-# autoep backend
-# ---------------------------------------------------------------------------------------------
-
-
-def autoep_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, AutoEPMoELayer)`` pairs of ``model`` (empty before ``deepspeed.initialize``)."""
-    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-
-    return [(f"{name}.mlp", block.mlp) for name, block in _moe_blocks(model)
-            if isinstance(block.mlp, AutoEPMoELayer)]
-
-
-def attach_autoep_hooks(model: nn.Module) -> int:
-    """Give every AutoEP layer of ``model`` the reference MoE's ``last_route`` / ``last_losses``.
-
-    AutoEP's layer returns only the output tensor (our modules have no HF ``_can_record_outputs``,
-    so ``return_router_logits`` is off). Forward hooks on ``layer.router.gate`` (logits ``(T, E)``)
-    and ``layer.router`` (``(top_scores, selected_experts, counts)``) capture the routing, and a
-    hook on the layer computes ``aux``/``z`` exactly as the reference MoE does, so
-    ``SmeltLM`` reports ``mean_visits(aux)`` / ``mean_visits(z)`` (weighted by the training objective) the same
-    way for every backend. Idempotent; returns the number of layers newly hooked.
-    """
-    n = 0
-    layer: Any  # AutoEPMoELayer, given the attributes below
-    for _, layer in autoep_layers(model):
-        if getattr(layer, "_smelt_hooked", False):
-            continue
-        layer.last_route, layer.last_losses, layer._smelt_capture = None, {}, {}
-        layer.router.gate.register_forward_hook(_capture_logits_hook(layer))
-        layer.router.register_forward_hook(_capture_route_hook(layer))
-        layer.register_forward_hook(_finish_route_hook)
-        layer._smelt_hooked = True
-        n += 1
-    return n
-
-
-def _autoep_prehook(model: nn.Module, args) -> None:
-    attach_autoep_hooks(model)  # returns nothing: a forward pre-hook's return value replaces the inputs
-
-
-def _capture_logits_hook(layer: Any):
-    def hook(module, args, logits_TE):
-        layer._smelt_capture["logits_TE"] = logits_TE
-
-    return hook
-
-
-def _capture_route_hook(layer: Any):
-    def hook(module, args, out):
-        layer._smelt_capture["top_scores_TK"], layer._smelt_capture["selected_TK"] = out[0], out[1]
-
-    return hook
-
-
-def _finish_route_hook(layer: Any, args, output) -> None:
-    cap = layer._smelt_capture
-    logits_TE = cap.pop("logits_TE").float()
-    if layer.router.score_func == "softmax":
-        probs_TE = logits_TE.softmax(dim=-1)
-    else:
-        scores_TE = logits_TE.sigmoid()
-        probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-    idx_TK = cap.pop("selected_TK")
-    route = RouterOutput(logits_TE, probs_TE, idx_TK, cap.pop("top_scores_TK"))
-    layer.last_route = route
-    layer.last_losses = {"aux": load_balancing_loss(probs_TE, idx_TK), "z": router_z_loss(logits_TE)}

@@ -1,0 +1,139 @@
+"""Collecting runs for the scaling fits: one :class:`RunPoint` (final validation loss, non-embedding
+parameters N, training tokens D, training FLOPs per token) per finished run directory, and the runs
+left out with the reason (:class:`Exclusion`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from smelt_ds.errors import ConfigError
+
+__all__ = ["RunPoint", "Exclusion", "architecture_label", "collect_runs", "summarize_exclusions"]
+
+
+@dataclass
+class RunPoint:
+    """One finished run. ``loss`` nats/token; ``N`` non-embedding parameters; ``D`` training
+    tokens; ``flops_per_token`` training FLOPs per token (3 x forward, loops counted);
+    ``C = flops_per_token * D`` training FLOPs."""
+
+    run_dir: str
+    architecture: str
+    loss: float
+    N: float
+    D: float
+    flops_per_token: float
+    position: str = "none"
+    size: str | None = None
+    budget: str | None = None
+
+    @property
+    def C(self) -> float:
+        return self.flops_per_token * self.D
+
+
+@dataclass
+class Exclusion:
+    """A run (or architecture) left out of the analysis and why."""
+
+    what: str
+    reason: str
+
+
+def architecture_label(loop: dict[str, Any]) -> str:
+    """Architecture of a recipe's ``loop`` section: ``baseline`` for ``position: none``, else
+    ``<position>x<repeats>`` (``custom``/explicit ranges: ``custom[start:end:repeats,...]``)."""
+    pos = loop.get("position", "middle")
+    if pos == "none":
+        return "baseline"
+    if loop.get("ranges"):
+        rs = ",".join(f"{r['start']}:{r['end']}:{r['repeats']}" for r in loop["ranges"])
+        return f"{pos}[{rs}]"
+    return f"{pos}x{loop.get('repeats', 2)}"
+
+
+def _is_run_dir(p: Path) -> bool:
+    return any((p / n).is_file() for n in ("summary.json", "sweep_run.json", "config.yaml"))
+
+
+def _find_run_dirs(path: Path) -> list[Path]:
+    if _is_run_dir(path):
+        return [path]
+    found = sorted({m.parent for n in ("summary.json", "sweep_run.json") for m in path.rglob(n)
+                    if "checkpoints" not in m.parts and "exports" not in m.parts})
+    return [p for p in found if not any(q != p and q in p.parents for q in found)]
+
+
+def _read_point(run_dir: Path, loss_key: str) -> RunPoint | Exclusion:
+    label = json.loads((run_dir / "sweep_run.json").read_text()) if (run_dir / "sweep_run.json").is_file() else {}
+    if not (run_dir / "summary.json").is_file():
+        return Exclusion(str(run_dir), "unfinished: no summary.json (missing or interrupted run; "
+                                       "`smelt-ds sweep` resumes it)")
+    try:
+        s = json.loads((run_dir / "summary.json").read_text())
+    except json.JSONDecodeError as e:
+        return Exclusion(str(run_dir), f"summary.json is not valid JSON ({e})")
+    val = s.get("validation_loss") or {}
+    if loss_key not in val:
+        return Exclusion(str(run_dir), f"summary.json has no validation_loss[{loss_key!r}] "
+                                       f"(domains: {sorted(val)})")
+    loss = val[loss_key]
+    if loss is None or not math.isfinite(loss) or loss <= 0:
+        return Exclusion(str(run_dir), f"validation loss {loss!r} is not a finite positive number (diverged run?)")
+    b = s.get("budget") or {}
+    if not b.get("non_embedding_params") or not b.get("train_flops_per_token") or not s.get("tokens"):
+        return Exclusion(str(run_dir), "summary.json lacks budget.non_embedding_params, "
+                                       "budget.train_flops_per_token or tokens")
+    loop: dict[str, Any] = {}
+    if (run_dir / "config.yaml").is_file():
+        loop = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("loop") or {}
+    arch = label.get("architecture") or architecture_label(loop)
+    return RunPoint(str(run_dir), arch, float(loss), float(b["non_embedding_params"]), float(s["tokens"]),
+                    float(b["train_flops_per_token"]), position=label.get("position", loop.get("position", "none")),
+                    size=label.get("size"), budget=label.get("budget"))
+
+
+def collect_runs(paths: Sequence[str | Path], loss_key: str = "all") -> tuple[list[RunPoint], list[Exclusion]]:
+    """Read runs from run directories or directories holding run directories (a sweep's
+    ``output_dir``). Returns the usable runs and the runs left out with reasons (unfinished,
+    non-finite loss, missing fields).
+
+    Raises ConfigError for a path that does not exist or holds no run directory.
+    """
+    points: list[RunPoint] = []
+    excluded: list[Exclusion] = []
+    seen: set[Path] = set()
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise ConfigError(f"run directory {str(path)!r} does not exist: pass run directories (with "
+                              "summary.json) or a sweep's output_dir")
+        dirs = _find_run_dirs(path)
+        if not dirs:
+            raise ConfigError(f"{str(path)!r} holds no run directory (no summary.json, sweep_run.json or "
+                              "config.yaml below it): pass a run directory or a sweep's output_dir")
+        for d in dirs:
+            if d.resolve() in seen:
+                continue
+            seen.add(d.resolve())
+            r = _read_point(d, loss_key)
+            if isinstance(r, RunPoint):
+                points.append(r)
+            else:
+                excluded.append(r)
+    return points, excluded
+
+
+def summarize_exclusions(excluded: list[Exclusion], examples: int = 2) -> list[str]:
+    """One line per distinct reason: ``<count> x <reason> (e.g. <paths>)``."""
+    by: dict[str, list[str]] = {}
+    for e in excluded:
+        by.setdefault(e.reason, []).append(e.what)
+    return [f"{len(w)} x {r} (e.g. {', '.join(w[:examples])}{', ...' if len(w) > examples else ''})"
+            if len(w) > 1 else f"{w[0]}: {r}" for r, w in by.items()]
