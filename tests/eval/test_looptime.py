@@ -43,6 +43,27 @@ def test_loop_with_repeats_plans(eval_cache):
         loop_with_repeats(base.loop, L, repeats=2)
 
 
+def test_exit_after_beyond_a_ranges_repeats_keeps_its_repeats(eval_cache, random_exports):
+    """``--exit-after P`` with P above a range's repeat count: "every loop range stops after at most P
+    passes" (``loop_with_repeats``, docs/evaluation.md), so such a range keeps its repeats (no error,
+    no extra pass); a range with more repeats than P is cut to P. Plans written out by hand."""
+    L = 4
+    plan = lambda loop: config_from_dict({**tiny_raw(eval_cache), "loop": loop.model_dump()}).schedule.layers()  # noqa: E731
+    middle = config_from_dict(tiny_raw(eval_cache)).loop  # [1, 3) x2
+    assert plan(loop_with_repeats(middle, L, exit_after=3)) == [0, 1, 2, 1, 2, 3]
+    assert plan(loop_with_repeats(middle, L, repeats=1, exit_after=5)) == [0, 1, 2, 3]
+    asym = config_from_dict(tiny_raw(eval_cache, loop={"position": "asymmetric"})).loop  # [1, 2) x3, [2, 3) x2
+    assert loop_with_repeats(asym, L, exit_after=3).ranges == [LoopRange(start=1, end=2, repeats=3),
+                                                               LoopRange(start=2, end=3, repeats=2)]
+    assert plan(loop_with_repeats(asym, L, exit_after=3)) == [0, 1, 1, 1, 2, 2, 3]  # the x2 range kept
+    assert plan(loop_with_repeats(asym, L, repeats=4, exit_after=3)) == [0, 1, 1, 1, 2, 2, 2, 3]  # both cut to 3
+    # the loop-count table (smelt-ds eval --loop-repeats 1 --exit-after 3): R = 1 runs once, not 3 times
+    smelt = load_run(random_exports["smelt"])
+    row = loss_by_repeats([smelt], [1], exit_after=3, batches=1, micro_batch_size=2, log=lambda *_: None)["rows"][0]
+    assert (row["label"], row["visit_plan"], row["visits"], row["kv_cache_slots"]) == (
+        "R=1, exit after 3", [0, 1, 2, 3], 4, 4)
+
+
 @pytest.mark.parametrize("repeats", [1, 3])
 def test_set_loop_equals_a_model_built_with_that_plan(eval_cache, repeats):
     cfg = config_from_dict(tiny_raw(eval_cache, model={"init_std": 0.2}))
