@@ -109,10 +109,10 @@ def make_cfg(backend: str = "reference", stage: int = 0, ep: int = EP, grad_clip
 GRAD_TOL = chain_tol(lm_chain_length(make_cfg(), tokens=MICRO * SEQ * 2 * WORLD))
 
 
-def shard(rank: int) -> torch.Tensor:
-    """Rank ``rank``'s ``(MICRO, SEQ + 1)`` slice of the global batch (same on every call)."""
+def shard(rank: int, world: int = WORLD) -> torch.Tensor:
+    """Rank ``rank``'s ``(MICRO, SEQ + 1)`` slice of the global batch of ``world`` ranks (same on every call)."""
     g = torch.Generator().manual_seed(123)
-    return torch.randint(0, VOCAB, (MICRO * WORLD, SEQ + 1), generator=g)[MICRO * rank: MICRO * (rank + 1)]
+    return torch.randint(0, VOCAB, (MICRO * world, SEQ + 1), generator=g)[MICRO * rank: MICRO * (rank + 1)]
 
 
 def build(cfg, seed: int = 0) -> SmeltLM:
@@ -180,15 +180,16 @@ def merged(per_rank: list[dict]) -> dict:
     return {k: merge([res[k] for res in per_rank]) for k in ("before", "grads", "after")}
 
 
-def reference_step(clip: float = CLIP, lr: float = LR) -> dict:
+def reference_step(clip: float = CLIP, lr: float = LR, world: int = WORLD) -> dict:
     """Single process, reference backend: ``before``/``grads``/``after`` (canonical dicts), the
-    global norm before clipping and the clip coefficient, for one SGD step on both shards."""
+    global norm before clipping and the clip coefficient, for one SGD step on the shards of all
+    ``world`` ranks."""
     cfg = make_cfg()
     model = build(cfg)
     before = canonical(model, lambda p: p.data)
-    for r in range(WORLD):
-        ids = shard(r)
-        (total_loss(model(ids[:, :-1], labels=ids[:, 1:]), cfg.train) / WORLD).backward()
+    for r in range(world):
+        ids = shard(r, world)
+        (total_loss(model(ids[:, :-1], labels=ids[:, 1:]), cfg.train) / world).backward()
     grads = canonical(model, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
     norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
     coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
@@ -237,7 +238,7 @@ def _cases_worker(rank: int, world: int, cases) -> dict:
             for p in model.parameters():
                 if is_moe_param(p):
                     p.register_hook(lambda g: g * EP)
-        ids = shard(rank)
+        ids = shard(rank, world)
         out = engine(ids[:, :-1], labels=ids[:, 1:])
         params = list(model.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
@@ -250,12 +251,13 @@ def _cases_worker(rank: int, world: int, cases) -> dict:
         with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
             after = canonical(model, lambda p: p.data, ep_rank)
         ds_norm = engine.get_global_grad_norm()
-        ep_ranks = (dist.get_process_group_ranks(groups._get_expert_parallel_group(f"ep_size_{EP}"))
-                    if backend != "reference" else None)
+        ep_ranks, edp_ranks = ((dist.get_process_group_ranks(groups._get_expert_parallel_group(f"ep_size_{EP}")),
+                                dist.get_process_group_ranks(groups._get_expert_data_parallel_group(f"ep_size_{EP}")))
+                               if backend != "reference" else (None, None))
         res[case] = {
             "before": before, "after": after, "grads": grads, "norm": norm, "logged": logged,
             "ds_norm": None if ds_norm is None else float(ds_norm), "ds_clip": engine.gradient_clipping(),
-            "config_clip": ds_config["gradient_clipping"], "ep_ranks": ep_ranks,
+            "config_clip": ds_config["gradient_clipping"], "ep_ranks": ep_ranks, "edp_ranks": edp_ranks,
             "n_experts_local": sum(isinstance(k, tuple) for k in grads)}
     return res
 
@@ -270,28 +272,38 @@ def distributed_results():
     return run_distributed(_cases_worker, world_size=WORLD, timeout=TIMEOUT_S, args=(CASES + MUTANT_CASES,))
 
 
-def check_case(ref: dict, per_rank: list[dict], backend: str, stage: int) -> None:
-    """All assertions of one distributed case against the reference (raises AssertionError)."""
+def check_case(ref: dict, per_rank: list[dict], backend: str, stage: int, grad_tol: float = GRAD_TOL) -> None:
+    """All assertions of one distributed case against the reference (raises AssertionError).
+
+    With an EP backend, ranks ``[k EP, (k + 1) EP)`` form expert-parallel group k and together hold
+    one whole model (its experts replicated on the ``world / EP`` ranks of an expert-data-parallel
+    group, ``r, r + EP, ...``); each group's model is checked."""
     label = f"{backend} ZeRO-{stage}"
+    world = len(per_rank)
     for r, res in enumerate(per_rank):
         ep_zero0 = backend != "reference" and stage == 0  # smelt clips; DeepSpeed's clipping must be off
         assert res["config_clip"] == res["ds_clip"] == (0.0 if ep_zero0 else CLIP), label
         if backend != "reference":
-            assert res["ep_ranks"] == [0, 1], f"{label}: expert-parallel group"
+            first = r - r % EP
+            assert res["ep_ranks"] == list(range(first, first + EP)), f"{label} rank {r}: expert-parallel group"
+            assert res["edp_ranks"] == list(range(r % EP, world, EP)), f"{label} rank {r}: expert-data-parallel group"
             assert res["n_experts_local"] == 4 * 4 // EP, label  # 4 layers x E/ep experts
-    got = merged(per_rank)
-    assert set(got["after"]) == set(ref["after"]), f"{label}: {set(got['after']) ^ set(ref['after'])}"
-    for key in ref["before"]:
-        assert torch.equal(got["before"][key], ref["before"][key]), f"{label}: initial weights differ at {key}"
-    check_grads(ref, got, label)
-    check_norms(per_rank, got, stage, label)
-    check_step(got, label)
+    models = [per_rank[k: k + EP] for k in range(0, world, EP)] if backend != "reference" else [per_rank]
+    for k, ranks in enumerate(models):
+        got = merged(ranks)
+        where = label if len(models) == 1 else f"{label}, expert-parallel group {k}"
+        assert set(got["after"]) == set(ref["after"]), f"{where}: {set(got['after']) ^ set(ref['after'])}"
+        for key in ref["before"]:
+            assert torch.equal(got["before"][key], ref["before"][key]), f"{where}: initial weights differ at {key}"
+        check_grads(ref, got, where, grad_tol)
+        check_norms(per_rank, got, stage, where)
+        check_step(got, where)
 
 
-def check_grads(ref: dict, got: dict, label: str) -> None:
-    """Every gradient element within ``GRAD_TOL`` of its tensor's largest reference gradient."""
+def check_grads(ref: dict, got: dict, label: str, tol: float = GRAD_TOL) -> None:
+    """Every gradient element within ``tol`` of its tensor's largest reference gradient."""
     for key, want in ref["grads"].items():
-        torch.testing.assert_close(got["grads"][key], want, rtol=0.0, atol=GRAD_TOL * float(want.abs().max()),
+        torch.testing.assert_close(got["grads"][key], want, rtol=0.0, atol=tol * float(want.abs().max()),
                                    msg=lambda m, key=key: f"{label}: gradient {key}: {m}")
 
 
@@ -346,6 +358,29 @@ def test_mutants_fail(distributed_results, reference):
     check_norms(ds_clips, got, 0, "DeepSpeed clips at ZeRO-0")
     with pytest.raises(AssertionError, match="SGD step"):
         check_step(got, "DeepSpeed clips at ZeRO-0")
+
+
+#: World 4 with EP 2: every expert lives on 2 ranks (expert-data-parallel groups [0, 2] and [1, 3]);
+#: the cases run in one set of 4 processes
+WORLD_EDP = 4
+EDP_CASES = [("deepspeed", 0), ("autoep", 0), ("autoep", 2)]
+#: the gradient chain of GRAD_TOL over the 4 ranks' tokens: 4.3e-4
+EDP_GRAD_TOL = chain_tol(lm_chain_length(make_cfg(), tokens=MICRO * SEQ * 2 * WORLD_EDP))
+
+
+@pytest.mark.distributed
+def test_expert_data_parallel_2_matches_single_process_with_clipping():
+    """4 ranks, EP 2, so each expert's gradient is on the 2 ranks of its expert-data-parallel group
+    (at ZeRO-0 a whole copy on each, at ZeRO-2 a partition each): against one process on all 4 shards,
+    each expert-parallel group's model has the same gradients (``EDP_GRAD_TOL``), the computed, logged
+    and (ZeRO-2) DeepSpeed norms equal the norm of those gradients counting every element once
+    (``NORM_RTOL``; counting the replicated expert gradients twice adds the experts' share of the
+    squared norm, about 5e-4), and the step is SGD clipped by that norm (``STEP_RTOL``)."""
+    per_rank = run_distributed(_cases_worker, world_size=WORLD_EDP, timeout=TIMEOUT_S, args=(EDP_CASES,))
+    ref = reference_step(world=WORLD_EDP)
+    assert ref["coef"] < 0.1  # clipping is active
+    for backend, stage in EDP_CASES:
+        check_case(ref, [r[(backend, stage)] for r in per_rank], backend, stage, EDP_GRAD_TOL)
 
 
 # ---------------------------------------------------------------------------------------------
