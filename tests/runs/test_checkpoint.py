@@ -144,6 +144,61 @@ def test_damaged_newest_checkpoint_is_named_kept_and_skipped(trained, tmp_path):
     assert ckpt.latest_complete(run_dir).name == "step00000006"
 
 
+def _damaged_rank1_worker(rank, world, raw):
+    """Save a 2-rank ZeRO-1 checkpoint, let rank 1 damage two of its own files (64 bytes flipped in
+    its optimizer partition, its client state cut in half), move every weight away from the saved
+    values, then load the checkpoint as ``--resume PATH`` does; the error (or None) and whether the
+    weights stayed where they were moved."""
+    import torch.distributed as dist
+
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.runs import checkpoint as ckpt
+    from smelt_ds.train.build import build
+
+    cfg = config_from_dict(raw)
+    built = build(cfg, world)
+    path = ckpt.save(built.engine, cfg.train.run_dir, 1, 64, {}, keep_last=2, layout=built.layout)
+    files = json.loads((path / ckpt.MARKER).read_text())["files"]
+    params = list(built.engine.module.parameters())
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    moved = [p.detach().clone() for p in params]
+    if rank == 1:
+        _flip(path / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        client = path / "client_rank1.pt"
+        client.write_bytes(client.read_bytes()[: client.stat().st_size // 2])
+    dist.barrier()
+    try:
+        ckpt.load(built.engine, cfg.train.run_dir, str(path), built.layout)
+        error = None
+    except ConfigError as e:
+        error = str(e)
+    return {"rank1_files": sorted(n for n, d in files.items() if d["rank"] == 1), "error": error, "path": str(path),
+            "client_bytes": files["client_rank1.pt"]["bytes"],
+            "weights_kept": all(torch.equal(p, m) for p, m in zip(params, moved, strict=True))}
+
+
+@pytest.mark.distributed
+def test_damaged_file_of_rank_1_is_refused_naming_it(tmp_path):
+    """Each rank verifies the files it wrote: damage to rank 1's files (its ZeRO-1 optimizer partition,
+    bytes flipped; its client state, truncated) refuses the load on both ranks, naming both files,
+    before DeepSpeed loads anything (the weights stay as they were)."""
+    raw = _raw(tmp_path / "run", tmp_path / "cache")
+    raw["deepspeed"] = {"zero_stage": 1}
+    res = run_distributed(_damaged_rank1_worker, 2, args=(raw,), timeout=240)
+    path = res[0]["path"]
+    assert res[0]["rank1_files"] == ["client_rank1.pt", "reference/rank00001.pt",
+                                     "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    size = res[0]["client_bytes"]
+    for rank, r in enumerate(res):
+        assert r["error"] is not None, f"rank {rank} loaded a damaged checkpoint"
+        assert r["error"].startswith(f"--resume {path}: the checkpoint is damaged ("), r["error"]
+        assert f"{path}/client_rank1.pt has {size // 2:,} bytes, {size:,} when written" in r["error"], r["error"]
+        assert f"{path}/zero_pp_rank_1_mp_rank_00_optim_states.pt has another SHA-256 than when written" in r["error"]
+        assert r["weights_kept"], f"rank {rank}: weights changed by a refused load"
+
+
 def test_checkpoint_without_digests_that_deepspeed_cannot_read_names_it(trained, tmp_path):
     """Checkpoints of older smelt-ds have no digests: a truncated model file is still named."""
     from smelt_ds.runs import checkpoint as ckpt
