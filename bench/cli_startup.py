@@ -7,7 +7,9 @@ a load spike on a shared machine hits all of them alike); printed: the median wa
 and its ratio to ``python -c pass`` (the interpreter's own start) and to ``python -c "import
 torch"``. ``smelt-ds --help`` imports no package of the stack (aim: well under 1 s); ``budget``
 needs pydantic and PyYAML only; ``memory`` also torch (tests/test_cli.py asserts which modules
-each imports, this prints what that costs). Output of the commands is discarded; a command that
+each imports, this prints what that costs). ``import smelt_ds, deepspeed`` against ``import
+deepspeed``: what smelt_ds/import_hooks.py saves every rank (DeepSpeed's autotuner's optional
+MLflow import; equal when MLflow is not installed). Output of the commands is discarded; a command that
 fails is reported with its exit status.
 """
 
@@ -30,6 +32,8 @@ def commands() -> dict[str, list[str]]:
     return {
         "python -c pass": [sys.executable, "-c", "pass"],
         "python -c 'import torch'": [sys.executable, "-c", "import torch"],
+        "python -c 'import deepspeed'": [sys.executable, "-c", "import deepspeed"],
+        "python -c 'import smelt_ds, deepspeed'": [sys.executable, "-c", "import smelt_ds, deepspeed"],
         "smelt-ds --help": [*smelt, "--help"],
         f"smelt-ds budget {RECIPE}": [*smelt, "budget", RECIPE],
         f"smelt-ds memory {RECIPE}": [*smelt, "memory", RECIPE],
