@@ -29,6 +29,7 @@ step's loss and the share of routed token copies the capacity limit dropped in t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -118,7 +119,7 @@ class _Candidate:
             self.first_loss = float(loss.detach())
         if record:
             self.wall.append(wall)
-            for name, a, b in zip(PARTS, t, t[1:]):
+            for name, (a, b) in zip(PARTS, itertools.pairwise(t), strict=True):
                 self.parts[name].append(b - a)
 
     def dropped_share(self) -> float | None:
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="recipe override for every backend (capacity keys: deepspeed only)")
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     p.add_argument("--ranks", type=int, choices=(1, 2), default=1, help="gloo ranks on this machine")
-    p.add_argument("--ep-size", type=int, default=None, help="expert-parallel size of deepspeed/autoep (default: --ranks)")
+    p.add_argument("--ep-size", type=int, default=None,
+                   help="expert-parallel size of deepspeed/autoep (default: --ranks)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (0: torch's default)")
     p.add_argument("--repeats", type=int, default=10, help="timed rounds (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")

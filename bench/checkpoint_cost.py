@@ -81,7 +81,8 @@ def _bytes(ckpt_dir: Path) -> dict[str, int]:
     files = json.loads((ckpt_dir / ckpt.MARKER).read_text())["files"]
     kinds = {"shards": 0, "client": 0, "deepspeed": 0}
     for name, d in files.items():
-        kind = "shards" if name.startswith("reference/") else "client" if name.startswith("client_rank") else "deepspeed"
+        kind = ("shards" if name.startswith("reference/") else "client" if name.startswith("client_rank")
+                else "deepspeed")
         kinds[kind] += d["bytes"]
     return kinds
 

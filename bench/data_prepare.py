@@ -27,8 +27,8 @@ import datasets
 from tokenizers import Tokenizer
 
 from smelt_ds.config.data import DataConfig
-from smelt_ds.data.prepare import build_tokenizer, prepare_from_config
 from smelt_ds.data.builtin import builtin_corpus_dir
+from smelt_ds.data.prepare import build_tokenizer, prepare_from_config
 
 
 def bare_seconds(tok: Tokenizer, docs: list[str], method: str = "encode_batch") -> tuple[int, float]:

@@ -59,7 +59,7 @@ def make_requests(texts: list[str], contexts: int, choices: int, seed: int) -> l
     rng = random.Random(seed)
     blob = "\n".join(texts)
     out = []
-    for c in range(contexts):
+    for _ in range(contexts):
         start, n = rng.randrange(len(blob) - 1000), rng.randrange(80, 700)
         ctx = blob[start:start + n]
         conts = [blob[start + n:start + n + rng.randrange(5, 60)]]

@@ -29,9 +29,9 @@ traceback and log, and the next section runs):
 The single-GPU recipe is ``recipes/s/smelt.yaml`` with its architecture and loop plan unchanged
 (11 unique layers, 16 visits, 94 experts): ``smelt-ds memory`` predicts it fits the H200's
 140 GiB on one GPU (at most about 103 GiB) at ZeRO-2 with micro-batch 8 (the recipe's h200
-layout), so no layers or experts are removed; what changes is one GPU and no gradient accumulation (one micro-batch per optimizer
-step). A training leg that runs out of CUDA memory is retried once with half the micro-batch,
-and the later sections use that size too; the output says so.
+layout), so no layers or experts are removed; what changes is one GPU and no gradient accumulation
+(one micro-batch per optimizer step). A training leg that runs out of CUDA memory is retried once
+with half the micro-batch, and the later sections use that size too; the output says so.
 
 Output (``--out DIR`` or ``$OUT``): ``gpu_check.json`` (machine, every section's numbers or error,
 a summary), rewritten atomically after every section so that a killed run keeps what finished;
@@ -63,8 +63,9 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
@@ -342,12 +343,14 @@ def _variant(cfg, plan: dict[str, Any], device_memory: int | None) -> dict[str, 
     pred = f"{row.total / gib:.1f} GiB of {mem / gib:.1f} GiB" if row else "no estimate"
     text = (f"{plan['recipe']} with its architecture and loop plan unchanged ({cfg.model.num_layers} unique layers, "
             f"{b.visits} visits, {cfg.moe.num_experts} experts of {cfg.moe.expert_ffn_size}, top-{cfg.moe.top_k}); "
-            f"{'1 GPU' if device_memory else '1 CPU process'}, ZeRO-{cfg.deepspeed.zero_stage}, micro-batch {cfg.train.micro_batch_size} x {cfg.train.seq_len} "
+            f"{'1 GPU' if device_memory else '1 CPU process'}, ZeRO-{cfg.deepspeed.zero_stage}, "
+            f"micro-batch {cfg.train.micro_batch_size} x {cfg.train.seq_len} "
             f"tokens, no gradient accumulation, {plan['precision']}; smelt-ds memory predicts {pred}, so no layers "
             f"or experts were removed")
     return {"recipe": plan["recipe"], "overrides": overrides(plan), "description": text,
             "unique_layers": cfg.model.num_layers, "visits": b.visits, "num_experts": cfg.moe.num_experts,
-            "non_embedding_params": b.non_embedding_params, "active_non_embedding_params": b.active_non_embedding_params,
+            "non_embedding_params": b.non_embedding_params,
+            "active_non_embedding_params": b.active_non_embedding_params,
             "embedding_params": b.embedding_params, "predicted_total_bytes": row.total if row else None,
             "device_memory_bytes": mem}
 
@@ -373,8 +376,8 @@ def _train(plan: dict[str, Any], compile_mode: str) -> dict[str, Any]:
     import torch
 
     from smelt_ds.cost.budget import compute_budget
-    from smelt_ds.parallel.distributed import init_distributed
     from smelt_ds.cost.precision import resolve_precision
+    from smelt_ds.parallel.distributed import init_distributed
     from smelt_ds.train.build import build
 
     if compile_mode != "none":  # the config key train.compile (none | layers | model) selects it
@@ -397,8 +400,8 @@ def _train(plan: dict[str, Any], compile_mode: str) -> dict[str, Any]:
     B, S, V = cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.vocab_size
     accum = engine.gradient_accumulation_steps()
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, V, (B, S), generator=g).to(device), torch.randint(0, V, (B, S), generator=g).to(device))
-               for _ in range(4)]
+    batches = [(torch.randint(0, V, (B, S), generator=g).to(device),
+                torch.randint(0, V, (B, S), generator=g).to(device)) for _ in range(4)]
     soft = _soft_deadline(plan)
     times: list[float] = []
     losses: list[float] = []
@@ -554,7 +557,7 @@ def machine_info(dry_run: bool) -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(), "python": platform.python_version(), "platform": platform.platform(),
         "cpu_count": os.cpu_count(), "torch": torch.__version__, "cuda_version": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
@@ -563,7 +566,8 @@ def machine_info(dry_run: bool) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        info.update({"device_name": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
+        info.update({"device_name": torch.cuda.get_device_name(0),
+                     "capability": list(torch.cuda.get_device_capability(0)),
                      "bf16_supported": bool(torch.cuda.is_bf16_supported()), "gpu_memory_bytes": int(p.total_memory),
                      "multiprocessors": p.multi_processor_count, "cudnn": torch.backends.cudnn.version(),
                      "device_count": torch.cuda.device_count()})
@@ -720,7 +724,7 @@ def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        state["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        state["finished_utc"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         save()
         for f in work.iterdir():
             f.unlink()
@@ -782,7 +786,8 @@ def fmt(x: Any) -> str:
 def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
     cells = [head] + [[fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in cells]
     return [lines[0], "-" * len(lines[0])] + lines[1:] + [""]  # a blank line ends a table
 
 

@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{transformers.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} cores "
           f"(load average {os.getloadavg()[0]:.1f}: other processes on these cores make multi-thread "
           "timings noisy; --threads 1 is steadier)")
-    print(f"median of {args.repeats} interleaved rounds (after {args.warmup} warm-up{', which compile' if args.compile else ''})"
+    print(f"median of {args.repeats} interleaved rounds "
+          f"(after {args.warmup} warm-up{', which compile' if args.compile else ''})"
           f"; times in ms; our expert_impl 'auto' runs {MoE(8, 2, 1, 8).experts.impl}; "
           f"'c:' = torch.compile(module, backend='inductor')\n")
     worst = {"eager": 0.0, "compiled": 0.0}

@@ -25,10 +25,10 @@ import time
 import torch
 
 from smelt_ds.config.loading import config_from_dict, config_to_dict, load_config
-from smelt_ds.parallel.engine import configure_activation_checkpointing
 from smelt_ds.cost.memory import POLICIES, activation_bytes
-from smelt_ds.study.memory_profile import SavedTensorCounter
 from smelt_ds.model import SmeltLM
+from smelt_ds.parallel.engine import configure_activation_checkpointing
+from smelt_ds.study.memory_profile import SavedTensorCounter
 from smelt_ds.train.objective import total_loss
 
 

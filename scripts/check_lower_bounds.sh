@@ -146,5 +146,5 @@ echo "   HF export and lm-eval's hf model, the harness, DeepSpeed activation che
 echo "== AutoEP cells of the export matrix (train 2 ranks, export, eval, init_from)"
 "$PY" -m pytest tests/runs/test_export_matrix.py -k autoep -q -p no:cacheprovider -o addopts="" -ra
 echo "== lint and types with the dev floors (configured in pyproject.toml)"
-"$PY" -m ruff check smelt_ds
+"$PY" -m ruff check .
 "$PY" -m mypy --cache-dir "$VENV/mypy-cache"

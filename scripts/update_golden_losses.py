@@ -311,7 +311,8 @@ def compare(golden: list[dict[str, Any]], fresh: list[dict[str, Any]], exact: bo
     problems = []
     if [r["step"] for r in fresh] != [r["step"] for r in golden]:
         problems.append(f"logged steps differ: golden {_span(golden)}, fresh run {_span(fresh)}")
-    for g, f in zip(golden, fresh):
+    # the common prefix: a differing number of steps is reported above
+    for g, f in zip(golden, fresh, strict=False):
         s = g["step"]
         tol = 0.0 if exact else rtol(s)
         for key in COMPARED:
@@ -335,7 +336,8 @@ def summary(golden: list[dict[str, Any]], fresh: list[dict[str, Any]]) -> str:
     """Max relative differences per key, the first step with any difference, and the final losses."""
     lines = []
     for key in RECORDED:
-        diffs = [(_rel(f[key], g[key]), g["step"]) for g, f in zip(golden, fresh)]
+        # the common prefix: compare() reports a differing number of steps
+        diffs = [(_rel(f[key], g[key]), g["step"]) for g, f in zip(golden, fresh, strict=False)]
         worst, at = max(diffs, default=(0.0, None))
         first = next((s for d, s in diffs if d > 0), None)
         lines.append(f"  {key:9s} max relative difference {worst:.3g}" + (f" (step {at})" if worst else "")
@@ -400,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         if old is not None:
             print(f"old vs new:\n{summary(old['steps'], run['steps'])}")
             problems = compare(old["steps"], run["steps"], exact=args.exact)
-            print(f"  {'within' if not problems else 'OUTSIDE'} the test's {'exact check' if args.exact else 'tolerance'}"
+            print(f"  {'within' if not problems else 'OUTSIDE'} the test's "
+                  f"{'exact check' if args.exact else 'tolerance'}"
                   + (f": {len(problems)} problems, first: {problems[0]}" if problems else ""))
             for note in explain(n, old, run["data"]):
                 print(f"  note: {note}")

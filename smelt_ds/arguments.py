@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["CommaList", "Once", "looks_like_override", "override_hint", "bare_overrides"]
 

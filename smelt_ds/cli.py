@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 from smelt_ds import __version__
 from smelt_ds.arguments import bare_overrides, override_hint

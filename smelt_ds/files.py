@@ -12,9 +12,10 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 __all__ = ["write_atomic", "write_text_atomic", "write_json_atomic", "json_safe", "staged_directory",
            "write_or_check_generated"]

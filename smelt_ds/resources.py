@@ -30,7 +30,8 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
-__all__ = ["DATA_FOLDERS", "CHECKOUT", "PACKAGE_DATA", "DATA_ROOT", "DS_CONFIG_DIR", "LAUNCHERS_DIR", "RECIPES_DIR", "DOCS_TABLE"]
+__all__ = ["DATA_FOLDERS", "CHECKOUT", "PACKAGE_DATA", "DATA_ROOT", "DS_CONFIG_DIR", "LAUNCHERS_DIR", "RECIPES_DIR",
+           "DOCS_TABLE"]
 
 #: the folders that the wheel carries under ``smelt_ds/_data/``
 DATA_FOLDERS = ("ds_configs", "launchers", "recipes")

@@ -52,10 +52,11 @@ def lm_chain_length(cfg, tokens: int, backward: bool = True, seq: int | None = N
     (the ``n`` of :func:`chain_tol`): per visit, attention forward (RMSNorm, Q/K/V, QK^T over the
     head dim, softmax and PV over ``cfg.train.seq_len``, output projection) and MoE forward
     (RMSNorm, router, softmax over experts, gate/up, down over the largest of the expert, shared
-    expert and dense FFN sizes, top-k combine; a QK-norm adds its head dim twice); the head (final RMSNorm, logits, log-softmax over the vocabulary). With
-    ``backward``, also every transposed reduction on the way back (output projection, dP, softmax,
-    dQ, the Q/K/V rows, RMSNorm; combine, down, gate/up, router) and a weight gradient's sum over
-    ``tokens`` (tokens per micro-batch x visits of a layer x micro-batches or ranks summed).
+    expert and dense FFN sizes, top-k combine; a QK-norm adds its head dim twice); the head (final
+    RMSNorm, logits, log-softmax over the vocabulary). With ``backward``, also every transposed
+    reduction on the way back (output projection, dP, softmax, dQ, the Q/K/V rows, RMSNorm; combine,
+    down, gate/up, router) and a weight gradient's sum over ``tokens`` (tokens per micro-batch x
+    visits of a layer x micro-batches or ranks summed).
     ``seq``: the sequence length attended over, if not ``cfg.train.seq_len``."""
     m, moe = cfg.model, cfg.moe
     h, dh, kv, s, v = m.hidden_size, m.resolved_head_dim, m.num_kv_heads, seq or cfg.train.seq_len, m.vocab_size
@@ -88,7 +89,8 @@ def greedy_tie_point(ours: torch.Tensor, theirs: torch.Tensor, logits_of, n: int
     logits = logits_of(ours[:t])
     slack = chain_tol(n, u) * float(logits.abs().max())
     gap = abs(float(logits[ours[t]] - logits[theirs[t]]))
-    assert gap <= slack, f"position {t}: tokens {int(ours[t])} and {int(theirs[t])}, logits {gap:.3g} apart > {slack:.3g}"
+    assert gap <= slack, (f"position {t}: tokens {int(ours[t])} and {int(theirs[t])}, "
+                          f"logits {gap:.3g} apart > {slack:.3g}")
     return t
 
 

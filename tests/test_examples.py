@@ -43,6 +43,7 @@ import contextlib
 import fnmatch
 import importlib.util
 import io
+import itertools
 import re
 import shlex
 from dataclasses import dataclass
@@ -108,11 +109,12 @@ EXPENSIVE = {
     "smelt-ds memory recipes/tiny/smelt.yaml --measure --seq-len 32 --micro-batch 2":
         "tests/cost/test_memory.py::test_cli_table_json_and_errors",
     # docs/evaluation.md: evaluation, harness, HumanEval, test-time loop count
-    "smelt-ds train recipes/tiny/baseline.yaml --set train.max_steps=300 --run-dir /tmp/runs/baseline": _RUN_EXPORT_INIT,
+    "smelt-ds train recipes/tiny/baseline.yaml --set train.max_steps=300 --run-dir /tmp/runs/baseline":
+        _RUN_EXPORT_INIT,
     "smelt-ds train recipes/tiny/smelt.yaml --set train.max_steps=300 --run-dir /tmp/runs/smelt": _RUN_EXPORT_INIT,
     "smelt-ds eval /tmp/runs/baseline /tmp/runs/smelt -o evals/tiny": f"{_EVAL}::test_eval_table_files_and_ranges",
-    "smelt-ds plot /tmp/runs/baseline /tmp/runs/smelt --labels Baseline,SMELT -o docs/figures/tiny_smelt_vs_baseline.png":
-        "tests/eval/test_curves.py::test_plots_a_real_run",
+    "smelt-ds plot /tmp/runs/baseline /tmp/runs/smelt --labels Baseline,SMELT "
+    "-o docs/figures/tiny_smelt_vs_baseline.png": "tests/eval/test_curves.py::test_plots_a_real_run",
     "smelt-ds analyze /tmp/runs/baseline /tmp/runs/smelt -o evals/tiny": f"{_EVAL}::test_analyze_files_and_ranges",
     "smelt-ds generate /tmp/runs/smelt --prompt def main( --max-new-tokens 48":
         f"{_EVAL}::test_generate_greedy_matches_full_recompute",
@@ -120,7 +122,8 @@ EXPENSIVE = {
     "smelt-ds eval runs/tiny-baseline runs/tiny-smelt --harness smelt_offline --include-path tasks/ "
     "--num-fewshot 0,1,2,4,8,16 -o evals/harness": f"{_HARNESS}::test_eval_harness_two_runs_two_k",
     "smelt-ds lm-eval run --model smelt-ds --model_args pretrained=runs/tiny-smelt --tasks smelt_offline "
-    "--include_path tasks/ --num_fewshot 0 --output_path evals/lm-eval": f"{_HARNESS}::test_lm_eval_command_line_in_a_subprocess",
+    "--include_path tasks/ --num_fewshot 0 --output_path evals/lm-eval":
+        f"{_HARNESS}::test_lm_eval_command_line_in_a_subprocess",
     "smelt-ds eval runs/tiny-baseline runs/tiny-smelt --humaneval --allow-code-execution -o evals/humaneval":
         "tests/eval/test_humaneval.py::test_two_run_journey",
     "smelt-ds eval runs/tiny-baseline runs/tiny-smelt --humaneval --humaneval-loss-only -o evals/humaneval":
@@ -161,7 +164,8 @@ EXPENSIVE = {
     "smelt-ds lm-eval run --model smelt-ds --model_args pretrained=RUN --batch_size 8 --tasks smelt_offline "
     "--include_path TASKS_DIR --output_path OUT": f"{_HARNESS}::test_lm_eval_command_line_in_a_subprocess",
     "smelt-ds eval RUN --harness smelt_offline --include-path OUT": f"{_HARNESS}::test_eval_harness_two_runs_two_k",
-    "smelt-ds plot runs/tiny-baseline runs/tiny-smelt -o plots/tiny.png": "tests/eval/test_curves.py::test_plots_a_real_run",
+    "smelt-ds plot runs/tiny-baseline runs/tiny-smelt -o plots/tiny.png":
+        "tests/eval/test_curves.py::test_plots_a_real_run",
     "smelt-ds import-hf ./Qwen3-30B-A3B -o recipes/qwen3-30b-a3b.yaml":
         "tests/interop/test_import_hf.py::test_round_trip_through_a_transformers_architecture",
 }
@@ -334,7 +338,7 @@ def parser_tree() -> dict[tuple[str, ...], argparse.ArgumentParser]:
             if isinstance(a, argparse._SubParsersAction):
                 for name, sp in a.choices.items():
                     walk(path + (name,), sp)
-        for name, value in vars(p).items():
+        for value in vars(p).values():
             if isinstance(value, argparse.ArgumentParser) and value.prog.startswith(p.prog + " "):
                 walk(path + (value.prog[len(p.prog) + 1:],), value)
 
@@ -590,7 +594,7 @@ def run_cheap(cmd: Command, argv: list[str], tmp: Path, monkeypatch) -> str:
                      f"in a temporary directory):\n{err.getvalue()[-2000:]}")
     # an output the checkout ships under the same path (docs/budgets.md: "recipes/tiny/smelt.yaml is
     # written by" smelt-ds match) is reproduced, apart from its `#` header lines (they name the command)
-    for prev, tok in zip(argv, argv[1:]):
+    for prev, tok in itertools.pairwise(argv):
         shipped = ROOT / tok
         if prev in OUTPUT_OPTIONS and tok != "-" and shipped.is_file():
             body = [line for line in (tmp / tok).read_text().splitlines() if not line.startswith("#")]

@@ -36,7 +36,7 @@ class ClusterConfig(StrictModel):
     layouts: dict[str, ClusterLayout] = Field(default_factory=dict, description="layouts by name")
 
     @model_validator(mode="after")
-    def _check_default(self) -> "ClusterConfig":
+    def _check_default(self) -> ClusterConfig:
         if self.default is not None and self.default not in self.layouts:
             raise ConfigError(f"`cluster.default` ({self.default!r}) names no layout of `cluster.layouts` "
                               f"({sorted(self.layouts)}): use one of them or remove it")

@@ -159,7 +159,7 @@ class DataConfig(StrictModel):
         7200.0, gt=0, description="how long other ranks wait for the preparing rank (seconds)")
 
     @model_validator(mode="after")
-    def _check(self) -> "DataConfig":
+    def _check(self) -> DataConfig:
         if not self.sources:
             raise ConfigError("`data.sources` ([]) is empty: list at least one source, "
                               "e.g. `- builtin: code` or `- path: corpus.txt`")
@@ -185,7 +185,8 @@ def _check_source(src: SourceConfig, where: str) -> None:
     foreign = TEXT_FIELDS if kind in TOKEN_KINDS else TOKEN_FIELDS
     misplaced = [k for k in foreign if getattr(src, k) != SourceConfig.model_fields[k].default]
     if misplaced:
-        what = "token sources read ids, not text" if kind in TOKEN_KINDS else "only token sources (megatron, tokens) take it"
+        what = ("token sources read ids, not text" if kind in TOKEN_KINDS
+                else "only token sources (megatron, tokens) take it")
         raise ConfigError(f"`{where}.{misplaced[0]}` ({getattr(src, misplaced[0])!r}) does not apply to a {kind} "
                           f"source ({what}): remove it")
     if kind == "tokens" and src.eot_id is None:

@@ -39,7 +39,7 @@ class EvalConfig(StrictModel):
     harness_batch_size: int = Field(8, gt=0, description="requests (sequences) per forward pass of the harness")
 
     @model_validator(mode="after")
-    def _check_harness(self) -> "EvalConfig":
+    def _check_harness(self) -> EvalConfig:
         _check_harness_fields(self)
         return self
 

@@ -34,7 +34,8 @@ class MoEConfig(StrictModel):
                                "the top-k of the scores are chosen")
     norm_topk_prob: bool = Field(True, description="renormalise the top-k weights to sum to 1")
     router_jitter: float = Field(0.0, ge=0, description="multiplicative uniform noise on router input in training")
-    aux_loss_free_bias: bool = Field(False, description="DeepSeek-V3 expert bias for selection, updated outside autograd")
+    aux_loss_free_bias: bool = Field(
+        False, description="DeepSeek-V3 expert bias for selection, updated outside autograd")
     bias_update_rate: float = Field(1e-3, ge=0, description="step size of the aux-loss-free bias update")
     expert_impl: Literal["auto", "grouped_mm", "loop"] = Field(
         "auto", description="reference backend: torch._grouped_mm where available, else a per-expert loop")

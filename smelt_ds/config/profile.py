@@ -40,7 +40,7 @@ class ProfileConfig(StrictModel):
     memory_snapshot_max_entries: int = Field(100_000, gt=0, description="allocator events the snapshot keeps (events)")
 
     @model_validator(mode="after")
-    def _check(self) -> "ProfileConfig":
+    def _check(self) -> ProfileConfig:
         if self.warmup_steps >= self.start_step:
             fail("profile.warmup_steps", self.warmup_steps, f"must be < `profile.start_step` ({self.start_step}): "
                  "the warm-up steps come before the first recorded step",

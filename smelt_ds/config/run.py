@@ -62,7 +62,7 @@ class RunConfig(StrictModel):
         return raw
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "RunConfig":
+    def _cross_checks(self) -> RunConfig:
         check_run_config(self)
         return self
 

@@ -15,8 +15,9 @@ middle, repeats 2::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from smelt_ds.errors import ConfigError
 
@@ -116,7 +117,7 @@ class LoopSchedule:
         self.plan: list[Visit] = self._build_plan()
 
     @classmethod
-    def from_config(cls, loop_cfg, num_layers: int) -> "LoopSchedule":
+    def from_config(cls, loop_cfg, num_layers: int) -> LoopSchedule:
         """Build from a :class:`smelt_ds.config.loop.LoopConfig`. Raises ConfigError."""
         if loop_cfg.position == "custom" or (loop_cfg.ranges is not None and loop_cfg.position == "asymmetric"):
             if not loop_cfg.ranges:

@@ -58,7 +58,7 @@ class TrackingConfig(StrictModel):
     mlflow: MlflowSection = Field(default_factory=MlflowSection)
 
     @model_validator(mode="after")
-    def _check(self) -> "TrackingConfig":
+    def _check(self) -> TrackingConfig:
         twice = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
         if twice:
             fail("tracking.trackers", self.trackers, f"names {twice} more than once", "list each tracker once")

@@ -23,7 +23,8 @@ class ActivationCheckpointing(StrictModel):
     every_n: int = Field(2, gt=0, description="every_n policy: checkpoint every n-th visit of the plan")
     impl: Literal["torch", "deepspeed"] = Field(
         "torch", description="torch: non-reentrant torch.utils.checkpoint; deepspeed: deepspeed.checkpointing")
-    partition_activations: bool = Field(False, description="deepspeed impl: shard checkpoints across model-parallel ranks")
+    partition_activations: bool = Field(
+        False, description="deepspeed impl: shard checkpoints across model-parallel ranks")
     cpu_checkpointing: bool = Field(False, description="deepspeed impl: keep checkpoints in CPU memory")
     contiguous_memory_optimization: bool = Field(False, description="deepspeed impl: contiguous checkpoint buffers")
 
@@ -66,7 +67,8 @@ class TrainConfig(StrictModel):
         "every_save", description="which checkpoints carry the fp32 reference-layout weights `smelt-ds export` reads "
                                   "(4 bytes per parameter per checkpoint): every_save; newest (written at every save, "
                                   "removed from a checkpoint once a newer one is complete); minimal (as newest, except "
-                                  "on the reference backend at ZeRO 1-3, whose DeepSpeed files export every checkpoint: "
+                                  "on the reference backend at ZeRO 1-3, whose DeepSpeed files export every "
+                                  "checkpoint: "
                                   "only the run's last save). The newest and the final checkpoint always export; "
                                   "docs/checkpoint_cost.md")
     exit_after_steps: int | None = Field(
@@ -82,8 +84,8 @@ class TrainConfig(StrictModel):
     activation_checkpointing: ActivationCheckpointing = Field(default_factory=ActivationCheckpointing)
     compile: Literal["none", "layers", "model"] = Field(
         "none", description="torch.compile: none (eager); layers (regional: each unique layer compiled once, every "
-                            "visit reuses it, and the output head; all backends and ZeRO stages); model (the whole forward through "
-                            "DeepSpeed's engine.compile; reference backend, ZeRO 0-2)")
+                            "visit reuses it, and the output head; all backends and ZeRO stages); model (the "
+                            "whole forward through DeepSpeed's engine.compile; reference backend, ZeRO 0-2)")
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         "inductor", description="torch.compile backend for train.compile: inductor generates kernels; aot_eager and "
                                 "eager only trace (debugging a graph break or a numerical difference)")

@@ -71,7 +71,7 @@ def budget_table(budgets: list[Budget]) -> str:
                      str(b.kv_cache_bytes_per_token),
                      f"{d['flops']:+.2%}", f"{d['params']:+.2%}", f"{d['kv_cache']:+.2%}"])
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"  # noqa: E731
     out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
     out.append(f"non-emb = non-embedding parameters: all experts counted, token embedding and output head "
                f"excluded; FLOPs at seq_len {ref.seq_len}, {ref.attention_convention} attention convention; "

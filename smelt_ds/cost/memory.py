@@ -9,8 +9,9 @@ otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from smelt_ds.config.loading import config_from_dict, config_to_dict
 from smelt_ds.config.run import RunConfig
@@ -485,7 +486,7 @@ def format_table(report: MemoryReport, min_headroom: float | None = None) -> str
                      num(x.model_states), num(x.activations), num(x.activations_peak), num(x.temporary),
                      num(x.total), num(x.cpu_per_node), _row_verdict(x, min_headroom), format_headroom(x.headroom)])
     widths = [max(len(row[i]) for row in [head] + rows) for i in range(len(head))]
-    line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"  # noqa: E731
     out = [f"{r.recipe}: {r.nodes} node(s) x {r.gpus_per_node} GPU(s) of {format_bytes(r.device_memory)}, "
            f"{r.precision}, micro-batch {r.micro_batch} x seq_len {r.seq_len} tokens, moe_runtime.ep_size {r.ep_size}; "
            f"{r.params.total:,} parameters ({r.params.expert:,} in experts; embedding and head included)",

@@ -273,12 +273,13 @@ def model_states(counts: ParamCounts, nodes: int, gpus_per_node: int, stage: int
     """
     part = _bf16_part if precision == "bf16" else _fp32_part
     splits = [(counts.total, gpus_per_node, 1)] if ep_size == 1 else \
-        [(counts.dense, gpus_per_node, 1), (counts.expert / ep_size, gpus_per_node / ep_size, min(ep_size, gpus_per_node))]
+        [(counts.dense, gpus_per_node, 1),
+         (counts.expert / ep_size, gpus_per_node / ep_size, min(ep_size, gpus_per_node))]
     sums = [0.0] * 6
     for i, (P, g, shards_per_node) in enumerate(splits):
         vals = list(part(P, g, nodes, stage, offload_optimizer, offload_param, counts.largest_module if i == 0 else 0))
         vals[4] *= shards_per_node  # host bytes per node
-        sums = [x + y for x, y in zip(sums, vals)]
+        sums = [x + y for x, y in zip(sums, vals, strict=True)]
     params, grads, optim, gathered, cpu, gpu = (int(v) for v in sums)
     return ModelStates(params, grads, optim, gathered, gpu, cpu)
 
@@ -380,9 +381,9 @@ class ActivationEstimate:
     """Activation bytes per micro-batch under one checkpointing policy.
 
     ``stored``: saved for backward at the end of the forward pass (what
-    :class:`smelt_ds.study.memory_profile.SavedTensorCounter` measures); ``peak``: ``stored`` plus the largest checkpointed
-    visit recomputed in backward; ``per_visit``: bytes a non-checkpointed visit saves, by visit
-    of the plan; ``checkpointed``: how many visits are checkpointed.
+    :class:`smelt_ds.study.memory_profile.SavedTensorCounter` measures); ``peak``: ``stored`` plus
+    the largest checkpointed visit recomputed in backward; ``per_visit``: bytes a non-checkpointed
+    visit saves, by visit of the plan; ``checkpointed``: how many visits are checkpointed.
     """
 
     policy: str
@@ -414,12 +415,12 @@ def activation_bytes(cfg: RunConfig, policy: str, micro_batch: int, seq_len: int
     full = [sum(visit_activation_terms(cfg, v.layer, micro_batch, seq_len, act_bytes, device).values())
             for v in schedule.plan]
     kept = act_bytes * micro_batch * seq_len * cfg.model.hidden_size
-    stored = sum(kept if v in ckpt else f for v, f in zip(schedule.plan, full))
+    stored = sum(kept if v in ckpt else f for v, f in zip(schedule.plan, full, strict=True))
     outside = outside_activation_terms(cfg, micro_batch, seq_len, act_bytes)
     if len(ckpt) == len(schedule.plan):
         outside["rope"] = 0  # only checkpoints use the tables; they hold them outside autograd
     stored += sum(outside.values())
-    recompute = max((f for v, f in zip(schedule.plan, full) if v in ckpt), default=0)
+    recompute = max((f for v, f in zip(schedule.plan, full, strict=True) if v in ckpt), default=0)
     return ActivationEstimate(policy, stored, stored + recompute, full, len(ckpt))
 
 

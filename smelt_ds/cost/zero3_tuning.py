@@ -39,6 +39,7 @@ saving is measured against a template with the three values at 0 (``tests/cost/t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -143,7 +144,7 @@ def _reuse_distance(schedule: LoopSchedule, t: list[tuple[str, Visit]], numel: l
         if not schedule.is_looped(layer):
             continue
         uses = [i for i, (_, v) in enumerate(t) if v.layer == layer]
-        for i, j in zip(uses, uses[1:]):
+        for i, j in itertools.pairwise(uses):
             if (t[i][0] == "fwd") != (t[j][0] == "fwd"):
                 continue  # forward -> backward: not a loop reuse
             need = max(need, sum(numel[v.layer] for _, v in t[i + 1:j]) + numel[layer])

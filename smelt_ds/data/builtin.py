@@ -24,9 +24,9 @@ import hashlib
 import json
 import sys
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from smelt_ds.data.cache import build_dir_atomically, cache_root, sha256_file, sha256_json, write_json
 

@@ -21,13 +21,14 @@ import shutil
 import socket
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from smelt_ds.errors import ConfigError
 
-__all__ = ["COMPLETE_MARKER", "cache_root", "sha256_bytes", "sha256_file", "sha256_sample", "sha256_json", "is_complete",
-           "build_dir_atomically", "host_tag", "remove_stale_temporaries", "write_json"]
+__all__ = ["COMPLETE_MARKER", "cache_root", "sha256_bytes", "sha256_file", "sha256_sample", "sha256_json",
+           "is_complete", "build_dir_atomically", "host_tag", "remove_stale_temporaries", "write_json"]
 
 COMPLETE_MARKER = "_COMPLETE"
 _CHUNK_BYTES = 1 << 24

@@ -48,8 +48,8 @@ def parse_source_spec(spec: str) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ConfigError(f"--source {spec!r}: {item!r} is not KEY=VALUE: write e.g. "
                               "--source path=corpus.jsonl,domain=web,weight=2")
-        out[key.strip()] = value if key.strip() in ("path", "dataset", "domain", "text_field", "glob", "megatron", "tokens") \
-            else yaml.safe_load(value)
+        as_text = ("path", "dataset", "domain", "text_field", "glob", "megatron", "tokens")
+        out[key.strip()] = value if key.strip() in as_text else yaml.safe_load(value)
     return out
 
 

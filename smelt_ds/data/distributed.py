@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from smelt_ds.data.cache import build_dir_atomically, is_complete
 from smelt_ds.errors import ConfigError

@@ -20,7 +20,7 @@ one would have yielded.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -49,7 +49,8 @@ def check_compatible(prepared: PreparedData, model_vocab_size: int, tokenizer_ha
     """
     for f in prepared.meta.get("token_files", []):  # token sources: name the user's file
         if f["max_token_id"] >= model_vocab_size:
-            raise ConfigError(f"{f['name']!r} (data.sources[{f['source']}]) holds token id {f['max_token_id']}, not below "
+            raise ConfigError(f"{f['name']!r} (data.sources[{f['source']}]) holds token id {f['max_token_id']}, "
+                              "not below "
                               f"`model.vocab_size` ({model_vocab_size}): the model has no row for it; set "
                               f"model.vocab_size to at least {f['max_token_id'] + 1} (a multiple of 128 is usual), or "
                               "drop the file from the source")
@@ -93,7 +94,7 @@ class _Windows:
         counts = np.array([windows_in(s["tokens"], seq_len) for s in shards], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(counts)])  # (num_shards + 1,)
         self.remainder_tokens = int(sum(s["tokens"] - (c * seq_len + 1) if c else s["tokens"]
-                                        for s, c in zip(shards, counts)))
+                                        for s, c in zip(shards, counts, strict=True)))
         self._memmaps: dict[int, np.memmap | PackedTokens] = {}
 
     def __len__(self) -> int:
@@ -108,7 +109,7 @@ class _Windows:
         """Windows ``ids`` (B,) -> tokens (B, S + 1) int64."""
         shard_idx = np.searchsorted(self.offsets, ids, side="right") - 1
         out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
-        for row, (g, k) in enumerate(zip(ids, shard_idx)):
+        for row, (g, k) in enumerate(zip(ids, shard_idx, strict=True)):
             start = int(g - self.offsets[k]) * self.seq_len
             out[row] = self._tokens(int(k))[start:start + self.seq_len + 1]
         return out
@@ -311,7 +312,8 @@ class ValidationLoader:
             yield _batch(self.windows.gather(ids), ids)
 
 
-def validation_loaders(prepared: PreparedData, seq_len: int, micro_batch_size: int, **kwargs) -> dict[str, ValidationLoader]:
+def validation_loaders(prepared: PreparedData, seq_len: int, micro_batch_size: int,
+                       **kwargs) -> dict[str, ValidationLoader]:
     """A :class:`ValidationLoader` per domain that has validation shards, keyed by domain."""
     return {d: ValidationLoader(prepared, d, seq_len, micro_batch_size, **kwargs)
             for d in prepared.domains if prepared.shards("validation", domain=d)}

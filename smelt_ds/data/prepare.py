@@ -43,9 +43,10 @@ import sys
 import time
 import uuid
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import datasets
 import numpy as np
@@ -150,11 +151,11 @@ def _encode_batch(batch: dict[str, list], indices: list[int], tokenizer: Tokeniz
     group_bytes = 0
 
     def flush() -> None:
-        for (i, _), e in zip(group, encode([piece for _, piece in group])):
+        for (i, _), e in zip(group, encode([piece for _, piece in group]), strict=True):
             parts[i].append(e.ids)
         group.clear()
 
-    for i, (text, size) in enumerate(zip(texts, sizes)):
+    for i, (text, size) in enumerate(zip(texts, sizes, strict=True)):
         if size > max_bytes and cut_problem is not None:
             raise ConfigError(f"{where} document {indices[i] + 1} (in source order): {size:,} UTF-8 bytes, more than "
                               f"data.tokenize_chunk_bytes ({max_bytes}), and this tokenizer cannot be cut exactly: "
@@ -429,7 +430,7 @@ class PreparedData:
     _streams: dict[str, PackedStream] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def load(cls, root: str | Path, verify: str = "checksum") -> "PreparedData":
+    def load(cls, root: str | Path, verify: str = "checksum") -> PreparedData:
         """Open a prepared directory and check it.
 
         ``verify``: ``"checksum"`` (sizes and sha256 of every shard) or ``"size"``.
@@ -651,7 +652,7 @@ def _prepare_into(tmp: Path, cfg: DataConfig, root: Path, key: str) -> None:
                     cfg.tokenize_chunk_bytes) for sd in sources]
     dtype = _shard_dtype(tok, ids)
     shards, source_meta = [], []
-    for sd, sd_ids in zip(sources, ids):
+    for sd, sd_ids in zip(sources, ids, strict=True):
         val = _validation_mask(sd, len(sd_ids), cfg)
         new = _write_source(tmp, sd, sd_ids, val, dtype, cfg, eot_id)
         shards += new
@@ -679,9 +680,10 @@ def _prepare_into(tmp: Path, cfg: DataConfig, root: Path, key: str) -> None:
 def _check_eot_id(src: SourceConfig, where: str, tok: Tokenizer, eot_id: int, cfg: DataConfig) -> None:
     if src.eot_id is not None and src.eot_id != eot_id:
         token = tok.id_to_token(src.eot_id)
-        raise ConfigError(f"`{where}.eot_id` ({src.eot_id}, token {token!r}) is not the id of `data.tokenizer.eot_token` "
-                          f"({cfg.tokenizer.eot_token!r} = {eot_id}): one end-of-text id separates the documents of all "
-                          f"sources: set data.tokenizer.eot_token to {token!r}, or fix {where}.eot_id")
+        raise ConfigError(f"`{where}.eot_id` ({src.eot_id}, token {token!r}) is not the id of "
+                          f"`data.tokenizer.eot_token` ({cfg.tokenizer.eot_token!r} = {eot_id}): one end-of-text id "
+                          f"separates the documents of all sources: set data.tokenizer.eot_token to {token!r}, or fix "
+                          f"{where}.eot_id")
 
 
 def _prepare_token_sources(tmp: Path, cfg: DataConfig, tok: Tokenizer, eot_id: int, work: Path) -> dict[str, Any]:
@@ -733,7 +735,8 @@ def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None, *,
     if is_complete(out):
         _say(f"reusing the prepared token shards in {out}")
     else:
-        what = ("scanning token files, train/validation document indexes" if all(s.is_token_source() for s in cfg.sources)
+        what = ("scanning token files, train/validation document indexes"
+                if all(s.is_token_source() for s in cfg.sources)
                 else "sources, tokenizer, tokenisation, train/validation shards")
         _say(f"preparing the data now ({what}); cached afterwards in {out}, reused by every run with the same data "
              "settings")

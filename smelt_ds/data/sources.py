@@ -25,9 +25,10 @@ import json
 import os
 import re
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, cast
+from typing import Any, cast
 
 import datasets
 import pyarrow.compute as pc
@@ -179,7 +180,8 @@ def _text_rows(path: Path, src: SourceConfig, cfg: DataConfig, where: str) -> It
     text, replaced = _decode(raw, cfg.non_utf8, f"file {str(path)!r}")
     del raw
     for i, doc in enumerate(_split_text(text, src.sample_by)):
-        _check_cuttable(doc, cfg.tokenize_chunk_bytes, lambda i=i: f"{where} file {str(path)!r} {src.sample_by} {i + 1}")
+        _check_cuttable(doc, cfg.tokenize_chunk_bytes,
+                        lambda i=i: f"{where} file {str(path)!r} {src.sample_by} {i + 1}")
         # the replaced count goes on the first row of the file so the total is exact
         yield _row(doc, str(path), "" if doc.strip() else "empty_document", replaced if i == 0 else 0)
 
@@ -327,7 +329,7 @@ def _load_hub_dataset(src: SourceConfig, where: str, offline: bool) -> datasets.
 
 def _hub_rows(batch: dict, indices: list[int], text_field: str, name: str, where: str, max_bytes: int) -> dict:
     texts = batch[text_field]
-    for i, t in zip(indices, texts):
+    for i, t in zip(indices, texts, strict=True):
         if isinstance(t, str):
             _check_cuttable(t, max_bytes, lambda i=i: f"{where} dataset {name!r} row {i} (0-based)")
     skip = ["" if isinstance(t, str) and t.strip() else "empty_document" for t in texts]

@@ -30,17 +30,17 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
 from smelt_ds.errors import ConfigError
 
 __all__ = ["MEGATRON_MAGIC", "MEGATRON_DTYPES", "NPY_MAGIC", "TokenFile", "ScanStats", "open_megatron",
-           "open_flat", "megatron_prefix", "megatron_pair", "documents", "content_keys", "select_smallest", "CHUNK_TOKENS",
-           "KEY_HEAD_TOKENS", "KEY_TAIL_TOKENS"]
+           "open_flat", "megatron_prefix", "megatron_pair", "documents", "content_keys", "select_smallest",
+           "CHUNK_TOKENS", "KEY_HEAD_TOKENS", "KEY_TAIL_TOKENS"]
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 #: Megatron-LM's ``DType`` codes (megatron/core/datasets/indexed_dataset.py)
@@ -207,10 +207,11 @@ def open_megatron(path: str | Path) -> TokenFile:
     bounds = _doc_bounds(idx, doc_index, lengths, pointers, dtype.itemsize, total)
     size, want = bin_.stat().st_size, total * dtype.itemsize
     if size != want:
-        other = [n for n in sorted(set(MEGATRON_DTYPES.values()) - {dtype.name}) if np.issubdtype(np.dtype(n), np.integer)
-                 and total * np.dtype(n).itemsize == size]
+        other = [n for n in sorted(set(MEGATRON_DTYPES.values()) - {dtype.name})
+                 if np.issubdtype(np.dtype(n), np.integer) and total * np.dtype(n).itemsize == size]
         problem = ("the .bin is empty (0 bytes)" if size == 0 else
-                   f"the .bin has {size:,} bytes, the index describes {total:,} tokens of {dtype.name} = {want:,} bytes")
+                   f"the .bin has {size:,} bytes, the index describes {total:,} tokens of {dtype.name} "
+                   f"= {want:,} bytes")
         hint = (f" (the size fits {', '.join(other)}: the index and the .bin were written with different dtypes)"
                 if other else " (truncated)" if size < want else "")
         raise _fail(bin_, problem + hint, "use the .idx written together with this .bin, or write both again")

@@ -55,8 +55,8 @@ from smelt_ds.data.token_files import (
 from smelt_ds.errors import ConfigError
 
 __all__ = ["TOKEN_SPLIT_SCHEME", "resolve_token_paths", "token_source_files", "open_token_path", "scan_source",
-           "SourceScan", "write_source", "PackedStream", "PackedTokens", "TokenFileChanged", "verify_token_files", "open_any",
-           "inspect_file", "check_ids", "check_eot"]
+           "SourceScan", "write_source", "PackedStream", "PackedTokens", "TokenFileChanged", "verify_token_files",
+           "open_any", "inspect_file", "check_ids", "check_eot"]
 
 TOKEN_SPLIT_SCHEME = "token-key-v1"  # in the preparation key of recipes with token sources
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -307,7 +307,8 @@ def write_source(root: Path, scan: SourceScan, n_val: int, domain: str, first_fi
         record = {"split": split, "source": scan.index, "files": file_ids, **w.close()}
         streams[w.name] = record
         shards += _virtual_shards(root, w.name, record, split, domain, scan.index, max_id, max_tokens)
-    files = [_file_record(scan.index, tf, st, c) for tf, st, c in zip(scan.files, scan.stats, scan.file_documents)]
+    files = [_file_record(scan.index, tf, st, c)
+             for tf, st, c in zip(scan.files, scan.stats, scan.file_documents, strict=True)]
     src = scan.src
     source = {"index": scan.index, "label": src.label(), "domain": domain, "weight": src.weight, "kind": src.kind(),
               "files": len(scan.files), "documents": n,
@@ -443,7 +444,7 @@ def verify_token_files(root: Path, meta: dict, level: str) -> None:
         _verify_file(root, rec, rec["name"], level)
         if rec["index"] is not None:
             _verify_file(root, rec["index"], rec["name"], level)
-    for name, stream in meta.get("streams", {}).items():
+    for stream in meta.get("streams", {}).values():
         for arr in stream["arrays"].values():
             path = root / arr["file"]
             ok = path.is_file() and path.stat().st_size == arr["bytes"]

@@ -29,8 +29,8 @@ import json
 import re
 import shutil
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

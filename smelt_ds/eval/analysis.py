@@ -89,8 +89,8 @@ class AttentionStats:
                            for name in ("first_mass", "self_mass", "content_mass", "top_mass", "entropy")}
             share = acc["received"] / n  # (Nq, S)
             top = share.topk(min(self.top_m, share.shape[-1]), dim=-1)
-            rec["top_positions"] = [[[int(j), float(s)] for j, s in zip(idx.tolist(), val.tolist())]
-                                    for idx, val in zip(top.indices, top.values)]
+            rec["top_positions"] = [[[int(j), float(s)] for j, s in zip(idx.tolist(), val.tolist(), strict=True)]
+                                    for idx, val in zip(top.indices, top.values, strict=True)]
             out[_key(v)] = rec
         return out
 
@@ -153,9 +153,10 @@ class RoutingStats:
             share = c / c.sum()
             visits[_key(v)] = {"layer": v.layer, "visit": v.visit, "plan_index": i, "tokens": self.tokens[v],
                                "load": share.tolist(), "load_max_over_mean": float(c.max() / c.mean())}
-        div = [{"layer": l, "visits": [a, b], "divergence": self.changed[(l, a, b)] / self.pair_tokens[(l, a, b)],
-                "overlap": self.kept[(l, a, b)] / self.pair_tokens[(l, a, b)], "tokens": self.pair_tokens[(l, a, b)]}
-               for (l, a, b) in sorted(self.pair_tokens)]
+        div = [{"layer": pair[0], "visits": [pair[1], pair[2]],
+                "divergence": self.changed[pair] / self.pair_tokens[pair],
+                "overlap": self.kept[pair] / self.pair_tokens[pair], "tokens": self.pair_tokens[pair]}
+               for pair in sorted(self.pair_tokens)]
         return {"visits": visits, "divergence": div}
 
 

@@ -37,10 +37,10 @@ from smelt_ds.eval.loss import parse_buckets
 from smelt_ds.eval.offline_tasks import MANIFEST_FILE, MARKER_FILE, add_build_tasks_arguments, run_build_tasks
 from smelt_ds.eval.plots import plot_analysis, plot_eval, safe_name
 from smelt_ds.eval.report import analysis_table, eval_table, to_markdown, write_report
-from smelt_ds.runs.load import LoadedRun, load_run, load_runs
 from smelt_ds.eval.stratified import plot_stratified, stratified_markdown, stratify, write_stratified
 from smelt_ds.eval.suite import AnalysisSettings, EvalSettings, analyze_runs, evaluate_runs
 from smelt_ds.files import write_json_atomic, write_text_atomic
+from smelt_ds.runs.load import LoadedRun, load_run, load_runs
 
 LM_EVAL_NOTE = ("lm-eval 0.4.13 looks models up only in its own MODEL_MAPPING (it has no plugin entry point, and "
                 "--include_path imports task code only after the model is looked up), so a plain `lm_eval --model "
@@ -136,8 +136,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--corpus", action="append", default=None, metavar="PATH",
                    help="evaluate on these text/JSONL/Parquet files or directories instead of the run's "
                         "validation data: every document of them, tokenised with the run's tokenizer, one "
-                        "domain per path (its file or directory stem); one path per flag, repeatable: --corpus a --corpus b "
-                        "reads both")
+                        "domain per path (its file or directory stem); one path per flag, repeatable: "
+                        "--corpus a --corpus b reads both")
     e.add_argument("--micro-batch", type=int, default=None, help="windows per micro-batch (default 8)")
     e.add_argument("--buckets", default=None, action=CommaList, help="position bucket ends in tokens, e.g. 64,256,1024 "
                                                    "(default: powers of two from 8)")
@@ -192,8 +192,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "argument is passed on unchanged, e.g. `smelt-ds lm-eval run --model smelt-ds "
                                     "--model_args pretrained=RUN --batch_size 8 --tasks smelt_offline --include_path "
                                     "TASKS_DIR --output_path OUT` (lm-eval passes its --batch_size and --device to "
-                                    "the model; do not repeat them in --model_args). Model arguments: pretrained (run, checkpoint or "
-                                    "export directory), batch_size, max_length, max_gen_toks, device, dtype "
+                                    "the model; do not repeat them in --model_args). Model arguments: "
+                                    "pretrained (run, checkpoint or export directory), batch_size, max_length, "
+                                    "max_gen_toks, device, dtype "
                                     "(float32 | bfloat16), loop_repeats, exit_after, allow_other_tokenizer, seed. "
                                     + LM_EVAL_NOTE)
     lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval arguments")
@@ -414,7 +415,8 @@ def _check_offline_tasks(include_path: str | None, tasks: list[str], ks: list[in
                           f"{MANIFEST_FILE}): rebuild it with `smelt-ds eval build-tasks {include_path}`")
     info = json.loads(manifest.read_text())
     named = set(tasks)
-    chosen = info["tasks"] if named & {info["group"]["name"]} else {t: v for t, v in info["tasks"].items() if t in named}
+    chosen = (info["tasks"] if named & {info["group"]["name"]}
+              else {t: v for t, v in info["tasks"].items() if t in named})
     for task, t in chosen.items():
         too_many = [k for k in ks if k is not None and t["max_fewshot"] and k > t["max_fewshot"]]
         if too_many:
@@ -460,7 +462,8 @@ def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, lo
                 res = harness.run_harness(lm, tasks, args.include_path, k, args.limit, log_samples=True,
                                           seed=args.seed)
                 res.setdefault("config", {}).update(
-                    model="smelt-ds", model_args={"pretrained": str(run.export_dir), "batch_size": args.harness_batch_size,
+                    model="smelt-ds", model_args={"pretrained": str(run.export_dir),
+                                                  "batch_size": args.harness_batch_size,
                                                   "loop_repeats": R, "exit_after": P},
                     smelt_ds_seeds={"random": args.seed, "numpy": args.seed, "torch": args.seed, "fewshot": args.seed})
                 path = _write_harness_results(res, out / "harness" / _harness_dir(run, R, P, k))

@@ -224,7 +224,7 @@ def load_curves(run_dir: str | Path, label: str | None = None) -> RunCurves:
 def _unique(labels: list[str], runs: list[Path]) -> list[str]:
     if len(set(labels)) == len(labels):
         return labels
-    return [f"{lab} ({p.name})" if labels.count(lab) > 1 else lab for lab, p in zip(labels, runs)]
+    return [f"{lab} ({p.name})" if labels.count(lab) > 1 else lab for lab, p in zip(labels, runs, strict=True)]
 
 
 def parse_labels(labels: str | None, n_runs: int) -> list[str] | None:
@@ -242,9 +242,9 @@ def parse_labels(labels: str | None, n_runs: int) -> list[str] | None:
 def load_runs(runs: list[str | Path], labels: list[str] | None = None) -> list[RunCurves]:
     """:func:`load_curves` of each run, with ``labels`` (one per run) or the recipe names made unique."""
     given: list[str | None] = list(labels) if labels is not None else [None] * len(runs)
-    curves = [load_curves(r, lab) for r, lab in zip(runs, given)]
+    curves = [load_curves(r, lab) for r, lab in zip(runs, given, strict=True)]
     names = _unique([c.label for c in curves], [c.path for c in curves])
-    for c, n in zip(curves, names):
+    for c, n in zip(curves, names, strict=True):
         c.label = n
     return curves
 
@@ -294,13 +294,13 @@ def _xlabel(axis: str) -> str:
 
 def _loss_panels(axes, runs: list[RunCurves], colors, axis: str) -> None:
     ax_t, ax_v = axes
-    for r, c in zip(runs, colors):
+    for r, c in zip(runs, colors, strict=True):
         pts = r.series.get("loss", [])
         ax_t.plot(_xs(r, pts, axis), [v for *_, v in pts], color=c, lw=1.2, label=r.label, **_few(pts))
     ax_t.set_title(f"train loss (mean over each logging interval) vs {axis}", fontsize=9)
     ax_t.set_ylabel("loss (nats/token)")
     for j, d in enumerate(_domains(runs)):
-        for r, c in zip(runs, colors):
+        for r, c in zip(runs, colors, strict=True):
             pts = r.series.get(f"val/{d}", [])
             if pts:
                 ax_v.plot(_xs(r, pts, axis), [v for *_, v in pts], color=c, ls=_STYLES[j % len(_STYLES)],
@@ -329,7 +329,7 @@ def _scalar_panel(ax, runs: list[RunCurves], colors, key: str, title: str, axis:
                   log: bool = False) -> None:
     """One line per run. ``widen``: earlier runs drawn wider, so equal curves (runs sharing one LR
     schedule) stay visible; ``log``: log y-axis (gradient norms: a spike does not flatten the rest)."""
-    for i, (r, c) in enumerate(zip(runs, colors)):
+    for i, (r, c) in enumerate(zip(runs, colors, strict=True)):
         pts = r.series.get(key, [])
         lw = 1.2 + 2.4 * (len(runs) - 1 - i) / max(1, len(runs) - 1) if widen else 1.2
         ax.plot(_xs(r, pts, axis), [v for *_, v in pts], color=c, lw=lw, label=r.label, **_few(pts))

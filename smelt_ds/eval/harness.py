@@ -50,8 +50,9 @@ import math
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -225,7 +226,7 @@ class SmeltHarnessLM(TemplateLM):
     backend = "causal"
 
     @classmethod
-    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "SmeltHarnessLM":
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> SmeltHarnessLM:
         """lm-eval's command line: ``--model_args`` merged with the values it passes itself
         (``batch_size``, ``max_batch_size``, ``device``); a key given in ``--model_args`` wins
         instead of raising TypeError ("multiple values for keyword argument")."""
@@ -235,7 +236,7 @@ class SmeltHarnessLM(TemplateLM):
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None
-                            ) -> "SmeltHarnessLM":
+                            ) -> SmeltHarnessLM:
         """As :meth:`create_from_arg_string`, from a dict (what lm-eval 0.4.13's CLI passes)."""
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         return cls(**arg_dict, **extra)
@@ -430,7 +431,7 @@ class SmeltHarnessLM(TemplateLM):
         for i, (ll, g) in zip(owner, scored, strict=True):
             lls[i] += ll
             greedy[i] = greedy[i] and g
-        out = list(zip(lls, greedy))
+        out = list(zip(lls, greedy, strict=True))
         for (req_str, _, cont), answer in zip(requests, out, strict=True):
             if req_str is not None and len(cont) > L:
                 self.cache_hook.add_partial("loglikelihood", req_str, answer)
@@ -755,14 +756,15 @@ def harness_records(results: dict, run_name: str, num_fewshot: int | None,
     result: ``{"run", "task", "num_fewshot", "doc_id", "length_tokens", "metric", "value"}``.
 
     Metrics: every per-example scalar the task reports (``acc``, ``acc_norm``, ``exact_match``,
-    ...; named ``metric,filter`` for a filter other than ``none``, as in :func:`metric_table`), except ``perplexity`` of ``loglikelihood`` tasks, whose per-example value is a
+    ...; named ``metric,filter`` for a filter other than ``none``, as in :func:`metric_table`),
+    except ``perplexity`` of ``loglikelihood`` tasks, whose per-example value is a
     log-likelihood: it becomes ``nll`` (nats over the target, lower is better). Rolling tasks'
     ``(log-likelihood, words|bytes)`` pairs become ``loss`` = -ll / length_tokens (nats/token)
     and ``bits_per_byte`` = -ll / (bytes * ln 2). ``length_tokens`` comes from ``lengths``
     (:func:`own_lengths`); ``num_fewshot`` is the k that ran (the result's ``n-shot``), the
-    requested one only where the result lacks it; a loglikelihood task with a ``bits_per_byte`` pair (``smelt_humaneval_ll``)
-    gives ``bits_per_byte`` only; ``num_fewshot`` None takes each task's k from the result's ``n-shot``.
-    Raises ConfigError without samples."""
+    requested one only where the result lacks it; a loglikelihood task with a ``bits_per_byte`` pair
+    (``smelt_humaneval_ll``) gives ``bits_per_byte`` only; ``num_fewshot`` None takes each task's k
+    from the result's ``n-shot``. Raises ConfigError without samples."""
     if "samples" not in results:
         raise ConfigError("the harness result has no per-example samples: evaluate with log_samples=True")
     out = []
@@ -830,9 +832,9 @@ def harness_report(entries: list[dict]) -> dict:
     (forward FLOPs per token of the plan run), "kv_cache_bytes_per_token", "num_fewshot" (k asked,
     None = the tasks' own), "results" (a :func:`run_harness` result), "results_file"}]``.
     Returns ``{"kind": "harness", "baseline", "columns": [{"name", "run", "label", "repeats",
-    "exit_after", "visits", "flops_per_token", "kv_cache_bytes_per_token"}], "files": {column: {k: path}}, "table": [{"num_fewshot", "task",
-    "metric", "values": {column: value}, "stderr": {column: stderr | None}, "delta": {column:
-    value - Baseline value}}]}``; values in the metric's unit (accuracy 0-1, perplexity, bits/byte).
+    "exit_after", "visits", "flops_per_token", "kv_cache_bytes_per_token"}], "files": {column: {k: path}},
+    "table": [{"num_fewshot", "task", "metric", "values": {column: value}, "stderr": {column: stderr | None},
+    "delta": {column: value - Baseline value}}]}``; values in the metric's unit (accuracy 0-1, perplexity, bits/byte).
     """
     if not entries:
         raise ConfigError("no harness results to report: evaluate at least one run")

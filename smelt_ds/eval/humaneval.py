@@ -217,7 +217,7 @@ def canonical_solution_loss(model, tokenizer, eot_id: int, problems: Sequence[di
             raise ConfigError(f"{problem['task_id']}: the canonical solution encodes to no tokens")
         requests.append(((problem["prompt"], problem["canonical_solution"]), [eot_id] + ctx, cont))
     scores = lm._loglikelihood_tokens(requests, disable_tqdm=True)
-    return [(-ll / len(cont), len(cont)) for (ll, _), (_, _, cont) in zip(scores, requests)]
+    return [(-ll / len(cont), len(cont)) for (ll, _), (_, _, cont) in zip(scores, requests, strict=True)]
 
 
 def _loss_summary(losses: list[tuple[float, int]]) -> dict:
@@ -265,7 +265,7 @@ def evaluate_humaneval(model, tokenizer, eot_id: int, *, problems: Sequence[dict
         raise ConfigError("evaluate_humaneval: no problems given: pass problems or a `--humaneval-limit` >= 1")
     losses = canonical_solution_loss(model, tokenizer, eot_id, problems)
     rows = [{"task_id": p["task_id"], "loss_nats_per_token": lo, "loss_tokens": t}
-            for p, (lo, t) in zip(problems, losses)]
+            for p, (lo, t) in zip(problems, losses, strict=True)]
     result = {"settings": {"samples": samples, "temperature": temperature, "top_p": top_p,
                            "max_new_tokens": max_new_tokens, "seed": seed, "timeout_s": timeout_s,
                            "memory_mb": memory_mb, "stop": list(STOP_SEQUENCES), "executed": execute},
@@ -284,16 +284,16 @@ def _execute(result: dict, model, tokenizer, eot_id: int, problems: list[dict], 
                                    seed)
         texts = gen.texts
         result["prompts_truncated"] = gen.num_truncated
-        for row, n_prompt, trunc in zip(result["problems"], gen.prompt_tokens, gen.truncated):
+        for row, n_prompt, trunc in zip(result["problems"], gen.prompt_tokens, gen.truncated, strict=True):
             row.update(prompt_tokens=n_prompt, prompt_truncated=trunc)
     else:
         texts = [list(c) for c in completions]
         if len(texts) != len(problems) or any(len(c) != samples for c in texts):
             raise ConfigError(f"completions: need {samples} (samples) completions for each of {len(problems)} "
                               f"problems, got {[len(c) for c in texts]}")
-    flat = sandbox.check_programs([(p, c) for p, cs in zip(problems, texts) for c in cs], timeout_s, memory_mb,
-                                  workers=workers)
-    for i, (row, cs) in enumerate(zip(result["problems"], texts)):
+    flat = sandbox.check_programs([(p, c) for p, cs in zip(problems, texts, strict=True) for c in cs], timeout_s,
+                                  memory_mb, workers=workers)
+    for i, (row, cs) in enumerate(zip(result["problems"], texts, strict=True)):
         res = flat[i * samples:(i + 1) * samples]
         row.update(completions=cs, samples=samples, passed=sum(r.passed for r in res),
                    results=[{"status": r.status, "error": r.error, "seconds": r.seconds} for r in res])

@@ -1,9 +1,10 @@
 """Test-time loop count: the same weights run with other repeats of their loop ranges.
 
 ``smelt-ds eval RUN [RUN...] --loop-repeats 1,2,3 [--exit-after P]`` scores every run once per
-repeat count R: validation loss per domain (nats/token; ``all`` the mean of the domains' values, each domain weighted equally), the visit plan
-actually run, the KV-cache slots of that plan (one per visit) and its budgets (forward FLOPs per
-token, KV-cache bytes per token; :func:`smelt_ds.cost.budget.compute_budget`). The plan comes from
+repeat count R: validation loss per domain (nats/token; ``all`` the mean of the domains' values,
+each domain weighted equally), the visit plan actually run, the KV-cache slots of that plan (one per
+visit) and its budgets (forward FLOPs per token, KV-cache bytes per token;
+:func:`smelt_ds.cost.budget.compute_budget`). The plan comes from
 :func:`smelt_ds.config.loop.loop_with_repeats` and is applied with ``SmeltLM.set_loop``; the trained
 plan is restored afterwards. A Baseline (no loop range) is scored once, on its own plan, and its
 rows say ``no loop``.
@@ -14,8 +15,9 @@ at inference; arXiv 2605.09165 exits early at loop boundaries (here: ``exit_afte
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -75,7 +77,7 @@ class loop_plan:  # noqa: N801 - used as a context manager: `with loop_plan(run,
         self.loop = loop_with_repeats(run.cfg.loop, run.cfg.model.num_layers, repeats, exit_after)
         self._old: LoopConfig | None = None
 
-    def __enter__(self) -> "loop_plan":
+    def __enter__(self) -> loop_plan:
         self._old = self.run.model.set_loop(self.loop)
         return self
 
@@ -91,7 +93,8 @@ def _settings_for(runs: list[LoadedRun], repeats: list[int] | None, exit_after: 
             yield r, None, "no loop"
             continue
         for R in (repeats or [None]):  # type: ignore[list-item]
-            label = ("trained" if R is None else f"R={R}") + ("" if exit_after is None else f", exit after {exit_after}")
+            label = (("trained" if R is None else f"R={R}")
+                     + ("" if exit_after is None else f", exit after {exit_after}"))
             yield r, R, label
 
 
@@ -106,8 +109,8 @@ def loss_by_repeats(runs: list[LoadedRun], repeats: list[int] | None, exit_after
     Returns ``{"kind": "loop_repeats", "rows": [{"run", "repeats" (int | None), "exit_after",
     "label", "visit_plan" (layer indices), "visits", "kv_cache_slots", "flops_per_token",
     "kv_cache_bytes_per_token", "loss": {domain: nats/token}, "tokens": {domain: tokens}}]}``
-    (``all`` = the mean of the domains' values, each domain weighted equally). Raises ConfigError when no repeat option is given
-    or when no run has a loop range.
+    (``all`` = the mean of the domains' values, each domain weighted equally). Raises ConfigError
+    when no repeat option is given or when no run has a loop range.
     """
     if repeats is None and exit_after is None:
         raise ConfigError("give `--loop-repeats R[,R...]` and/or `--exit-after P` for a test-time loop table")
@@ -138,7 +141,8 @@ def loss_by_repeats(runs: list[LoadedRun], repeats: list[int] | None, exit_after
                 ctx.__exit__(None, None, None)
         per["all"] = combine_domains(list(per.values()))
         budget = compute_budget(r.cfg.model_copy(update={"loop": loop}), seq_len=S)
-        row: dict[str, Any] = {"run": r.name, "repeats": R, "exit_after": exit_after if looped else None, "label": label,
+        row: dict[str, Any] = {"run": r.name, "repeats": R, "exit_after": exit_after if looped else None,
+               "label": label,
                "visit_plan": plan, "visits": len(plan), "kv_cache_slots": slots,
                "flops_per_token": budget.forward_flops_per_token,
                "kv_cache_bytes_per_token": budget.kv_cache_bytes_per_token,
@@ -164,7 +168,8 @@ def loop_repeats_markdown(result: dict[str, Any]) -> str:
     lines.append(f"Loss: token-weighted mean over up to {result['batches']} micro-batches of "
                  f"{result['micro_batch_size']} validation windows of {result['seq_len']} tokens per domain ("
                  + ", ".join(f"{d} {n:,} tokens" for d, n in tokens.items() if d != "all")
-                 + "; `all`: the mean of the domains' values, each domain weighted equally), the same windows in every row. The trained plan is the "
+                 + "; `all`: the mean of the domains' values, each domain weighted equally), the same windows in "
+                 "every row. The trained plan is the "
                  "row whose visits equal training's; a Baseline has no loop to repeat. Other repeat counts change "
                  "the FLOPs per token (column): compare them with the Baseline knowing the budgets no longer match.")
     return "\n".join(lines)

@@ -77,7 +77,7 @@ def evaluate_domain(model, batches: list[dict], byte_lengths) -> DomainLoss:
         out.windows += int(nll.shape[0])
         labels = b["labels"][mask].numpy()
         out.bytes += int(byte_lengths[labels].sum())
-        for p, (n, t) in enumerate(zip(nll.sum(0).tolist(), mask.sum(0).tolist())):
+        for p, (n, t) in enumerate(zip(nll.sum(0).tolist(), mask.sum(0).tolist(), strict=True)):
             out.pos_nats[p] += n
             out.pos_tokens[p] += int(t)
     return out

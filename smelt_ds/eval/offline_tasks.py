@@ -65,9 +65,10 @@ import json
 import os
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -153,7 +154,7 @@ def validation_documents(prepared: PreparedData, domain: str, split: str = "vali
     ends = np.flatnonzero(ids == prepared.eot_id)
     starts = np.concatenate([[0], ends[:-1] + 1])
     tok = prepared.tokenizer()
-    return tok.decode_batch([ids[a:b].tolist() for a, b in zip(starts, ends)], skip_special_tokens=False)
+    return tok.decode_batch([ids[a:b].tolist() for a, b in zip(starts, ends, strict=True)], skip_special_tokens=False)
 
 
 class TrainOverlap:
@@ -388,12 +389,13 @@ def code_complete_examples(texts: list[str], max_examples: int, seed: int, in_tr
                            ) -> list[dict]:
     """Next-line completion of functions in code documents (parsed with :mod:`ast`).
 
-    One candidate per function or method (see :func:`_completion`); documents that do not parse
-    or hold a carriage return (line numbers would not match) are skipped; duplicates kept once,
-    prompts that occur with different next lines dropped (no single answer),
-    prompt + line found in the training text (``in_train``) dropped; at most ``max_examples`` drawn (seeded). Row: ``prompt`` (ends with "\\n"), ``next_line`` (the
-    line as written, for few-shot examples), ``target`` (the line stripped of whitespace, compared
-    with the stripped generation), ``function``, ``doc_index``, ``doc_sha256``.
+    One candidate per function or method (see :func:`_completion`); documents that do not parse or
+    hold a carriage return (line numbers would not match) are skipped; duplicates kept once, prompts
+    that occur with different next lines dropped (no single answer), prompt + line found in the
+    training text (``in_train``) dropped; at most ``max_examples`` drawn (seeded). Row: ``prompt``
+    (ends with "\\n"), ``next_line`` (the line as written, for few-shot examples), ``target`` (the
+    line stripped of whitespace, compared with the stripped generation), ``function``,
+    ``doc_index``, ``doc_sha256``.
     """
     rows, seen = [], set()
     for i, text in enumerate(texts):

@@ -67,8 +67,8 @@ def _domains_figure(result: dict, path: Path) -> list[int]:
     domains = list(dict.fromkeys(d for n in names for d in result["domains"][n]))
     fig, axes = plt.subplots(1, 2, figsize=(7.5, 3.0), layout="constrained")
     width = 0.8 / len(names)
-    for ax, (key, label) in zip(axes, (("loss", "loss (nats/token)"), ("bits_per_byte", "bits per byte"))):
-        for i, (n, c) in enumerate(zip(names, _colors(len(names)))):
+    for ax, (key, label) in zip(axes, (("loss", "loss (nats/token)"), ("bits_per_byte", "bits per byte")), strict=True):
+        for i, (n, c) in enumerate(zip(names, _colors(len(names)), strict=True)):
             vals = [_nan(result["domains"][n].get(d, {}).get(key)) for d in domains]
             ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(domains))], vals, width, color=c,
                    label=n)
@@ -95,12 +95,12 @@ def _positions_figure(result: dict, path: Path) -> list[int]:
                              squeeze=False, sharex=True)
     for j, d in enumerate(domains):
         ref = [_nan(p["loss"]) for p in result["domains"][names[0]].get(d, {}).get("positions", [])]
-        for n, c in zip(names, _colors(len(names))):
+        for n, c in zip(names, _colors(len(names)), strict=True):
             vals = [_nan(p["loss"]) for p in result["domains"][n].get(d, {}).get("positions", [])]
             if not vals:
                 continue
             axes[0, j].plot(range(len(vals)), vals, "o-", color=c, label=n, ms=3)
-            axes[1, j].plot(range(len(vals)), [v - r for v, r in zip(vals, ref)], "o-", color=c, ms=3)
+            axes[1, j].plot(range(len(vals)), [v - r for v, r in zip(vals, ref, strict=True)], "o-", color=c, ms=3)
         axes[0, j].set_title(d, fontsize=9)
         axes[1, j].axhline(0.0, color="grey", lw=0.5)
         axes[1, j].set_xticks(range(len(labels)), labels, rotation=45, fontsize=7)
@@ -118,7 +118,7 @@ def _icl_figure(result: dict, path: Path) -> list[int]:
     fig, axes = plt.subplots(2, max(1, len(tasks)), figsize=(2.4 * max(1, len(tasks)), 4.4), layout="constrained",
                              squeeze=False)
     for j, t in enumerate(tasks):
-        for n, c in zip(names, _colors(len(names))):
+        for n, c in zip(names, _colors(len(names)), strict=True):
             curve = result["icl"][n].get(t, {})
             ks = list(curve)
             axes[0, j].plot(range(len(ks)), [_nan((curve[k] or {}).get("loss")) for k in ks], "o-", color=c, ms=3,
@@ -160,15 +160,16 @@ def _attention_figure(result: dict, path: Path) -> list[int]:
     plt = _plt()
     names = [r["name"] for r in result["runs"]]
     fig, axes = plt.subplots(1, 3, figsize=(9.0, 3.0), layout="constrained")
-    for n, c in zip(names, _colors(len(names))):
+    for n, c in zip(names, _colors(len(names)), strict=True):
         attn = result["analysis"][n]["attention"]
-        for ax, stat in zip(axes, ("first_mass", "content_mass", "entropy")):
+        for ax, stat in zip(axes, ("first_mass", "content_mass", "entropy"), strict=True):
             d, v, visit = _depth_series(attn, stat)
             ax.plot(d, v, "-", color=c, label=n, lw=1)
-            ax.scatter([x for x, k in zip(d, visit) if k == 0], [y for y, k in zip(v, visit) if k == 0], color=c, s=14)
-            ax.scatter([x for x, k in zip(d, visit) if k > 0], [y for y, k in zip(v, visit) if k > 0],
-                       facecolors="white", edgecolors=c, s=22, marker="s")
-    for ax, t in zip(axes, ("first-token mass (sink)", "content mass", "entropy (nats)")):
+            first = [(x, y) for x, y, k in zip(d, v, visit, strict=True) if k == 0]
+            later = [(x, y) for x, y, k in zip(d, v, visit, strict=True) if k > 0]
+            ax.scatter([x for x, _ in first], [y for _, y in first], color=c, s=14)
+            ax.scatter([x for x, _ in later], [y for _, y in later], facecolors="white", edgecolors=c, s=22, marker="s")
+    for ax, t in zip(axes, ("first-token mass (sink)", "content mass", "entropy (nats)"), strict=True):
         ax.set_title(t, fontsize=9)
         ax.set_xlabel("depth (visit)")
     axes[0].legend(fontsize=7, title="■ = 2nd+ visit", title_fontsize=7)
@@ -196,7 +197,7 @@ def _routing_figure(result: dict, path: Path) -> list[int]:
     names = [r["name"] for r in result["runs"]]
     fig, axes = plt.subplots(1, 2, figsize=(8.0, 3.0), layout="constrained")
     width = 0.8 / len(names)
-    for i, (n, c) in enumerate(zip(names, _colors(len(names)))):
+    for i, (n, c) in enumerate(zip(names, _colors(len(names)), strict=True)):
         visits = sorted(result["analysis"][n]["routing"]["visits"].values(), key=lambda r: r["plan_index"])
         axes[0].plot([v["plan_index"] + 1 for v in visits], [v["load_max_over_mean"] for v in visits], "o-", color=c,
                      ms=3, label=n)
@@ -234,7 +235,7 @@ def _lens_figure(result: dict, path: Path) -> list[int]:
     plt = _plt()
     names = [r["name"] for r in result["runs"]]
     fig, axes = plt.subplots(1, 2, figsize=(8.0, 3.0), layout="constrained")
-    for n, c in zip(names, _colors(len(names))):
+    for n, c in zip(names, _colors(len(names)), strict=True):
         lens = result["analysis"][n]["logit_lens"]
         d = [r["depth"] for r in lens["depths"]]
         axes[0].plot(d, [r["loss"] for r in lens["depths"]], "o-", color=c, ms=3, label=n)

@@ -184,7 +184,8 @@ class Isolation:
     @property
     def filesystem(self) -> str:
         return ("read-only except the sample's own directory (mount namespace: every mount remounted "
-                "read-only but /proc, /dev, /dev/pts and the sample's directory; /dev/shm is read-only too)" if self.readonly_fs else
+                "read-only but /proc, /dev, /dev/pts and the sample's directory; /dev/shm is read-only too)"
+                if self.readonly_fs else
                 "writable where the calling user can write (no mount namespace here): only reliability_guard "
                 "stops os.remove / shutil.rmtree ...; open(path, 'w') is not stopped")
 
@@ -224,8 +225,9 @@ def _namespace_prefix() -> tuple[str, ...] | None:
 
 #: Run inside a fresh mount namespace (``unshare --mount``, private propagation): bind-mount the
 #: sample's directory ``$1`` onto itself (its own, writable mount), remount every other mount
-#: read-only (/dev/shm included) except /proc, /dev and /dev/pts, fail if / is still writable, re-enter the working directory
-#: (the cwd inherited from before the bind mount is on the read-only mount), then exec the rest.
+#: read-only (/dev/shm included) except /proc, /dev and /dev/pts, fail if / is still writable,
+#: re-enter the working directory (the cwd inherited from before the bind mount is on the
+#: read-only mount), then exec the rest.
 READONLY_SCRIPT = r"""set -e
 r="$1"; shift
 mount --bind "$r" "$r"

@@ -49,15 +49,17 @@ all examples of that k.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import warnings
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from smelt_ds.errors import ConfigError
-from smelt_ds.files import write_atomic, write_json_atomic, write_text_atomic
 from smelt_ds.eval.plots import DPI, _colors, _plt, safe_name
+from smelt_ds.files import write_atomic, write_json_atomic, write_text_atomic
 
 __all__ = ["MIN_BUCKET_EXAMPLES", "MAX_LENGTH_BUCKETS", "lower_is_better", "paired_difference", "stratify",
            "row_sentence", "stratified_markdown", "plot_stratified", "write_stratified"]
@@ -149,7 +151,7 @@ def _check_settings(length_buckets, n_resamples, confidence) -> list[int] | None
         return None
     edges = list(length_buckets)
     if (len(edges) < 2 or any(not isinstance(e, int) or isinstance(e, bool) for e in edges)
-            or any(b <= a for a, b in zip(edges, edges[1:]))):
+            or any(b <= a for a, b in itertools.pairwise(edges))):
         raise ConfigError(f"`length_buckets` ({length_buckets!r}) must be at least 2 strictly increasing integer "
                           "bucket edges in tokens (bucket i = [edges[i], edges[i+1])): e.g. [0, 64, 128, 100000], "
                           "or None for quantile buckets.")
@@ -243,6 +245,17 @@ def _bucket_of(length: int, edges: list[int]) -> int | None:
     return bisect.bisect_right(edges, length) - 1
 
 
+def _split_by_length_bucket(docs: dict, base_len: dict, edges: list[int]) -> list[dict]:
+    """``docs`` (doc_id -> record) split into the length buckets of ``edges``; an example's bucket is
+    decided by the Baseline's length of it (``base_len``), its own length where the Baseline lacks it."""
+    out: list[dict] = [{} for _ in range(len(edges) - 1)]
+    for d, r in docs.items():
+        b = _bucket_of(base_len.get(d, r["length_tokens"]), edges)
+        if b is not None:
+            out[b][d] = r
+    return out
+
+
 def _pair(run_docs: dict[int, dict], base_docs: dict[int, dict]) -> tuple[list[int], int, int]:
     common = sorted(set(run_docs) & set(base_docs))
     return common, len(set(run_docs) - set(base_docs)), len(set(base_docs) - set(run_docs))
@@ -330,23 +343,14 @@ def stratify(records, baseline: str, length_buckets: list[int] | None = None, n_
                             f"(length_tokens={r['length_tokens']}): bucket i is [edges[i], edges[i+1]); widen the "
                             "first or last edge to cover every length, or pass None for quantile buckets.")
         nb = len(edges) - 1
-
-        def split(docs: dict, _edges=edges) -> list[dict]:
-            out: list[dict] = [{} for _ in range(len(_edges) - 1)]
-            for d, r in docs.items():
-                b = _bucket_of(base_len.get(d, r["length_tokens"]), _edges)
-                if b is not None:
-                    out[b][d] = r
-            return out
-
-        base_b = split(base[k0])
+        base_b = _split_by_length_bucket(base[k0], base_len, edges)
         counts = {baseline: [len(b) for b in base_b]}
         lrows, krows = [], []
         for run in runs[1:]:
             own = data[run].get((task, metric), {})
             if not own:
                 continue
-            run_b = split(own.get(k0, {}))
+            run_b = _split_by_length_bucket(own.get(k0, {}), base_len, edges)
             counts[run] = [len(b) for b in run_b]
             for i in range(nb):
                 lrows.append(_row(run, task, metric, better, "length", k0, run_b[i], base_b[i], bucket=i,
@@ -356,7 +360,7 @@ def stratify(records, baseline: str, length_buckets: list[int] | None = None, n_
                 krows.append(_row(run, task, metric, better, "k", k, own.get(k, {}), base[k], **kw))
         comparisons.append({"task": task, "metric": metric, "better": better,
                             "length": {"k": k0, "edges": edges, "edges_source": source,
-                                       "labels": [f"{a}-{b - 1}" for a, b in zip(edges, edges[1:])],
+                                       "labels": [f"{a}-{b - 1}" for a, b in itertools.pairwise(edges)],
                                        "counts": counts, "rows": lrows},
                             "fewshot": {"ks": ks, "rows": krows}})
         dropped = [(r["run"], r["stratum"], r["k"], r["dropped"]) for r in lrows + krows
@@ -549,7 +553,7 @@ def plot_stratified(result: dict, out_dir) -> list[Path]:
         fig, axes = plt.subplots(1, 2, figsize=(8.0, 3.2), layout="constrained", sharey=True)
         _panel(axes[0], L["rows"], runs, colors, L["labels"], lambda r: r["bucket"])
         kpos = {k: i for i, k in enumerate(K["ks"])}
-        _panel(axes[1], K["rows"], runs, colors, [str(k) for k in K["ks"]], lambda r: kpos[r["k"]])
+        _panel(axes[1], K["rows"], runs, colors, [str(k) for k in K["ks"]], lambda r, kpos=kpos: kpos[r["k"]])
         axes[0].set_xlabel(f"sample length (tokens), k={L['k']}")
         axes[1].set_xlabel("in-context examples k")
         axes[0].set_ylabel(f"Δ {c['metric']} vs {b}\n({c['better']} is better)", fontsize=8)
@@ -563,7 +567,7 @@ def plot_stratified(result: dict, out_dir) -> list[Path]:
             path = out_dir / name.replace(".png", f"_{i}.png")
             i += 1
         try:
-            write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=DPI, format="png"))
+            write_atomic(path, partial(fig.savefig, dpi=DPI, format="png"))
         finally:
             plt.close(fig)
         paths.append(path)

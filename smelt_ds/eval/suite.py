@@ -114,7 +114,8 @@ def _windows_notes(runs: list[LoadedRun], settings: EvalSettings, seq_len: int, 
         return notes
     notes.append(f"--training-windows: the windows of {first.name}'s in-loop validation (train.seq_len {seq_len}, "
                  f"eval.eval_batches {settings.batches} x train.micro_batch_size {settings.micro_batch_size} x "
-                 f"{settings.ranks} rank(s)), so the losses equal its metrics.jsonl val/* at this checkpoint's step, up "
+                 f"{settings.ranks} rank(s)), so the losses equal its metrics.jsonl val/* at this checkpoint's "
+                 "step, up "
                  "to float rounding (a run validated in bf16 or with a token-dropping MoE backend differs by that: "
                  "this evaluation runs the reference backend in fp32)")
     for r in runs[1:]:

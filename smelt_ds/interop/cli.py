@@ -50,8 +50,9 @@ def _add_hf_export_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--format", choices=["smelt", "hf"], default="smelt",
                    help="smelt: model.pt + config.yaml (default); hf: a Hugging Face transformers model directory")
     e.add_argument("--hf-arch", choices=["auto", "smelt"], default="auto",
-                   help="hf format: auto = a transformers architecture (qwen3_moe, qwen2_moe, mixtral) when the model maps "
-                        "onto one, else model_type smelt with its modeling code; smelt = always the modeling code")
+                   help="hf format: auto = a transformers architecture (qwen3_moe, qwen2_moe, mixtral) when "
+                        "the model maps onto one, else model_type smelt with its modeling code; smelt = always "
+                        "the modeling code")
     e.add_argument("--max-shard-size", default="5GB",
                    help="hf format: largest safetensors shard (e.g. 5GB, 500MB; default 5GB)")
     e.add_argument("--no-check", action="store_true",
@@ -78,8 +79,8 @@ def run_export(args: argparse.Namespace) -> int:
 def _run_export_hf(args: argparse.Namespace) -> int:
     res = export_hf(args.run_dir, args.output, arch=args.hf_arch, max_shard_size=args.max_shard_size,
                     check=not args.no_check)
-    check = (f"logits equal the source model's (max |diff| {res.max_abs_diff:.2g})" if res.max_abs_diff == res.max_abs_diff
-             else "parity not checked (--no-check)")
+    check = (f"logits equal the source model's (max |diff| {res.max_abs_diff:.2g})"
+             if res.max_abs_diff == res.max_abs_diff else "parity not checked (--no-check)")
     print(f"wrote {res.out} (model_type {res.model_type}; {check})")
     for r in res.reasons:
         print(f"  not a transformers architecture: {r}")

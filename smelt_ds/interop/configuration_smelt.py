@@ -24,6 +24,7 @@ RoPE follows transformers 5: ``rope_parameters = {"rope_type": "default", "rope_
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -60,7 +61,7 @@ def _check_ranges(loop_ranges: Any, num_layers: int) -> list[list[int]]:
                        f"keep 0 <= start < end <= {num_layers}")
         out.append([start, end, repeats])
     spans = sorted(out)
-    for prev, cur in zip(spans, spans[1:]):
+    for prev, cur in itertools.pairwise(spans):
         if cur[0] < prev[1]:
             raise _bad("loop_ranges", out, f"has overlapping ranges {prev} and {cur}",
                        "loop ranges must not overlap: merge them or move one")

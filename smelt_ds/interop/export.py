@@ -159,7 +159,8 @@ def model_card(cfg: RunConfig, model_type: str, reasons: list[str], source: dict
         "| | |", "|---|---|",
         f"| unique layers | {m.num_layers} |", f"| visits per forward (effective depth) | {len(sched.plan)} |",
         f"| visit plan (unique layer per visit) | {' '.join(str(v.layer) for v in sched.plan)} |",
-        f"| loop ranges [start, end) x repeats | {', '.join(f'[{s.start}, {s.end}) x{s.repeats}' for s in sched.spans) or 'none'} |",
+        f"| loop ranges [start, end) x repeats | "
+        f"{', '.join(f'[{s.start}, {s.end}) x{s.repeats}' for s in sched.spans) or 'none'} |",
         f"| hidden size / heads / KV heads / head dim | {m.hidden_size} / {m.num_heads} / {m.num_kv_heads} / "
         f"{m.resolved_head_dim} |",
         f"| experts / top-k / expert FFN size | {moe.num_experts} / {moe.top_k} / {moe.expert_ffn_size} |",
@@ -316,4 +317,5 @@ def _portable_tokenizer_class(path: Path) -> None:
 def _write_generation_config(out: Path, eot_id: int, pad_id: int) -> None:
     from transformers import GenerationConfig
 
-    GenerationConfig(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=pad_id, do_sample=False).save_pretrained(out)
+    generation = GenerationConfig(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=pad_id, do_sample=False)
+    generation.save_pretrained(out)

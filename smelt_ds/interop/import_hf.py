@@ -100,7 +100,8 @@ def _check_smelt_config(config: dict[str, Any], path: Path) -> None:
     """The rules the modeling code's SmeltConfig applies (visit plan, ranges, sizes), plus what the
     recipe cannot express (another activation or RoPE type). Raises ConfigError naming the key."""
     if config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{path}: `hidden_act` ({config['hidden_act']!r}) is not supported: smelt-ds experts use silu")
+        raise ConfigError(f"{path}: `hidden_act` ({config['hidden_act']!r}) is not supported: "
+                          "smelt-ds experts use silu")
     rope = config.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
         raise ConfigError(f"{path}: `rope_parameters` ({rope or config.get('rope_scaling')}) is not supported: "

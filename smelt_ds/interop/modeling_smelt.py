@@ -227,7 +227,7 @@ class SmeltExperts(nn.Module):
             return torch._grouped_mm(F.silu(gate_NF) * up_NF, self.down_proj.transpose(-2, -1), offs=offs_E)
         outs = []
         for x_nH, w_2FH, w_HF in zip(torch.split(x_NH, counts_E.tolist(), dim=0),
-                                     self.gate_up_proj.unbind(0), self.down_proj.unbind(0)):
+                                     self.gate_up_proj.unbind(0), self.down_proj.unbind(0), strict=True):
             gate_nF, up_nF = F.linear(x_nH, w_2FH).chunk(2, dim=-1)
             outs.append(F.linear(F.silu(gate_nF) * up_nF, w_HF))
         return torch.cat(outs, dim=0)
@@ -417,7 +417,7 @@ class SmeltModel(SmeltPreTrainedModel):
                     cache: Cache | None, hidden: list[torch.Tensor] | None) -> torch.Tensor:
         """Every visit of the plan in order; visit ``slot`` writes KV-cache slot ``slot``."""
         block_input: dict[int, torch.Tensor] = {}
-        for slot, ((layer, _), inject) in enumerate(zip(self.visit_plan, self.injection)):
+        for slot, ((layer, _), inject) in enumerate(zip(self.visit_plan, self.injection, strict=True)):
             if inject == "store":
                 block_input[layer] = x
             elif inject == "add":

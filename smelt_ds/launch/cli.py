@@ -26,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduler", required=True, choices=SCHEDULERS,
                    help="deepspeed: a bash script calling the deepspeed launcher over a hostfile; slurm: an sbatch "
                         "script (torchrun per node, requeue near the time limit); k8s: a Kubeflow PyTorchJob manifest")
-    p.add_argument("--layout", default=None, help="the recipe's cluster layout (e.g. h100, h200; default cluster.default)")
+    p.add_argument("--layout", default=None,
+                   help="the recipe's cluster layout (e.g. h100, h200; default cluster.default)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: the layout's)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (ranks) per node (default: the layout's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -44,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"seconds the ranks get to save a checkpoint after SIGTERM (default {d.shutdown_s})")
     g = p.add_argument_group("deepspeed launcher")
     g.add_argument("--hostfile", default=None,
-                   help="hostfile (HOST slots=N lines); required for several nodes (default: none, one node: this host)")
+                   help="hostfile (HOST slots=N lines); required for several nodes "
+                        "(default: none, one node: this host)")
     g.add_argument("--master-port", type=int, default=d.master_port, help=f"rendezvous port (default {d.master_port})")
     g = p.add_argument_group("Slurm")
     g.add_argument("--time", default=d.time, help=f"time limit per start, D-HH:MM:SS (default {d.time}); the job "

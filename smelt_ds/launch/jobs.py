@@ -299,7 +299,8 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
                                   f"{nodes}: add hosts or lower --nodes")
             short = [h for h in hosts[:nodes] if h.slots < gpus]
             if short:
-                raise ConfigError(f"--hostfile {o.hostfile}: {', '.join(f'{h.name} has {h.slots} slots' for h in short)}"
+                slots = ", ".join(f"{h.name} has {h.slots} slots" for h in short)
+                raise ConfigError(f"--hostfile {o.hostfile}: {slots}"
                                   f", fewer than --gpus-per-node {gpus}: fix the slots or lower --gpus-per-node")
         elif nodes > 1:
             raise ConfigError(f"--nodes {nodes} with --scheduler deepspeed needs --hostfile (the hosts to start ranks "
@@ -455,11 +456,13 @@ def _parallel_lines(plan: JobPlan) -> list[str]:
              f"accumulation {plan.accumulation} = {plan.global_batch_tokens:,} tokens per step"]
     if ep > 1:
         intra = "inside a node" if plan.gpus_per_node % ep == 0 else "spanning nodes"
-        lines.append(f"expert par.   {c.moe_runtime.backend}, ep_size {ep}: {world // ep} group(s) of {ep} consecutive ranks "
+        lines.append(f"expert par.   {c.moe_runtime.backend}, ep_size {ep}: {world // ep} group(s) of {ep} "
+                     "consecutive ranks "
                      f"({intra}), {c.moe.num_experts // ep} of {c.moe.num_experts} experts per GPU; each expert "
                      f"replicated on {world // ep} ranks (expert-data-parallel)")
     else:
-        lines.append(f"expert par.   none ({c.moe_runtime.backend} backend): all {c.moe.num_experts} experts on every GPU")
+        lines.append(f"expert par.   none ({c.moe_runtime.backend} backend): all {c.moe.num_experts} experts "
+                     "on every GPU")
     ds = c.deepspeed
     offload = "".join(f", offload {what} {dev}" for what, dev in (("optimizer", ds.offload_optimizer),
                                                                   ("params", ds.offload_param)) if dev != "none")

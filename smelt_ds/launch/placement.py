@@ -17,9 +17,10 @@ process). Units: counts of nodes, GPUs (ranks) and tokens; memory in bytes (1 Gi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from smelt_ds.config.cluster import ClusterLayout
 from smelt_ds.config.loading import apply_overrides, config_from_dict, read_recipe

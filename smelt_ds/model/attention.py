@@ -8,7 +8,7 @@ a Baseline with as many layers as SMELT has visits.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

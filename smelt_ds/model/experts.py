@@ -127,7 +127,7 @@ class GroupedExperts(nn.Module):
         # and fill E full-size [E, 2F, H] gradients; unbind's backward stacks once.
         outs = []
         for x_nH, w_2FH, w_HF in zip(torch.split(x_NH, counts_E.tolist(), dim=0),
-                                     self.gate_up_proj.unbind(0), self.down_proj.unbind(0)):
+                                     self.gate_up_proj.unbind(0), self.down_proj.unbind(0), strict=True):
             gate_nF, up_nF = F.linear(x_nH, w_2FH).chunk(2, dim=-1)
             outs.append(F.linear(F.silu(gate_nF) * up_nF, w_HF))
         return torch.cat(outs, dim=0)

@@ -8,8 +8,9 @@ Shape legend: B batch, S sequence (tokens), H hidden, V vocabulary, E experts, K
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.nn.functional as F

@@ -26,8 +26,9 @@ in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -251,5 +252,5 @@ class LoopingBlockManager(nn.Module):
         outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
         capture = first[0]
         if ctx.recorder is not None and (capture.route is not None or capture.losses):
-            ctx.recorder.record(ctx.visit, capture.route, dict(zip(sorted(capture.losses), outs[1:])))
+            ctx.recorder.record(ctx.visit, capture.route, dict(zip(sorted(capture.losses), outs[1:], strict=True)))
         return outs[0]

@@ -68,7 +68,7 @@ class MoE(nn.Module):
         self.last_losses: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def from_config(cls, hidden_size: int, moe_cfg) -> "MoE":
+    def from_config(cls, hidden_size: int, moe_cfg) -> MoE:
         return cls(hidden_size, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.expert_ffn_size,
                    moe_cfg.shared_expert_ffn_size, moe_cfg.score_func, moe_cfg.norm_topk_prob,
                    moe_cfg.aux_loss_free_bias, moe_cfg.router_jitter, moe_cfg.expert_impl)

@@ -11,7 +11,6 @@ compiled graphs neither break nor guard on it); a compiled region shows as its c
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
 
 import torch
 from torch.profiler import record_function
@@ -32,7 +31,7 @@ def ranges_on() -> bool:
     return not torch.compiler.is_compiling() and _ON
 
 
-def named_range(fmt: str, *args: object) -> ContextManager[object]:
+def named_range(fmt: str, *args: object) -> contextlib.AbstractContextManager[object]:
     """``record_function(fmt.format(*args))`` when :func:`ranges_on`, else a no-op context (the
     name is not formatted)."""
     if ranges_on():

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -111,9 +112,12 @@ def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
     ds_config = build_ds_config(cfg, world_size)
     optimizer = None if "optimizer" in ds_config else adamw  # an optimizer offload: DeepSpeed's CPU Adam
 
+    def scaled_multiplier(scale: float) -> Callable[[int], float]:
+        return lambda step: scale * f(step)
+
     def scheduler(opt):
         return torch.optim.lr_scheduler.LambdaLR(
-            opt, [lambda s, sc=g.get("lr_scale", 1.0): sc * f(s) for g in opt.param_groups])
+            opt, [scaled_multiplier(g.get("lr_scale", 1.0)) for g in opt.param_groups])
 
     try:
         engine, opt, _, sched = deepspeed.initialize(

@@ -47,8 +47,8 @@ computes the norm (from the optimizer's gradient partitions) for logging, which
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -138,7 +138,7 @@ def param_grad_shards(params: Iterable[torch.nn.Parameter]) -> list[GradShard]:
         seen.add(id(p))
         copies = dp
         if is_moe_param(p) and _dist_ready():
-            copies = groups._get_expert_data_parallel_world_size(getattr(p, "group_name"))
+            copies = groups._get_expert_data_parallel_world_size(p.group_name)  # type: ignore[attr-defined]
         out.append(GradShard(p.grad, copies))
     return out
 
@@ -221,8 +221,8 @@ def clip_before_step(engine, max_norm: float) -> float | None:
             raise ConfigError(f"DeepSpeed config `gradient_clipping` ({engine.gradient_clipping()}) at ZeRO stage 0 "
                               "with expert parameters: DeepSpeed 0.19.8 clips with a wrong norm there (the mean of "
                               "per-rank norms in fp32, experts left out in bf16): set `gradient_clipping` to 0 in "
-                              "the DeepSpeed config and clip with smelt_ds.parallel.grad_norm.clip_before_step (the recipe "
-                              "field is train.grad_clip; do not set deepspeed.config.gradient_clipping)")
+                              "the DeepSpeed config and clip with smelt_ds.parallel.grad_norm.clip_before_step "
+                              "(the recipe field is train.grad_clip; do not set deepspeed.config.gradient_clipping)")
         return norm
     assert norm is not None  # engine_grad_norm always has the norm at ZeRO-0
     clip_grads_(params, max_norm, norm)
@@ -244,6 +244,6 @@ def logged_grad_norm(engine, norm: float | None) -> float:
             and abs(ds - norm) > NORM_MISMATCH_RTOL * max(norm, 1e-12)):
         raise RuntimeError(f"DeepSpeed clipped with gradient norm {ds:.6g} at ZeRO stage "
                            f"{engine.zero_optimization_stage()}, but the true global norm is {norm:.6g}: the "
-                           "update is wrong (see smelt_ds/parallel/grad_norm.py and docs/deepspeed_notes.md); report the "
-                           "configuration, or use ZeRO stage 0, where smelt clips itself")
+                           "update is wrong (see smelt_ds/parallel/grad_norm.py and docs/deepspeed_notes.md); "
+                           "report the configuration, or use ZeRO stage 0, where smelt clips itself")
     return norm

@@ -89,8 +89,8 @@ def choose_threads(user_value: str | None, cores: int, local_ranks: int, determi
         return ThreadChoice(_positive_int(user_value, source), f"{source}={user_value.strip()}")
     cores, local_ranks = max(1, cores), max(1, local_ranks)
     share = max(1, cores // local_ranks)
-    return ThreadChoice(share, f"{cores} core{'s' * (cores != 1)} / {local_ranks} local rank{'s' * (local_ranks != 1)}; "
-                               f"{unset}")
+    return ThreadChoice(share, f"{cores} core{'s' * (cores != 1)} / "
+                               f"{local_ranks} local rank{'s' * (local_ranks != 1)}; {unset}")
 
 
 def user_omp_num_threads(env: Mapping[str, str]) -> tuple[str | None, str]:

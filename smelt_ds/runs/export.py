@@ -3,8 +3,8 @@
 ``<out>/model.pt`` holds a state dict in the reference layout (``SmeltLM`` with the reference MoE
 backend) and ``<out>/config.yaml`` the resolved recipe; :func:`load_exported` rebuilds the model
 on one CPU process, whatever the MoE backend, ZeRO stage and expert-parallel size of the run
-(the checkpoint's reference-layout shards, :mod:`smelt_ds.runs.reference_weights`). The output is written to a temporary directory and renamed, so
-a partial export is never taken for a complete one.
+(the checkpoint's reference-layout shards, :mod:`smelt_ds.runs.reference_weights`). The output is
+written to a temporary directory and renamed, so a partial export is never taken for a complete one.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.runs.provenance import RUN_TOKENIZER
 from smelt_ds.runs.reference_weights import has_reference_shards, merge_reference_shards
 
-__all__ = ["REFERENCE_OVERRIDES", "consolidated_state_dict", "export_checkpoint", "load_exported", "load_initial_weights"]
+__all__ = ["REFERENCE_OVERRIDES", "consolidated_state_dict", "export_checkpoint", "load_exported",
+           "load_initial_weights"]
 
 
 #: ``--set`` overrides under which an export's recipe loads as one CPU reference-backend model, whatever

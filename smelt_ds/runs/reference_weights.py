@@ -34,8 +34,9 @@ expert index of every layer exactly once.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -113,7 +114,7 @@ def _expert_placement(t: torch.Tensor, backend: str, local: int | None) -> list[
     from deepspeed.utils import groups
 
     if backend == "deepspeed":
-        ep_rank = groups._get_expert_parallel_rank(getattr(t, "group_name"))
+        ep_rank = groups._get_expert_parallel_rank(t.group_name)  # type: ignore[attr-defined]
         n_local = getattr(t, "_smelt_local_experts", None)
         return [ep_rank * n_local + local]
     from deepspeed.module_inject.auto_ep_layer import AUTOEP_PARAM_LOCAL_EXPERTS, DS_AUTOEP_UC_META
@@ -128,7 +129,7 @@ def _is_expert(t: torch.Tensor) -> bool:
 def _expert_data_rank(t: torch.Tensor) -> int:
     from deepspeed.utils import groups
 
-    return groups._get_expert_data_parallel_rank(getattr(t, "group_name"))
+    return groups._get_expert_data_parallel_rank(t.group_name)  # type: ignore[attr-defined]
 
 
 def _mark_local_expert_counts(module: torch.nn.Module) -> None:
@@ -180,7 +181,7 @@ def gather_reference_shard(engine, backend: str) -> dict[str, Any]:
         if _expert_data_rank(t) != 0:
             continue
         rows = full if local is None else full[None]
-        for e, row in zip(_expert_placement(t, backend, local), rows):
+        for e, row in zip(_expert_placement(t, backend, local), rows, strict=True):
             pieces.setdefault((ref, e), {})[part] = row
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for (ref, e), parts in pieces.items():
@@ -260,7 +261,7 @@ def merge_shards(shards: Sequence[dict[str, Any]], cfg, where: str | Path,
     labels = list(labels) if labels is not None else [f"{where} rank {r}" for r in range(len(shards))]
     state: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
-    for label, shard in zip(labels, shards):
+    for label, shard in zip(labels, shards, strict=True):
         if not isinstance(shard, dict) or shard.get("format") != FORMAT:
             raise ConfigError(f"{label} is not a smelt-ds reference-weights shard of format {FORMAT}")
         for name, t in shard["dense"].items():

@@ -63,7 +63,7 @@ class DomainLoss:
 
     def position_loss(self) -> list[float]:
         """Mean loss at each position ``1..S`` (nats/token; NaN where no token)."""
-        return [n / t if t else float("nan") for n, t in zip(self.pos_nats, self.pos_tokens)]
+        return [n / t if t else float("nan") for n, t in zip(self.pos_nats, self.pos_tokens, strict=True)]
 
     def bucket_loss(self, buckets: list[tuple[int, int]]) -> list[dict]:
         """``[{"start", "end", "loss" (nats/token), "tokens"}]`` per inclusive position bucket."""
@@ -138,7 +138,7 @@ def combine_domains(parts: list[DomainLoss]) -> AllDomains:
         out.tokens += p.tokens
         out.bytes += p.bytes
         out.windows += p.windows
-        for i, (n, t) in enumerate(zip(p.pos_nats, p.pos_tokens)):
+        for i, (n, t) in enumerate(zip(p.pos_nats, p.pos_tokens, strict=True)):
             out.pos_nats[i] += n
             out.pos_tokens[i] += t
     return out

@@ -193,8 +193,8 @@ def _add_recipes_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=run_table)
     d = rsub.add_parser("derive", help="write the five looped variants next to a Baseline recipe (smelt-ds match)",
                         description="Run `smelt-ds match` for positions middle (smelt.yaml), uniform, bottom, top and "
-                                    "asymmetric with --ep-size <moe_runtime.ep_size> --tolerance 0.01 and write each next to "
-                                    "the Baseline, keeping the Baseline's comments.")
+                                    "asymmetric with --ep-size <moe_runtime.ep_size> --tolerance 0.01 and write "
+                                    "each next to the Baseline, keeping the Baseline's comments.")
     d.add_argument("baseline", help="Baseline recipe, e.g. recipes/xl/baseline.yaml")
     d.add_argument("--check", action="store_true", help="exit 1 when a variant file differs from its derivation")
     d.set_defaults(func=run_derive)
@@ -234,7 +234,8 @@ def _add_scaling_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--baseline", default=None, help="architecture the savings are measured against "
                                                     "(default: 'baseline', or the only unlooped one)")
     f.add_argument("--loss-key", default="all", help="validation domain of summary.json (default: all)")
-    f.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the 95%% CIs (0: none; default 200)")
+    f.add_argument("--bootstrap", type=int, default=200,
+                   help="bootstrap resamples for the 95%% CIs (0: none; default 200)")
     f.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     f.add_argument("--c-range", type=float, nargs=2, action=Once, default=None, metavar=("LOW", "HIGH"),
                    help="training FLOPs range of the frontier and savings tables (default: measured range to 100x)")
@@ -266,6 +267,6 @@ def run_fit(args: argparse.Namespace) -> int:
             line += (f"; paired runs vs {res['baseline']}: mean loss delta {pr['mean_delta']:+.4f}{ci} "
                      f"over {pr['n_pairs']} pairs")
         print(line)
-    for kind, path in written.items():
+    for path in written.values():
         print(f"wrote {path}")
     return 0

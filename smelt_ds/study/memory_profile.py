@@ -10,8 +10,9 @@ analytic :mod:`smelt_ds.cost.memory` (the cost layer) because it needs an engine
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -47,8 +48,9 @@ class SavedTensorCounter:
     holding it; :meth:`saved_bytes` sums the storages (deduplicated by storage, so views and
     tensors saved twice count once) of the live handles, leaving out the storages of the tensors
     given (parameters: model states, counted separately; buffers such as the RoPE tables, whose
-    slices attention saves: they exist whether or not anything is saved). Inputs kept by activation checkpoints are saved by the
-    checkpoint itself, not through autograd's hooks; :meth:`wrap_checkpoint` registers them.
+    slices attention saves: they exist whether or not anything is saved). Inputs kept by activation
+    checkpoints are saved by the checkpoint itself, not through autograd's hooks;
+    :meth:`wrap_checkpoint` registers them.
 
     Usage::
 
@@ -73,7 +75,7 @@ class SavedTensorCounter:
     def _unpack(h: _Packed) -> torch.Tensor:
         return h.tensor
 
-    def __enter__(self) -> "SavedTensorCounter":
+    def __enter__(self) -> SavedTensorCounter:
         self._handles = weakref.WeakSet()
         self._inputs = []
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

@@ -85,7 +85,7 @@ def shipped_recipes(root: Path = RECIPES_DIR) -> list[RecipeEntry]:
 
 
 def _loop_block(loop: dict[str, Any]) -> str:
-    return "loop:\n" + "".join("  " + l + "\n" for l in yaml.safe_dump(loop, sort_keys=False).splitlines())
+    return "loop:\n" + "".join("  " + line + "\n" for line in yaml.safe_dump(loop, sort_keys=False).splitlines())
 
 
 def derive_variants(baseline_path: str | Path, tolerance: float = 0.01) -> dict[str, str]:
@@ -274,7 +274,8 @@ def recipes_table(entries: list[RecipeEntry] | None = None) -> str:
             f"Estimated by `smelt-ds memory` (`smelt_ds.cost.memory.estimate`) for the recipe's own ZeRO option and "
             f"activation-checkpointing policy with the layout's overrides applied; a layout fits when at least "
             f"{MIN_HEADROOM:.0%} of the device memory stays free. GiB = 2^30 bytes. `smelt-ds render-job RECIPE "
-            f"--layout NAME` renders the job; accumulation = global batch / (micro-batch x seq_len x GPUs). Under ZeRO-3 "
+            f"--layout NAME` renders the job; accumulation = global batch / (micro-batch x seq_len x GPUs). "
+            f"Under ZeRO-3 "
             f"the memory includes the looped block kept gathered between visits by the loop-aware reuse distance "
             f"(`deepspeed.zero3_loop_tuning: auto`) at the layout's world size and device memory.", ""]
     out += _md(["recipe", "layout", "GPU", "nodes x GPUs", "ZeRO", "MoE (ep)", "checkpointing", "precision",

@@ -47,9 +47,10 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 from pydantic import Field, model_validator
@@ -112,7 +113,7 @@ class SweepBudget(StrictModel):
                                                                    "of the Baseline (Chinchilla: about 20)")
 
     @model_validator(mode="after")
-    def _one(self) -> "SweepBudget":
+    def _one(self) -> SweepBudget:
         given = {k: v for k, v in (("tokens", self.tokens), ("flops", self.flops),
                                    ("tokens_per_param", self.tokens_per_param)) if v is not None}
         if len(given) != 1:
@@ -138,7 +139,8 @@ class SweepArchitecture(StrictModel):
     repeats: int = Field(2, gt=1, description="visits per looped layer")
     fraction: float = Field(0.5, gt=0, le=1, description="share of unique layers looped")
     ranges: list[LoopRange] | None = Field(None, description="explicit loop ranges (custom / asymmetric)")
-    ep_size: int | None = Field(None, gt=0, description="expert counts must divide by this (default moe_runtime.ep_size)")
+    ep_size: int | None = Field(
+        None, gt=0, description="expert counts must divide by this (default moe_runtime.ep_size)")
 
 
 class SweepLaunch(StrictModel):
@@ -174,7 +176,7 @@ class SweepConfig(StrictModel):
     launch: SweepLaunch = Field(default_factory=SweepLaunch)
 
     @model_validator(mode="after")
-    def _unique(self) -> "SweepConfig":
+    def _unique(self) -> SweepConfig:
         for key in ("sizes", "budgets", "architectures"):
             names = [x.name for x in getattr(self, key)]
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -253,7 +255,8 @@ def _size_baseline(sweep: SweepConfig, source: Path, i: int, overrides: list[str
         where = f"sizes[{i}].recipe" if size.recipe else "base"
         raise ConfigError(f"sweep file {source}: `{where}` ({rel!r}) does not exist (looked for {path}); paths are "
                           "relative to the sweep file")
-    raw = apply_overrides(deep_merge(deep_merge(load_raw(path), sweep.overrides or {}), size.overrides or {}), overrides)
+    merged = deep_merge(deep_merge(load_raw(path), sweep.overrides or {}), size.overrides or {})
+    raw = apply_overrides(merged, overrides)
     cfg = config_from_dict(raw, source=f"{source} size {size.name!r}")
     if cfg.loop.position != "none":
         raise ConfigError(f"sweep file {source}: size {size.name!r} has `loop.position` ({cfg.loop.position!r}): a "
@@ -343,7 +346,7 @@ def _plan_run(sweep: SweepConfig, source: Path, out: Path, index: int, arch: Swe
                       b.non_embedding_params, devs)
 
 
-def plan_table(plan: SweepPlan, estimates: list["RunEstimate"] | None = None) -> str:
+def plan_table(plan: SweepPlan, estimates: list[RunEstimate] | None = None) -> str:
     """A markdown table of the planned runs and their status (FLOPs are training FLOPs); with
     ``estimates`` (:func:`estimate_runs`) also each run's estimated training time, its tokens/s and
     where they come from, and the totals (:func:`estimate_summary`)."""

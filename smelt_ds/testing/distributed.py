@@ -34,7 +34,8 @@ import pickle
 import queue as queue_mod
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.multiprocessing as mp
 

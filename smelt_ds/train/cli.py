@@ -8,8 +8,9 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from smelt_ds.config.loading import load_config
 from smelt_ds.config.run import RunConfig

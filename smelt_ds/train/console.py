@@ -94,8 +94,8 @@ def banner(cfg: RunConfig, *, run_dir: str | Path, world: int, accum: int, budge
         ("batch", f"{tokens_per_step:,} tokens/step = micro-batch {t.micro_batch_size} x seq_len {t.seq_len} "
                   f"x accumulation {accum} x data-parallel {world}"),
         ("schedule", f"{t.max_steps:,} steps = {t.max_steps * tokens_per_step:,} tokens; lr {t.lr:.2e} {t.schedule}, "
-                     f"warmup {_plural(t.warmup_steps, 'step')}; log every {t.log_every}, validate every {t.eval_every}, "
-                     f"save every {t.save_every}"),
+                     f"warmup {_plural(t.warmup_steps, 'step')}; log every {t.log_every}, "
+                     f"validate every {t.eval_every}, save every {t.save_every}"),
         ("compile", f"{t.compile}" + (f" (backend {t.compile_backend})" if t.compile != "none" else "")
                     + f"; activation checkpointing {t.activation_checkpointing.policy}"),
         ("threads", threads.describe()),
@@ -147,8 +147,8 @@ def summary_lines(summary: dict[str, Any], val_note: str, run_dir: str | Path, v
     """The final summary block (``summary.txt``) from ``summary.json``'s dict.
 
     ``val_note`` says how ``all`` combines the domains, ``val_windows`` (a ``val windows`` row) which
-    windows the validation read (:func:`smelt_ds.train.validation.describe_validation`); ``summary`` keys used: name, steps,
-    tokens, tokens_per_s, throughput_windows, first_window_s, startup_s, final_train_loss,
+    windows the validation read (:func:`smelt_ds.train.validation.describe_validation`); ``summary``
+    keys used: name, steps, tokens, tokens_per_s, throughput_windows, first_window_s, startup_s, final_train_loss,
     final_lm_loss, final_loss_steps, validation_loss, unigram_entropy_nats, budget."""
     tps, n = summary.get("tokens_per_s"), summary.get("throughput_windows") or 0
     if tps is None:

@@ -47,14 +47,15 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
 
     Raises ConfigError when the recipe needs an optional package that is missing
     (:func:`check_optional_packages`); when a new run (``resume == "none"``) would start in a
-    directory that already holds checkpoints (they would be taken for this run's by export, eval
-    and ``--resume auto``) or another run's files without a checkpoint (:func:`earlier_run_files`:
-    its config.yaml would be replaced and its logs mixed with this run's); when ``--resume`` names a directory that does not exist, a checkpoint of
-    another run directory, or one older than the run's newest (a rewind would mix the newer
-    checkpoints into this run); or when a resumed run's recipe differs from the run directory's ``config.yaml`` in a field the
-    checkpoint depends on (``_RESUME_FIXED``: model, loop, MoE layout and backend, tokenizer); or,
-    when ``world_size`` is given, when the checkpoint to resume was written with another number
-    of ranks, ZeRO stage, MoE backend or expert-parallel size (:func:`smelt_ds.runs.checkpoint.check_layout`).
+    directory that already holds checkpoints (they would be taken for this run's by export, eval and
+    ``--resume auto``) or another run's files without a checkpoint (:func:`earlier_run_files`: its
+    config.yaml would be replaced and its logs mixed with this run's); when ``--resume`` names a
+    directory that does not exist, a checkpoint of another run directory, or one older than the
+    run's newest (a rewind would mix the newer checkpoints into this run); or when a resumed run's
+    recipe differs from the run directory's ``config.yaml`` in a field the checkpoint depends on
+    (``_RESUME_FIXED``: model, loop, MoE layout and backend, tokenizer); or, when ``world_size`` is
+    given, when the checkpoint to resume was written with another number of ranks, ZeRO stage, MoE
+    backend or expert-parallel size (:func:`smelt_ds.runs.checkpoint.check_layout`).
 
     ``--resume auto`` in a directory without a complete checkpoint starts from step 0 in place:
     with ``take_over`` (the training itself, which holds the run lock), global rank 0 first removes
@@ -127,11 +128,12 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
 
 
 # what a resume may change: how long, how often to log/evaluate/save (and which checkpoints keep
-# the reference weights), where data are cached,
-# evaluation settings and compilation (the same computation, compiled or not); everything else would change the optimisation it continues (the LR, the
-# batch, the data) while the checkpoint restores the old state, so config.yaml would lie
+# the reference weights), where data are cached, evaluation settings and compilation (the same
+# computation, compiled or not); everything else would change the optimisation it continues (the LR,
+# the batch, the data) while the checkpoint restores the old state, so config.yaml would lie
 RESUME_MAY_CHANGE = ("name", "train.max_steps", "train.log_every", "train.eval_every", "train.save_every",
-                     "train.keep_last", "train.reference_weights", "train.exit_after_steps", "train.run_dir", "train.init_from", "eval",
+                     "train.keep_last", "train.reference_weights", "train.exit_after_steps", "train.run_dir",
+                     "train.init_from", "eval",
                      "cluster", "data.num_proc", "data.cache_dir", "data.output_dir", "data.offline", "data.verify",
                      "data.shared_filesystem", "data.prepare_timeout_s", "deepspeed.comms_logger", "train.compile",
                      "train.compile_backend", "train.deterministic", "tracking", "profile")

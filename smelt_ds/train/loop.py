@@ -422,7 +422,7 @@ def resync_lr(scheduler) -> None:
     lambdas = getattr(scheduler, "lr_lambdas", None)
     if lambdas is None:
         return
-    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, lambdas):
+    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, lambdas, strict=True):
         group["lr"] = base * fn(scheduler.last_epoch)
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -89,7 +90,7 @@ class MicroStats:
             dist.all_reduce(t)
             t /= dist.get_world_size()
         self.n, self.sums = 0, {}
-        return dict(zip(keys, t.tolist()))
+        return dict(zip(keys, t.tolist(), strict=True))
 
 
 @dataclass
@@ -239,7 +240,7 @@ def write_summary(out_dir: Path, cfg: RunConfig, result: RunResult, budget, data
     ``validation_loss``: the last validation (nats/token; ``all`` as :data:`VAL_ALL_NOTE` says), on
     ``validation_windows`` windows per domain (:func:`smelt_ds.train.validation.validation_windows`).
     ``threads``: this rank's CPU thread choice."""
-    metrics = [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last: dict[str, Any] = next((m for m in reversed(metrics) if "loss" in m), {})
     summary = {
         "name": cfg.name, "steps": result.step, "tokens": result.tokens_seen,
@@ -255,6 +256,7 @@ def write_summary(out_dir: Path, cfg: RunConfig, result: RunResult, budget, data
     tmp = out_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, out_dir / "summary.json")
-    text = "\n".join(summary_lines(summary, VAL_ALL_NOTE, out_dir, describe_validation(data, cfg) if result.val else None))
+    val_windows = describe_validation(data, cfg) if result.val else None
+    text = "\n".join(summary_lines(summary, VAL_ALL_NOTE, out_dir, val_windows))
     (out_dir / "summary.txt").write_text(text + "\n")
     print(text)

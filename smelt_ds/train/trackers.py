@@ -40,8 +40,9 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 from smelt_ds.config.loading import config_to_dict, dump_config
 from smelt_ds.config.run import RunConfig

@@ -93,7 +93,7 @@ def test_machine_info(dry):
     assert m["torch"] == torch.__version__
     assert m["cuda_version"] == torch.version.cuda
     when = datetime.datetime.fromisoformat(m["date_utc"])
-    assert abs((datetime.datetime.now(datetime.timezone.utc) - when).total_seconds()) < 3 * 3600
+    assert abs((datetime.datetime.now(datetime.UTC) - when).total_seconds()) < 3 * 3600
     assert m["device_used"] == "cpu (dry run)"
     assert m["missing_modules"] == []
 
@@ -197,7 +197,7 @@ def _tables(text: str, column: str) -> list[dict[str, str]]:
             for row in lines[i + 2:]:
                 if not row.strip():
                     break
-                rows.append(dict(zip(head, row.split())))
+                rows.append(dict(zip(head, row.split(), strict=True)))
     return rows
 
 
@@ -214,7 +214,8 @@ def test_text_table_lists_the_json_values(dry):
         assert cells["MFU"] == "-" and cells["peak_GiB"] == "-"
     mem = _result(data, "memory")
     (cells,) = _tables(text, "measured/predicted")
-    assert int(cells["measured_bytes"]) == mem["measured_bytes"] and int(cells["predicted_bytes"]) == mem["predicted_bytes"]
+    assert int(cells["measured_bytes"]) == mem["measured_bytes"]
+    assert int(cells["predicted_bytes"]) == mem["predicted_bytes"]
     assert float(cells["measured/predicted"]) == pytest.approx(mem["ratio"], rel=1e-3)
     moe = _result(data, "moe_layer")["rows"][0]
     (cells,) = _tables(text, "ours:grouped_mm/hf")

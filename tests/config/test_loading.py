@@ -13,7 +13,6 @@ from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from tests.config.recipe_helpers import custom_ranges, write
 
-
 # --------------------------------------------------------------------------------------------
 # overrides, files
 # --------------------------------------------------------------------------------------------
@@ -87,7 +86,8 @@ def test_malformed_override(item, expect):
 
 
 def test_override_of_unknown_field_is_rejected_with_its_path(tmp_path):
-    with pytest.raises(ConfigError, match=r"^--set model.hiden_size=3: unknown key `hiden_size` in `model`: did you mean `hidden_size`\?$"):
+    with pytest.raises(ConfigError, match=r"^--set model.hiden_size=3: unknown key `hiden_size` in `model`: "
+                                          r"did you mean `hidden_size`\?$"):
         load_config(write(tmp_path, {}), ["model.hiden_size=3"])
     with pytest.raises(ConfigError, match=r"`model.hidden_size` \('big'\)"):
         load_config(write(tmp_path, {}), ["model.hidden_size=big"])

@@ -13,7 +13,6 @@ from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from tests.config.recipe_helpers import bad, write
 
-
 # --------------------------------------------------------------------------------------------
 # the MoE section holds the architecture only; runtime knobs and loss coefficients live elsewhere
 # --------------------------------------------------------------------------------------------

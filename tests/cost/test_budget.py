@@ -51,9 +51,9 @@ def test_param_counts_equal_module(name):
     assert b.non_embedding_params == non_emb
     assert b.embedding_params == sum(p.numel() for p in model.parameters() if id(p) in emb)
     # active: remove the unused experts of every MoE layer from the module's count
-    unused = sum((cfg.moe.num_experts - cfg.moe.top_k) * (l.mlp.experts.gate_up_proj[0].numel()
-                                                          + l.mlp.experts.down_proj[0].numel())
-                 for l in model.layers if l.is_moe)
+    unused = sum((cfg.moe.num_experts - cfg.moe.top_k) * (layer.mlp.experts.gate_up_proj[0].numel()
+                                                          + layer.mlp.experts.down_proj[0].numel())
+                 for layer in model.layers if layer.is_moe)
     assert b.active_non_embedding_params == non_emb - unused
 
 

@@ -171,7 +171,7 @@ def test_allgather_bytes_per_step_auto_vs_off(comms):
 
     So auto saves at least ``2 * b(looped block)`` per step, and more with checkpointing.
     """
-    res = {case: r for case, r in zip(CASES, comms)}
+    res = {case: r for case, r in zip(CASES, comms, strict=True)}
     parts = res[CASES[0]]["parts"]
     b_layer = {i: sum(v for n, v in parts.items() if n.startswith(f"layers.{i}.")) for i in range(4)}
     b_outside = sum(v for n, v in parts.items() if not n.startswith("layers."))

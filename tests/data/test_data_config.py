@@ -39,9 +39,9 @@ def test_shipped_recipes_carry_a_valid_data_section():
 
 
 def test_yaml_keys_set_sources_and_tokenizer():
-    cfg = config_from_dict({"data": {"sources": [{"path": "corpus/", "domain": "web", "weight": 2},
-                                                 {"dataset": "user/name", "dataset_config": "en", "text_field": "body"}],
-                                     "tokenizer": {"vocab_size": 8000}, "num_proc": 4}}).data
+    sources = [{"path": "corpus/", "domain": "web", "weight": 2},
+               {"dataset": "user/name", "dataset_config": "en", "text_field": "body"}]
+    cfg = config_from_dict({"data": {"sources": sources, "tokenizer": {"vocab_size": 8000}, "num_proc": 4}}).data
     assert cfg.sources[0].weight == 2.0 and cfg.sources[1].resolved_domain() == "name"
     assert cfg.tokenizer.vocab_size == 8000 and cfg.num_proc == 4
 

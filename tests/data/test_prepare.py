@@ -253,7 +253,7 @@ def test_split_follows_the_documents_not_their_positions(tmp_path):
                           tokenizer={"vocab_size": 300}, cache_dir=str(tmp_path / "c"))
 
     def held(p: PreparedData, d: list[str]) -> list[str]:
-        return sorted(doc for doc, v in zip(d, _check_source(p, 0, d)) if v)
+        return sorted(doc for doc, v in zip(d, _check_source(p, 0, d), strict=True) if v)
 
     forward = prepare_from_config(cfg("f.jsonl", docs))
     backward = prepare_from_config(cfg("r.jsonl", docs[::-1]))

@@ -79,7 +79,8 @@ CASES = {
     "short index": (lambda t: _truncate(_megatron(t).with_suffix(".idx"), (t / "m.idx").stat().st_size - 20),
                     MEGATRON, [], r"m\.idx.*truncated: 20 bytes, shorter than its 34-byte header"),
     "bin of another dtype": (_as_int32_bin, MEGATRON, [],
-                             r"m\.bin.*the size fits int32: the index and the \.bin were written with different dtypes"),
+                             r"m\.bin.*the size fits int32: the index and the \.bin were written with "
+                             r"different dtypes"),
     "empty index": (lambda t: _truncate(_megatron(t).with_suffix(".idx"), 0), MEGATRON, [],
                     r"m\.idx.*the Megatron index \(\.idx\) is empty \(0 bytes\)"),
     "empty bin": (lambda t: _truncate(_megatron(t).with_suffix(".bin"), 0), MEGATRON, [],
@@ -98,7 +99,8 @@ CASES = {
                           r"f\.bin.*a raw token file \(no np\.save header\) does not record its dtype: set "),
     "npy dtype differs": (lambda t: write_flat(t / "f.npy", DOCS, np.uint32, header=True),
                           {"tokens": "f.npy", "token_dtype": "uint16"}, ["--token-dtype", "uint16"],
-                          r"f\.npy.*the file's header says uint32, `(data.sources\[0\].token_dtype|--token-dtype)` says uint16"),
+                          r"f\.npy.*the file's header says uint32, "
+                          r"`(data.sources\[0\].token_dtype|--token-dtype)` says uint16"),
     "npy int64": (lambda t: write_flat(t / "f.npy", DOCS, np.int64, header=True), {"tokens": "f.npy"}, [],
                   r"f\.npy.*np\.save file of dtype <i8, not uint16 or uint32"),
     "npy truncated": (_npy_truncated, {"tokens": "f.npy"}, [], r"f\.npy.*the header says [\d,]+ tokens .* truncated"),
@@ -176,7 +178,8 @@ def test_recipe_mistakes_name_the_field(data, pattern):
 
 def test_recipe_errors_give_the_yaml_line(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("data:\n  tokenizer:\n    path: t.json\n  sources:\n    - tokens: f.npy\n      tokn_dtype: uint16\n")
+    recipe.write_text("data:\n  tokenizer:\n    path: t.json\n"
+                      "  sources:\n    - tokens: f.npy\n      tokn_dtype: uint16\n")
     with pytest.raises(ConfigError, match=r"unknown key `tokn_dtype` in `data.sources\[0\]` \(line 6 of .*r.yaml\): "
                                           r"did you mean `token_dtype`\?"):
         load_config(recipe)
@@ -227,15 +230,15 @@ def _ids(n: int, high: int, seed: int) -> np.ndarray:
     return ids
 
 
-LITTLE, BIG = "set `{}` to uint32", r"write the ids again as little-endian uint32 \(ids.astype\('<u4'\).tofile\(path\)\) " \
-                                     "and set `{}` to uint32"
+LITTLE = "set `{}` to uint32"
+BIG = r"write the ids again as little-endian uint32 \(ids.astype\('<u4'\).tofile\(path\)\) and set `{}` to uint32"
 
 
 @pytest.mark.parametrize("high, order, seen, fix", [
     (1000, "<u4", r"every second uint16 is 0 \(those at odd positions, in the whole file\): the file holds "
                   r"little-endian uint32 token ids below 65,536", LITTLE),
-    (150_000, "<u4", r"every second uint16 is at most 2, while the others reach [\d,]+ \(those at odd positions, in the "
-                     r"whole file\): the file holds little-endian uint32 token ids below 196,608", LITTLE),
+    (150_000, "<u4", r"every second uint16 is at most 2, while the others reach [\d,]+ \(those at odd positions, "
+                     r"in the whole file\): the file holds little-endian uint32 token ids below 196,608", LITTLE),
     (1000, ">u4", r"every second uint16 is 0 \(those at even positions, in the whole file\): the file holds "
                   r"big-endian uint32 token ids below 65,536", BIG),
 ], ids=["ids below 65,536", "ids up to 150,000", "big-endian"])

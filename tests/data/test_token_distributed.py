@@ -69,7 +69,7 @@ def test_two_ranks_read_disjoint_windows_that_make_the_one_rank_stream(tmp_path)
     assert r0["root"] == r1["root"]
     assert len(r0["one_ids"]) == len(r0["ids"]) == len(r1["ids"])
     seen: set[int] = set()
-    for t, (ids, whole) in enumerate(zip(r0["one_ids"], r0["one_windows"])):
+    for t, (ids, whole) in enumerate(zip(r0["one_ids"], r0["one_windows"], strict=True)):
         assert r0["ids"][t] + r1["ids"][t] == ids
         assert r0["windows"][t] + r1["windows"][t] == whole
         assert not seen & set(ids)

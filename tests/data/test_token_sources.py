@@ -114,7 +114,7 @@ def test_packed_tokens_slices_equal_the_reference_stream(megatron_data):
     the split in order, each + end-of-text), also slices that start or end on an end-of-text."""
     docs, prepared, _ = megatron_data
     mask = _check_read_back(prepared, packed(docs))
-    ref = np.array(sum((d for d, m in zip(packed(docs), mask) if not m), []), dtype=np.int64)
+    ref = np.array(sum((d for d, m in zip(packed(docs), mask, strict=True) if not m), []), dtype=np.int64)
     for shard in prepared.shards("train"):
         view, base = prepared.tokens(shard), shard["offset"]
         assert len(view) == shard["tokens"]
@@ -136,9 +136,9 @@ def test_split_is_the_same_for_the_same_documents_anywhere(tmp_path, small_tok, 
     write_flat(tmp_path / "other.npy", docs[::-1], np.uint32, header=True)
     again = prepare_from_config(_cfg(tmp_path, [{"tokens": str(tmp_path / "other.npy"), "eot_id": EOT}], small_tok))
     mask_again = _check_read_back(again, packed(docs[::-1]))
-    held = {tuple(d.tolist()) for d, m in zip(docs, mask) if m}
-    assert held == {tuple(d.tolist()) for d, m in zip(docs[::-1], mask_again) if m}
-    trained = {tuple(d.tolist()) for d, m in zip(docs, mask) if not m}
+    held = {tuple(d.tolist()) for d, m in zip(docs, mask, strict=True) if m}
+    assert held == {tuple(d.tolist()) for d, m in zip(docs[::-1], mask_again, strict=True) if m}
+    trained = {tuple(d.tolist()) for d, m in zip(docs, mask, strict=True) if not m}
     assert not held & trained
 
 
@@ -177,7 +177,8 @@ def test_select_smallest_equals_stable_argsort(n):
 def _reference_windows(docs: list[np.ndarray], mask: list[bool], split: str, max_tokens: int, seq_len: int):
     """Windows of seq_len + 1 tokens, stride seq_len, in each max_tokens piece of the split's
     reference stream (its documents in order, each + end-of-text), in window-id order."""
-    ref = np.array(sum((d for d, m in zip(packed(docs), mask) if m == (split == "validation")), []), dtype=np.int64)
+    in_split = [d for d, m in zip(packed(docs), mask, strict=True) if m == (split == "validation")]
+    ref = np.array(sum(in_split, []), dtype=np.int64)
     pieces = [ref[a:a + max_tokens] for a in range(0, len(ref), max_tokens)]
     return [p[j * seq_len:j * seq_len + seq_len + 1] for p in pieces for j in range(windows_in(len(p), seq_len))]
 

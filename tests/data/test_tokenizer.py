@@ -73,7 +73,8 @@ def test_tokenizer_without_the_end_of_text_token(tmp_path):
         prepare_from_config(cfg)
     ok = prepare_from_config(cfg.model_copy(update={"tokenizer": TokenizerConfig(
         path=str(tmp_path / "t.json"), eot_token="<eos>", pad_token="<pad>")}))
-    assert ok.eot_id == tok.token_to_id("<eos>") == json.loads((ok.root / "meta.json").read_text())["tokenizer"]["eot_id"]
+    meta = json.loads((ok.root / "meta.json").read_text())
+    assert ok.eot_id == tok.token_to_id("<eos>") == meta["tokenizer"]["eot_id"]
 
 
 def test_training_text_cap_counts_utf8_bytes():

@@ -156,7 +156,7 @@ def test_random_model_statistics_equal_hand_computations(tiny_cfg):
         if visits == 2:
             a, b = (t.sort(-1).values for t in tops)
             want = (a != b).any(-1).double().mean().item()
-            kept = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b)) / (K * a.shape[0])
+            kept = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b, strict=True)) / (K * a.shape[0])
             got = next(d for d in res["routing"]["divergence"] if d["layer"] == layer)
             assert got["divergence"] == pytest.approx(want) and 0 < want <= 1
             assert got["overlap"] == pytest.approx(kept)
@@ -169,7 +169,7 @@ def test_random_model_statistics_equal_hand_computations(tiny_cfg):
     for d in (0, 3):
         num = agree = 0.0
         with torch.no_grad():
-            for b, final in zip(batches, final_argmax):
+            for b, final in zip(batches, final_argmax, strict=True):
                 x = m.embed_tokens(b["input_ids"])
                 cos, sin = m.rotary(torch.arange(b["input_ids"].shape[1]))
                 for v in m.schedule.plan[:d]:

@@ -58,7 +58,7 @@ def test_eval_table_files_and_ranges(eval_out, trained_run, capsys):
             assert 0 < r["loss"] < 2 * ln_v and 0 < r["bits_per_byte"] < 10
             assert r["tokens"] == (2 * 4 * 32 if d != "all" else 2 * 2 * 4 * 32)
             assert [(b["start"], b["end"]) for b in r["positions"]] == [(1, 8), (9, 16), (17, 32)]
-        for task, curve in res["icl"][n].items():
+        for curve in res["icl"][n].values():
             assert list(curve) == ["0", "1", "4"]
             for v in curve.values():
                 if v is not None:
@@ -78,7 +78,7 @@ def test_eval_table_files_and_ranges(eval_out, trained_run, capsys):
 
 def test_analyze_files_and_ranges(analysis_out):
     res = json.loads((analysis_out / "analysis.json").read_text())
-    for n, a in res["analysis"].items():
+    for a in res["analysis"].values():
         assert len(a["attention"]) == 6 and len(a["logit_lens"]["depths"]) == 7
         for rec in a["attention"].values():
             for h in range(4):

@@ -29,8 +29,14 @@ from lm_eval.api.instance import Instance
 from smelt_ds.config.loop import loop_with_repeats
 from smelt_ds.config.schedule import build_schedule
 from smelt_ds.errors import ConfigError
-from smelt_ds.eval.harness import (SmeltHarnessLM, evaluate_model, harness_records, metric_table, own_lengths,
-                                   run_harness)
+from smelt_ds.eval.harness import (
+    SmeltHarnessLM,
+    evaluate_model,
+    harness_records,
+    metric_table,
+    own_lengths,
+    run_harness,
+)
 from smelt_ds.runs.load import load_run
 from tests.numerics import BF16_U, chain_tol, model_chain_length, prob_tol
 
@@ -76,11 +82,13 @@ def write_tasks(root, gen_answers: list[str]) -> None:
           target_delimiter="", metric_list=[{"metric": "perplexity"}, {"metric": "acc"}])
     _yaml(root, "t_roll", "loglikelihood_rolling", ROLL_DOCS, doc_to_text="", doc_to_target="{{text}}",
           metric_list=[{"metric": "word_perplexity"}, {"metric": "byte_perplexity"}, {"metric": "bits_per_byte"}])
-    _yaml(root, "t_gen", "generate_until", [{"prompt": p, "answer": a} for p, a in zip(GEN_PROMPTS, gen_answers)],
+    _yaml(root, "t_gen", "generate_until",
+          [{"prompt": p, "answer": a} for p, a in zip(GEN_PROMPTS, gen_answers, strict=True)],
           doc_to_text="{{prompt}}", doc_to_target="{{answer}}",
           generation_kwargs={"until": STOPS, "max_gen_toks": MAX_GEN, "do_sample": False},
           metric_list=[{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}])
-    (root / "t_all.yaml").write_text(yaml.safe_dump({"group": "t_all", "task": ["t_mc", "t_ll"], "aggregate_metric_list": [
+    (root / "t_all.yaml").write_text(yaml.safe_dump({"group": "t_all", "task": ["t_mc", "t_ll"],
+                                                     "aggregate_metric_list": [
         {"metric": "acc", "aggregation": "mean", "weight_by_size": True}]}))
 
 
@@ -108,7 +116,8 @@ def _ref_scores(model, inp: list[int], cont: list[int]) -> tuple[float, bool]:
     """Log-likelihood of the last len(cont) positions of one row ``inp`` (fsum of float32 log-probs)."""
     lp = F.log_softmax(model(torch.tensor([inp])).logits[0].float(), dim=-1)
     pos = range(len(inp) - len(cont), len(inp))
-    return math.fsum(lp[p, t].item() for p, t in zip(pos, cont)), all(int(lp[p].argmax()) == t for p, t in zip(pos, cont))
+    pairs = list(zip(pos, cont, strict=True))
+    return math.fsum(lp[p, t].item() for p, t in pairs), all(int(lp[p].argmax()) == t for p, t in pairs)
 
 
 def _ref_loglik(model, tok, eot: int, context: str, continuation: str) -> tuple[float, bool]:
@@ -184,12 +193,12 @@ def test_multiple_choice_equals_hand_computation(setup):
     res = _eval(setup, ["t_mc"])
     samples = sorted(res["samples"]["t_mc"], key=lambda s: s["doc_id"])
     accs, norms = [], []
-    for doc, s in zip(MC_DOCS, samples):
+    for doc, s in zip(MC_DOCS, samples, strict=True):
         ref = [_ref_loglik(m, tok, eot, doc["question"], c) for c in doc["choices"]]
         assert [tuple(r[0]) for r in s["resps"]] == ref  # per-request (log-likelihood, is_greedy), exactly
         lls = [r[0] for r in ref]
         accs.append(1.0 if lls.index(max(lls)) == doc["gold"] else 0.0)
-        normed = [ll / len(c) for ll, c in zip(lls, doc["choices"])]
+        normed = [ll / len(c) for ll, c in zip(lls, doc["choices"], strict=True)]
         norms.append(1.0 if normed.index(max(normed)) == doc["gold"] else 0.0)
         assert (s["acc"], s["acc_norm"]) == (accs[-1], norms[-1])
     out = res["results"]["t_mc"]
@@ -274,7 +283,8 @@ def test_generate_until_equals_model_generate(setup):
     assert got == setup["greedy"]
     assert all(not any(x in g for x in STOPS) for g in got)  # cut at the first stop string
     answers = [s["target"] for s in samples]
-    assert res["results"]["t_gen"]["exact_match,none"] == sum(g == a for g, a in zip(got, answers)) / len(got)
+    exact = sum(g == a for g, a in zip(got, answers, strict=True)) / len(got)
+    assert res["results"]["t_gen"]["exact_match,none"] == exact
     assert res["results"]["t_gen"]["exact_match,none"] == 0.25  # the one answer built from the greedy decode
     # equal-length contexts share one generate call: batch 4 gives the same strings
     res4 = _eval(setup, ["t_gen"], batch_size=4)
@@ -320,7 +330,7 @@ def test_right_padding_changes_nothing_but_rounding(setup):
     with torch.no_grad():
         logit_max = max(float(m(torch.tensor([_enc(tok, r.args[0] + r.args[1])])).logits.abs().max()) for r in reqs)
     per_token = 2 * chain_tol(model_chain_length(m, m.model_cfg.max_seq_len)) * logit_max
-    for r, (a, _), (b, _) in zip(reqs, one, four):
+    for r, (a, _), (b, _) in zip(reqs, one, four, strict=True):
         assert abs(a - b) <= per_token * len(_enc(tok, r.args[1])), r.args
     assert one == [_ref_loglik(m, tok, eot, *r.args) for r in reqs]
 
@@ -477,7 +487,7 @@ def test_bfloat16_scores_near_float32(setup, random_exports):
     # about 12 per visit and 4 in the head: Higham & Mary's bound lambda sqrt(k) u at lambda = 10 for
     # one computation, relative to the log-probabilities whose logits carry it (0.34 here)
     k = 12 * lm.model.schedule.effective_depth + 4
-    assert max(abs(a - b) / abs(a) for (a, _), (b, _) in zip(f32, bf16)) < prob_tol(k, BF16_U) / 2
+    assert max(abs(a - b) / abs(a) for (a, _), (b, _) in zip(f32, bf16, strict=True)) < prob_tol(k, BF16_U) / 2
 
 
 def test_pretrained_export_loads_with_string_arguments(setup, random_exports):

@@ -125,7 +125,7 @@ def test_canonical_loss_equals_direct_computation(eval_data, eval_cache, problem
     model = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
     tok, eot = eval_data.tokenizer, eval_data.eot_id
     got = he.canonical_solution_loss(model, tok, eot, problems)
-    for p, (loss, n) in zip(problems, got):
+    for p, (loss, n) in zip(problems, got, strict=True):
         ctx, cont = he.encode_pair(tok, p["prompt"], p["canonical_solution"])
         lp = _direct_logprobs(model, [eot] + ctx + cont)
         assert n == len(cont) > 0
@@ -161,7 +161,7 @@ def test_greedy_completions_match_uncached_decoding(smelt, eval_data, problems):
     L, new = model.model_cfg.max_seq_len, 10
     probs = [*problems, {"task_id": "short", "prompt": "def f():\n"}]
     got = he.generate_completions(model, tok, eot, probs, max_new_tokens=new)
-    for p, texts, n_prompt, trunc in zip(probs, got.texts, got.prompt_tokens, got.truncated):
+    for p, texts, n_prompt, trunc in zip(probs, got.texts, got.prompt_tokens, got.truncated, strict=True):
         full = [eot] + list(tok.encode(p["prompt"]).ids)
         ids = full[-(L - new):]
         assert (n_prompt, trunc) == (len(ids), len(full) > L - new)

@@ -14,12 +14,12 @@ from smelt_ds.config.loop import LoopRange, loop_with_repeats
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.data import open_eval_data
-from smelt_ds.eval.loss import evaluate_domain
 from smelt_ds.eval.looptime import loop_plan, loop_repeats_markdown, loss_by_repeats, parse_repeats
-from smelt_ds.runs.load import load_run
-from smelt_ds.runs.validation_loss import combine_domains
+from smelt_ds.eval.loss import evaluate_domain
 from smelt_ds.model import SmeltLM
 from smelt_ds.model.attention import KVCache
+from smelt_ds.runs.load import load_run
+from smelt_ds.runs.validation_loss import combine_domains
 from tests.eval.eval_test_utils import tiny_raw
 
 

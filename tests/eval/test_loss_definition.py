@@ -118,8 +118,8 @@ def test_eval_with_training_windows_equals_in_loop_validation(run, cli_eval, eva
 def test_same_flags_on_an_earlier_checkpoint_equal_its_validation(run, eval_data):
     """Without --training-windows, flags naming the same windows give the same numbers (step 3);
     the default note points at --training-windows."""
-    from smelt_ds.runs.load import load_run
     from smelt_ds.eval.suite import EvalSettings, evaluate_runs
+    from smelt_ds.runs.load import load_run
 
     loaded = load_run(run["dir"] / "checkpoints" / "step00000003")
     res = evaluate_runs([loaded], EvalSettings(seq_len=32, micro_batch_size=4, batches=EVAL_BATCHES, tasks=()),
@@ -150,8 +150,8 @@ def test_summary_line_states_the_windows(run):
 
 def _two_rank_validation(rank, world, raw, export):
     from smelt_ds.config.loading import config_from_dict
-    from smelt_ds.train.data import build_data
     from smelt_ds.runs.export import load_exported
+    from smelt_ds.train.data import build_data
     from smelt_ds.train.validation import evaluate, validation_windows
 
     cfg = config_from_dict(raw)
@@ -163,8 +163,8 @@ def _two_rank_validation(rank, world, raw, export):
 def test_two_rank_validation_equals_eval_with_ranks(run, eval_data):
     """Training's validation on 2 ranks (each rank every other window, sums all-reduced) equals the
     evaluation reading the windows the same way (``ranks=2``)."""
-    from smelt_ds.runs.load import load_run
     from smelt_ds.eval.suite import EvalSettings, evaluate_runs
+    from smelt_ds.runs.load import load_run
     from smelt_ds.testing import run_distributed
 
     export = run["dir"] / "exports" / "step00000006"
@@ -183,8 +183,8 @@ def test_two_rank_validation_equals_eval_with_ranks(run, eval_data):
 
 
 def test_training_ranks_come_from_the_checkpoint_marker(run, tmp_path):
-    from smelt_ds.runs.load import load_run
     from smelt_ds.eval.suite import training_windows
+    from smelt_ds.runs.load import load_run
 
     export = run["dir"] / "exports" / "step00000006"
     assert training_windows(load_run(run["dir"])) == {"seq_len": 32, "micro_batch_size": 4, "batches": EVAL_BATCHES,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -57,8 +58,8 @@ def split(tasks_cfg) -> dict[str, dict[str, list[str]]]:
         domain = src.resolved_domain()
         texts = [json.loads(line)["text"] for line in (corpus / f"{src.builtin}.jsonl").read_text().splitlines()]
         mask = validation_mask(len(texts), d.validation_share, d.seed, f"{src.label()}|{domain}")
-        out[domain] = {"validation": [t for t, m in zip(texts, mask) if m],
-                       "train": [t for t, m in zip(texts, mask) if not m]}
+        out[domain] = {"validation": [t for t, m in zip(texts, mask, strict=True) if m],
+                       "train": [t for t, m in zip(texts, mask, strict=True) if not m]}
     return out
 
 
@@ -103,9 +104,9 @@ def test_examples_come_from_validation_documents_not_train(built, split):
         for r in rows:
             doc = split[domain]["validation"][r["doc_index"]]
             assert r["doc_sha256"] == _sha(doc) and r["doc_sha256"] not in train
-            piece = {ot.LAMBADA: lambda: r["context"] + r["target"], ot.ROLLING: lambda: r["text"],
-                     ot.NEXTLINE: lambda: r["context"] + "\n" + r["choices"][r["gold"]],
-                     ot.COMPLETE: lambda: r["prompt"] + r["next_line"]}[task]()
+            piece = {ot.LAMBADA: lambda r: r["context"] + r["target"], ot.ROLLING: lambda r: r["text"],
+                     ot.NEXTLINE: lambda r: r["context"] + "\n" + r["choices"][r["gold"]],
+                     ot.COMPLETE: lambda r: r["prompt"] + r["next_line"]}[task](r)
             assert piece in doc
             assert not any(piece in t for t in split[domain]["train"])
 
@@ -145,7 +146,7 @@ def test_nextline_choices_are_real_lines_distinct_from_the_answer(built, split):
         by_doc.setdefault(r["doc_index"], []).append(r["answer_line"])
     for lines_taken in by_doc.values():
         lines_taken.sort()
-        assert all(b - a > ot.CONTEXT_LINES for a, b in zip(lines_taken, lines_taken[1:]))
+        assert all(b - a > ot.CONTEXT_LINES for a, b in itertools.pairwise(lines_taken))
 
 
 def _after_docstring(fn):
@@ -235,7 +236,7 @@ def test_rebuild_is_byte_identical_and_seed_changes_draws(built, tasks_cfg, prep
     reseeded = ot.build_tasks(tmp_path / "seed1", tasks_cfg, prepared=prepared, seed=1)
     for task in (ot.LAMBADA, ot.NEXTLINE, ot.COMPLETE):
         assert reseeded["tasks"][task]["sha256"] != manifest["tasks"][task]["sha256"]
-    for task, entry in manifest["tasks"].items():
+    for entry in manifest["tasks"].values():
         assert entry["sha256"] == hashlib.sha256(before[entry["data_file"]]).hexdigest()
         assert entry["yaml_sha256"] == hashlib.sha256(before[entry["yaml"]]).hexdigest()
     assert json.loads(before[ot.MANIFEST_FILE]) == manifest

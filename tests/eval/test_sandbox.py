@@ -270,7 +270,8 @@ def test_fresh_working_directory_removed_afterwards(tmp_path, monkeypatch):
     program = ("import os\nassert os.listdir('.') == [], os.listdir('.')\n"
                "open('marker', 'w').write('x')\nassert os.path.exists('marker')\n"
                "assert os.environ['HOME'] == os.environ['TMPDIR']\n"
-               "assert sorted(os.environ) == ['HOME', 'LANG', 'OMP_NUM_THREADS', 'PATH', 'TMPDIR'], sorted(os.environ)\n"
+               "assert sorted(os.environ) == ['HOME', 'LANG', 'OMP_NUM_THREADS', 'PATH', 'TMPDIR'], "
+               "sorted(os.environ)\n"
                "import sys\nassert sys.__stdin__.read() == ''\n")
     r = sandbox.run_sandboxed(program, timeout_s=10)
     assert r.status == "passed", r

@@ -5,6 +5,7 @@ against hand counts, the report's wording, the plots and every input error."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -29,7 +30,7 @@ def _recs(run: str, values, task: str = "t", metric: str = "acc", k: int = 0, le
     doc_ids = list(range(len(values))) if doc_ids is None else list(doc_ids)
     lengths = [10] * len(values) if lengths is None else list(lengths)
     return [{"run": run, "task": task, "num_fewshot": k, "doc_id": int(d), "length_tokens": int(n), "metric": metric,
-             "value": float(v)} for d, n, v in zip(doc_ids, lengths, values)]
+             "value": float(v)} for d, n, v in zip(doc_ids, lengths, values, strict=True)]
 
 
 def _pair(base, run, **kw) -> list:
@@ -143,13 +144,13 @@ def test_given_length_buckets_match_a_hand_count_and_report_dropped_examples():
     (c,) = res["comparisons"]
     L = c["length"]
     assert L["edges"] == edges and L["edges_source"] == "given" and L["k"] == 0
-    hand_base = [sum(1 for x in lengths if a <= x < b) for a, b in zip(edges, edges[1:])]
-    hand_pair = [sum(1 for x in lengths[:80] if a <= x < b) for a, b in zip(edges, edges[1:])]
+    hand_base = [sum(1 for x in lengths if a <= x < b) for a, b in itertools.pairwise(edges)]
+    hand_pair = [sum(1 for x in lengths[:80] if a <= x < b) for a, b in itertools.pairwise(edges)]
     assert L["counts"]["base"] == hand_base
     assert L["counts"]["smelt"] == [h + 1 for h in hand_pair]
     assert [r["n"] for r in L["rows"]] == hand_pair
     assert [r["dropped"] for r in L["rows"]] == [{"run_only": 1, "baseline_only": hb - hp}
-                                                 for hb, hp in zip(hand_base, hand_pair)]
+                                                 for hb, hp in zip(hand_base, hand_pair, strict=True)]
     for i, r in enumerate(L["rows"]):
         sel = [j for j in range(80) if edges[i] <= lengths[j] < edges[i + 1]]
         assert r["difference"] == pytest.approx(float(np.mean(run[sel] - base[sel])), abs=1e-15)
@@ -168,7 +169,7 @@ def test_quantile_buckets_cover_every_example_in_equal_parts():
     assert L["edges"][0] == 3 and L["edges"][-1] == n + 3
     assert sum(L["counts"]["base"]) == n
     assert max(L["counts"]["base"]) - min(L["counts"]["base"]) <= 1
-    for r, (a, b) in zip(L["rows"], zip(L["edges"], L["edges"][1:])):
+    for r, (a, b) in zip(L["rows"], itertools.pairwise(L["edges"]), strict=True):
         assert r["n"] == sum(1 for x in lengths if a <= x < b)
 
 
@@ -217,7 +218,8 @@ def test_markdown_says_includes_zero_exactly_when_the_interval_does():
     seen = set()
     for c in res["comparisons"]:
         for r in c["fewshot"]["rows"]:
-            (line,) = [ln for ln in md.splitlines() if ln.startswith(f"- smelt - base on t {c['metric']} at k={r['k']}:")]
+            start = f"- smelt - base on t {c['metric']} at k={r['k']}:"
+            (line,) = [ln for ln in md.splitlines() if ln.startswith(start)]
             assert ("includes 0" in line) == r["interval_includes_zero"], line
             assert f"n={r['n']} examples" in line
             seen.add(r["interval_includes_zero"])

@@ -18,7 +18,6 @@ from smelt_ds.runs.export import load_exported
 from tests.numerics import assert_close_chain, model_chain_length, prob_tol
 
 
-
 def _cli(*argv) -> int:
     return main([str(a) for a in argv])
 

@@ -16,12 +16,12 @@ import yaml
 from smelt_ds.cli import main
 from smelt_ds.config.loading import load_config
 from smelt_ds.errors import ConfigError
-from smelt_ds.runs.load import resolve_export
 from smelt_ds.interop.export import export_hf
 from smelt_ds.interop.import_hf import RECIPE_HEADER, import_hf
 from smelt_ds.model import SmeltLM
-from smelt_ds.testing import scaled_timeout
 from smelt_ds.runs.export import export_checkpoint, load_initial_weights
+from smelt_ds.runs.load import resolve_export
+from smelt_ds.testing import scaled_timeout
 
 
 def _cli(*argv) -> int:
@@ -101,8 +101,9 @@ def test_imported_recipe_trains_from_the_checkpoint(make_export, interop_cache, 
     hf = export_hf(src, tmp_path / "hf")
     recipe, weights = import_hf(hf.out, tmp_path / "cont.yaml")
     run = tmp_path / "run"
-    sets = ["train.max_steps=2", "train.warmup_steps=1", "train.seq_len=32", "train.lr=1e-9", "train.micro_batch_size=2",
-            "train.eval_every=2", "train.save_every=2", "eval.eval_batches=1", "data.builtin_max_bytes=150000",
+    sets = ["train.max_steps=2", "train.warmup_steps=1", "train.seq_len=32", "train.lr=1e-9",
+            "train.micro_batch_size=2", "train.eval_every=2", "train.save_every=2", "eval.eval_batches=1",
+            "data.builtin_max_bytes=150000",
             f"data.cache_dir={interop_cache}", f"train.run_dir={run}"]
     # in a subprocess, as a user runs it: a training in the test process would leave its process group
     # (and its TCP store's port) behind for the tests after it

@@ -23,8 +23,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from smelt_ds.config.loading import config_from_dict
 from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
-from smelt_ds.interop.known_archs import (build_known_hf, known_hf_config, match_hf_architecture, import_hf_model,
-                                          recipe_from_hf_config, to_known_state_dict)
+from smelt_ds.interop.known_archs import (
+    build_known_hf,
+    import_hf_model,
+    known_hf_config,
+    match_hf_architecture,
+    recipe_from_hf_config,
+    to_known_state_dict,
+)
 from smelt_ds.model.lm import SmeltLM
 from tests.numerics import assert_close_chain, greedy_tie_point, lm_chain_length
 

@@ -30,8 +30,14 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.interop.configuration_smelt import SmeltConfig, derive_visit_plan
 from smelt_ds.interop.modeling_smelt import SmeltForCausalLM
 from smelt_ds.interop.smelt_format import (
-    MODELING_FILES, from_hf_state_dict, load_modeling_module, modeling_files, smelt_hf_config, to_hf_state_dict,
-    write_hf_dir)
+    MODELING_FILES,
+    from_hf_state_dict,
+    load_modeling_module,
+    modeling_files,
+    smelt_hf_config,
+    to_hf_state_dict,
+    write_hf_dir,
+)
 from smelt_ds.model import SmeltLM
 from tests.numerics import assert_close_chain, greedy_tie_point, lm_chain_length, prob_tol
 
@@ -116,7 +122,7 @@ def n_fwd(case) -> int:
 def assert_greedy_rows(ours: torch.Tensor, theirs: torch.Tensor, smelt: SmeltLM, n: int) -> None:
     """Rows (prompt + continuation) equal token for token, up to a tie within the logits' bound."""
     assert ours.shape == theirs.shape
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         with torch.no_grad():
             greedy_tie_point(a, b, lambda prefix: smelt(prefix[None]).logits[0, -1], n)
 
@@ -253,7 +259,7 @@ def test_aux_loss_free_bias_changes_the_selection(exported, name):
     try:
         assert not torch.allclose(case.hf(ids).logits, before, atol=1e-3)
     finally:
-        for r, b in zip(routers, saved):
+        for r, b in zip(routers, saved, strict=True):
             r.expert_bias.copy_(b)
 
 

@@ -163,7 +163,8 @@ def test_slurm_nodelists_expand_like_scontrol(capsys):
     (dict(scheduler="pbs"), r"--scheduler 'pbs' is unknown: use one of deepspeed, slurm, k8s"),
     (dict(scheduler="slurm", nodes=512), r"4096 GPUs is more than the layout needs.*2048 micro-batches"),
     (dict(scheduler="slurm", gpus_per_node=16), r"--gpus-per-node.*\(16\) is more GPUs than a node of layout 'h100'"),
-    (dict(scheduler="slurm", nodes=1, gpus_per_node=4), r"`moe_runtime.ep_size` \(8\) does not divide the world size.*= 4\)"),
+    (dict(scheduler="slurm", nodes=1, gpus_per_node=4),
+     r"`moe_runtime.ep_size` \(8\) does not divide the world size.*= 4\)"),
     (dict(scheduler="slurm", nodes=3), r"train.global_batch_tokens"),  # 24 GPUs: 2048 sequences do not split
     (dict(scheduler="slurm", nodes=0), r"`--nodes` \(0\) must be a positive integer"),
     (dict(scheduler="slurm", layout="b200"), r"--layout 'b200'"),
@@ -258,7 +259,7 @@ def test_slurm_script_checkpoints_on_signal_and_requeues_near_the_time_limit(tmp
     assert proc.returncode == rc, out
     assert "srun got TERM" in lines
     assert ("scontrol requeue 777" in lines) == expect_requeue
-    srun = next(l for l in lines if l.startswith("srun "))
+    srun = next(line for line in lines if line.startswith("srun "))
     assert "--ntasks-per-node=1" in srun and "--cpus-per-task=32" in srun
     assert "--master-addr=node-a --master-port=20777" in srun and "--nnodes=4" in srun
 
@@ -322,7 +323,7 @@ def test_two_nodes_on_loopback_train_the_tiny_recipe_with_zero3(tmp_path, cache)
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for n, (p, out) in enumerate(zip(procs, outs)):
+    for n, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"node {n}:\n{out[-4000:]}"
         assert f"smelt-ds: node {n} of 2 x 1 GPUs, master 127.0.0.1:{port}" in out
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -48,5 +48,5 @@ def constructed_moe(score_func="softmax"):
     moe = make_moe("auto", score_func, True, num_experts=3, top_k=2, hidden=3, ffn=4)
     with torch.no_grad():
         moe.gate.weight.copy_(torch.eye(3))
-    x = torch.tensor([[math.log(a) + c for a in row] for row, c in zip(A, C)]).reshape(1, 4, 3)
+    x = torch.tensor([[math.log(a) + c for a in row] for row, c in zip(A, C, strict=True)]).reshape(1, 4, 3)
     return moe, x

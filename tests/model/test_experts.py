@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from smelt_ds.model.experts import SwiGLU, has_grouped_mm
-from tests.model.moe_helpers import E, H, K, N_BWD, N_FWD, make_moe
+from tests.model.moe_helpers import N_BWD, N_FWD, E, H, K, make_moe
 from tests.numerics import assert_close_chain
 
 
@@ -42,7 +42,7 @@ def test_grouped_mm_equals_loop_forward_and_grads_with_empty_experts(score_func,
     ((ya * w).sum() + loop.last_losses["aux"] + loop.last_losses["z"]).backward()
     ((yb * w).sum() + grouped.last_losses["aux"] + grouped.last_losses["z"]).backward()
     assert_close_chain(xb.grad, xa.grad, N_BWD)
-    for (n, pa), (_, pb) in zip(loop.named_parameters(), grouped.named_parameters()):
+    for (n, pa), (_, pb) in zip(loop.named_parameters(), grouped.named_parameters(), strict=True):
         assert_close_chain(pb.grad, pa.grad, N_BWD, msg=n)
     for e in (0, 3, E - 1):  # experts without tokens get exactly zero gradient on both paths
         assert torch.count_nonzero(grouped.experts.gate_up_proj.grad[e]) == 0

@@ -50,10 +50,10 @@ def aux_z_by_hand(W: torch.Tensor, x_BSH: torch.Tensor, k: int) -> tuple[float, 
         probs = [v / sum(ex) for v in ex]
         for e in sorted(range(E), key=lambda e: -probs[e])[:k]:
             counts[e] += 1
-        psum = [a + b for a, b in zip(psum, probs)]
+        psum = [a + b for a, b in zip(psum, probs, strict=True)]
         z += (m + math.log(sum(ex))) ** 2
     T = len(logits)
-    return E * sum(c / (T * k) * p / T for c, p in zip(counts, psum)), z / T
+    return E * sum(c / (T * k) * p / T for c, p in zip(counts, psum, strict=True)), z / T
 
 
 @pytest.mark.parametrize("order", ["block", "layer"])
@@ -70,15 +70,15 @@ def test_aux_loss_is_mean_over_moe_visits_and_total_loss(tiny_cfg, order):
     assert [layer for layer, _ in calls] == [v.layer for v in moe_visits]
     assert list(model.recorder.losses) == moe_visits  # recorded in plan order, keyed by (layer, visit)
     hand = [aux_z_by_hand(model.layers[layer].mlp.gate.weight, x, 2) for layer, x in calls]
-    for v, (aux, z) in zip(moe_visits, hand):
+    for v, (aux, z) in zip(moe_visits, hand, strict=True):
         assert model.recorder.losses[v]["aux"].item() == pytest.approx(aux, rel=AUX_Z_RTOL)
         assert model.recorder.losses[v]["z"].item() == pytest.approx(z, rel=AUX_Z_RTOL)
     aux_mean, z_mean = sum(a for a, _ in hand) / 5, sum(z for _, z in hand) / 5
     assert out.aux_loss.item() == pytest.approx(aux_mean, rel=AUX_Z_RTOL)
     assert out.z_loss.item() == pytest.approx(z_mean, rel=AUX_Z_RTOL)
     # not the mean over unique layers (visits of a layer averaged first)
-    per_layer = [sum(a for (layer, _), (a, _z) in zip(calls, hand) if layer == i) / (2 if i in (1, 2) else 1)
-                 for i in (1, 2, 3)]
+    per_layer = [sum(a for (layer, _), (a, _z) in zip(calls, hand, strict=True) if layer == i)
+                 / (2 if i in (1, 2) else 1) for i in (1, 2, 3)]
     assert abs(sum(per_layer) / 3 - aux_mean) > 1e-7
 
     logp = out.logits.reshape(-1, V).log_softmax(-1)
@@ -176,7 +176,7 @@ def test_generate_sampling_seeded_and_top_p(tiny_cfg):
         with torch.no_grad():
             for t in range(3, 9):
                 probs = model(s[:, :t]).logits[:, -1].softmax(-1).tolist()
-                for row, tok in zip(probs, s[:, t].tolist()):
+                for row, tok in zip(probs, s[:, t].tolist(), strict=True):
                     ranked = sorted(range(V), key=lambda v: -row[v])
                     nucleus, mass = [], 0.0
                     for v in ranked:  # smallest set with cumulative probability >= top_p
@@ -274,7 +274,7 @@ def test_model_divergence_matches_hand_count(tiny_cfg):
             if i == layer:
                 logits = (x.reshape(-1, 32) @ W.T).tolist()
                 sets.append([set(sorted(range(4), key=lambda e: -row[e])[:2]) for row in logits])
-        share = sum(s0 != s1 for s0, s1 in zip(*sets)) / 16
+        share = sum(s0 != s1 for s0, s1 in zip(*sets, strict=True)) / 16
         assert div[(layer, 0, 1)] == pytest.approx(share)
     assert max(div.values()) > 0  # with random weights the second visit routes differently somewhere
 

@@ -198,7 +198,7 @@ def test_looped_grad_equals_sum_of_unrolled_copies(tiny_cfg, order, inject):
     # the bound of a forward and backward chain (tests/numerics.py), 12 tokens x 2 visits
     n_chain = lm_chain_length(cfg, tokens=12 * 2)
     for i in range(4):
-        mine = [c for c, (layer, _) in zip(copies, PLAN4[order]) if layer == i]
+        mine = [c for c, (layer, _) in zip(copies, PLAN4[order], strict=True) if layer == i]
         assert len(mine) == (2 if i in (1, 2) else 1)
         for name, p in model.layers[i].named_parameters():
             summed = sum(dict(c.named_parameters())[name].grad for c in mine)
@@ -338,5 +338,5 @@ def test_recompute_does_not_double_count_tokens_per_expert(tiny_cfg, reentrant):
     ref, got = tokens(False), tokens(True)
     # 4 layers, 6 visits: 2 * 6 tokens * top-2 per visit, layers 1 and 2 visited twice
     assert [int(t.sum()) for t in ref] == [24, 48, 48, 24]
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         assert torch.equal(g, r)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from smelt_ds.model.losses import load_balancing_loss, router_z_loss
-from tests.model.moe_helpers import A, BY_HAND_RTOL, C, TOPK, constructed_moe
+from tests.model.moe_helpers import BY_HAND_RTOL, TOPK, A, C, constructed_moe
 
 
 def test_aux_and_z_loss_softmax_by_hand():
@@ -32,12 +32,13 @@ def test_aux_and_z_loss_softmax_by_hand():
 def test_aux_loss_sigmoid_by_hand():
     moe, x = constructed_moe("sigmoid")
     moe(x)
-    sig = [[1 / (1 + math.exp(-(math.log(a) + c))) for a in row] for row, c in zip(A, C)]
+    sig = [[1 / (1 + math.exp(-(math.log(a) + c))) for a in row] for row, c in zip(A, C, strict=True)]
     probs = [[s / sum(row) for s in row] for row in sig]
     top = [sorted(range(3), key=lambda e: -row[e])[:2] for row in sig]
     f = [sum(e in t for t in top) / 8 for e in range(3)]
     P = [sum(p[e] for p in probs) / 4 for e in range(3)]
-    assert moe.last_losses["aux"].item() == pytest.approx(3 * sum(fe * pe for fe, pe in zip(f, P)), rel=BY_HAND_RTOL)
+    aux = 3 * sum(fe * pe for fe, pe in zip(f, P, strict=True))
+    assert moe.last_losses["aux"].item() == pytest.approx(aux, rel=BY_HAND_RTOL)
     assert [set(t) for t in moe.last_route.topk_idx_TK.tolist()] == [set(t) for t in top]
     w0 = [sig[0][top[0][0]], sig[0][top[0][1]]]
     assert moe.last_route.topk_weight_TK[0].tolist() == pytest.approx([w / sum(w0) for w in w0], rel=BY_HAND_RTOL)

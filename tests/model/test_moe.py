@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from smelt_ds.model.experts import has_grouped_mm
 from smelt_ds.model.moe import MoE
-from tests.model.moe_helpers import E, FF, H, K, N_BWD, N_FWD, make_moe
+from tests.model.moe_helpers import FF, N_BWD, N_FWD, E, H, K, make_moe
 from tests.numerics import assert_close_chain
 
 
@@ -33,7 +33,7 @@ def naive_moe(moe: MoE, x_TH: torch.Tensor, score_func: str, norm: bool) -> torc
         if norm:
             w = [v / sum(w) for v in w]
         y = torch.zeros_like(x)
-        for e, we in zip(chosen, w):
+        for e, we in zip(chosen, w, strict=True):
             g, u = gu[e, :Fi] @ x, gu[e, Fi:] @ x
             y = y + we * (down[e] @ (g * torch.sigmoid(g) * u))
         if moe.shared_expert is not None:

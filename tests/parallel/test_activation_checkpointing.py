@@ -77,7 +77,7 @@ def _assert_same(got, ref, what):
     for n, g in ref["grads"].items():
         assert torch.equal(got["grads"][n], g), f"{what}: {n}"
     assert got["stats"] == ref["stats"], what
-    assert all(torch.equal(a, b) for a, b in zip(got["tokens"], ref["tokens"])), what
+    assert all(torch.equal(a, b) for a, b in zip(got["tokens"], ref["tokens"], strict=True)), what
 
 
 def _assert_recompute_routes(got, what):
@@ -89,9 +89,9 @@ def _assert_recompute_routes(got, what):
         n_ckpt = sum(v in got["ckpt"] for v in visits)
         assert len(calls) == len(visits) + n_ckpt, what
         fwd, recompute = calls[:len(visits)], calls[len(visits):]
-        ckpt_fwd = [c for v, c in zip(visits, fwd) if v in got["ckpt"]]
+        ckpt_fwd = [c for v, c in zip(visits, fwd, strict=True) if v in got["ckpt"]]
         # backward runs the visits in reverse order
-        for a, b in zip(reversed(ckpt_fwd), recompute):
+        for a, b in zip(reversed(ckpt_fwd), recompute, strict=True):
             assert torch.equal(a, b), what
 
 
@@ -199,7 +199,7 @@ def _engine_losses():
             configure_activation_checkpointing(model, cfg)
             engine, *_ = initialize(cfg, model, 1)
             losses = []
-            for step in range(3):
+            for _ in range(3):
                 # the same batch every step: the loss must fall
                 ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(7))
                 out = engine(ids[:, :-1], labels=ids[:, 1:])

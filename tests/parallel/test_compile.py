@@ -7,8 +7,9 @@ the bound of a chain of reductions: the gradients of step ``s`` (1-based) elemen
 ``2 n u`` of the tensor's largest, ``n = s * N_STEP`` (each step's forward and backward adds its
 reductions to the weights the next one starts from; N_STEP = 3520 for this model: 4.2e-4 at step
 1, 1.3e-3 at step 3), losses relative within Higham & Mary's probabilistic bound over the same
-chain (1.2e-4 at step 3). A gradient scaled by 1.0005 fails at step 1. Compilation counts come from ``torch._dynamo.utils.counters``
-(:func:`smelt_ds.parallel.compile.compile_counters`): they must not grow with steps or visits.
+chain (1.2e-4 at step 3). A gradient scaled by 1.0005 fails at step 1. Compilation counts come
+from ``torch._dynamo.utils.counters`` (:func:`smelt_ds.parallel.compile.compile_counters`): they
+must not grow with steps or visits.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from smelt_ds.parallel.compile import compile_counters, compile_layers
 from smelt_ds.parallel.engine import configure_activation_checkpointing
 from smelt_ds.testing import run_distributed
 from smelt_ds.train.objective import total_loss
-
 from tests.numerics import assert_close_chain, lm_chain_length, prob_tol
 
 SEQ, MICRO, STEPS = 16, 2, 3
@@ -86,7 +86,7 @@ def _pair(raw_eager, backend):
 def _assert_close(ref, got):
     (l0, g0), (l1, g1) = ref, got
     assert l1 == pytest.approx(l0, rel=prob_tol(len(l0) * N_STEP))
-    for step, (a, b) in enumerate(zip(g0, g1)):
+    for step, (a, b) in enumerate(zip(g0, g1, strict=True)):
         assert a.keys() == b.keys()
         for n in a:
             assert_close_chain(b[n], a[n], (step + 1) * N_STEP, msg=f"step {step} grad {n}")
@@ -172,7 +172,7 @@ def test_aux_loss_free_bias_counts_tokens_once_per_visit_compiled():
     x, y = _batch(0)
     for m, c in ((eager, cfg), (compiled, ccfg)):
         total_loss(m(x, labels=y), c.train).backward()
-    for le, lc in zip(eager.layers[1:], compiled.layers[1:]):
+    for le, lc in zip(eager.layers[1:], compiled.layers[1:], strict=True):
         torch.testing.assert_close(lc.mlp.gate.tokens_per_expert, le.mlp.gate.tokens_per_expert, rtol=0, atol=0)
     # layers 1 and 2 are visited twice: 2 visits * T tokens * K copies
     assert float(compiled.layers[1].mlp.gate.tokens_per_expert.sum()) == 2 * MICRO * SEQ * 2

@@ -22,9 +22,9 @@ from smelt_ds.cost.zero_config import template_name
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel.ds_config import build_ds_config, expert_parallel_section, gradient_clipping
 from smelt_ds.resources import DS_CONFIG_DIR
+from tests.parallel.moe_backends.backend_helpers import tiny_cfg
 from tests.parallel.test_engine import _cfg
 from tests.parallel.test_grad_norm import CLIP, make_cfg
-from tests.parallel.moe_backends.backend_helpers import tiny_cfg
 
 #: elements one visit gathers per GPU (module docstring), by backend
 LAYER_NUMEL = {"reference": 9408, "deepspeed": 6336, "autoep": 6336}

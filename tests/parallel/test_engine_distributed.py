@@ -141,7 +141,7 @@ def test_looped_layers_with_activation_checkpointing():
     got = run_distributed(_many, WORLD, args=(_ds_losses, raws, 3))
     ref_losses, _ = _reference_losses(_raw(zero_stage=0), 3)
     for rank_results in got:
-        for case, (losses, _) in zip(cases, rank_results):
+        for case, (losses, _) in zip(cases, rank_results, strict=True):
             assert losses == pytest.approx(ref_losses, rel=prob_tol(3 * N_STEP)), case
 
 
@@ -170,7 +170,7 @@ def test_gradient_accumulation_equals_larger_batch():
     common = {"train": {"aux_loss_coef": 0.0}}
     raws = [_raw(stage, accum=accum, micro=micro, **common) for stage in (2, 3) for accum, micro in ((2, 2), (1, 4))]
     got = run_distributed(_many, WORLD, args=(_full_grads, raws))[0]
-    for stage, (acc, big) in zip((2, 3), (got[0:2], got[2:4])):
+    for stage, (acc, big) in zip((2, 3), (got[0:2], got[2:4]), strict=True):
         assert any(g.abs().sum() > 0 for g in big.values())
         for name, g in big.items():
             assert_close_chain(acc[name], g, N_STEP, msg=f"ZeRO-{stage} {name}")

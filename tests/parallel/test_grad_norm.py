@@ -200,7 +200,9 @@ def reference_step(clip: float = CLIP, lr: float = LR, world: int = WORLD) -> di
 def ep_rank_of(cfg) -> int:
     from deepspeed.utils import groups
 
-    return groups._get_expert_parallel_rank(f"ep_size_{cfg.moe_runtime.ep_size}") if cfg.moe_runtime.backend != "reference" else 0
+    if cfg.moe_runtime.backend == "reference":
+        return 0
+    return groups._get_expert_parallel_rank(f"ep_size_{cfg.moe_runtime.ep_size}")
 
 
 def _cases_worker(rank: int, world: int, cases) -> dict:
@@ -404,12 +406,12 @@ def test_clip_grads_matches_torch():
     for p in ps:
         p.grad = torch.randn_like(p)
     twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    for t, p in zip(twins, ps):
+    for t, p in zip(twins, ps, strict=True):
         t.grad = p.grad.clone()
     total = float(torch.nn.utils.clip_grad_norm_(twins, 0.5))  # torch's reference, returns the norm
     coef = gn.clip_grads_(ps + ps[:1], 0.5, total)  # a parameter listed twice is scaled once
     assert coef == pytest.approx(0.5 / (total + 1e-6), rel=1e-12)
-    for p, t in zip(ps, twins):  # torch's fp32 coefficient (2 roundings) vs ours (1), each product 1: 5u
+    for p, t in zip(ps, twins, strict=True):  # torch's fp32 coefficient (2 roundings) vs ours (1), each product 1: 5u
         torch.testing.assert_close(p.grad, t.grad, rtol=1e-6, atol=0)
     assert gn.clip_grads_(ps, 1e9, total) == 1.0 and gn.clip_grads_(ps, 0.0, total) == 1.0
     assert gn.clip_grads_(ps, 0.5, float("inf")) == 1.0
@@ -420,7 +422,7 @@ def test_param_grad_shards_single_process():
     w.grad, e.grad = torch.full((2,), 3.0), torch.full((2,), 4.0)
     e.allreduce, e.group_name = False, "ep_size_1"
     shards = gn.param_grad_shards([w, e, frozen, w])
-    assert [(s.grad is g, s.copies) for s, g in zip(shards, (w.grad, e.grad))] == [(True, 1), (True, 1)]
+    assert [(s.grad is g, s.copies) for s, g in zip(shards, (w.grad, e.grad), strict=True)] == [(True, 1), (True, 1)]
     assert len(shards) == 2
     assert gn.global_grad_norm(shards) == pytest.approx(math.sqrt(9 * 2 + 16 * 2))
 

@@ -104,7 +104,8 @@ def test_a_training_with_omp_num_threads_unset_prints_and_applies_its_share(tmp_
     assert r.returncode == 0, r.stderr[-3000:]
     want = max(1, cores_available())
     line = next(s for s in r.stderr.splitlines() if s.strip().startswith("threads"))
-    assert line.split(None, 1)[1] == f"{want} per rank ({want} core{'s' * (want != 1)} / 1 local rank; OMP_NUM_THREADS unset)"
+    assert line.split(None, 1)[1] == (f"{want} per rank ({want} core{'s' * (want != 1)} / 1 local rank; "
+                                      "OMP_NUM_THREADS unset)")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["threads"]["torch_threads"] == want
     rows = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

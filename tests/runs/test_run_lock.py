@@ -83,7 +83,8 @@ def test_training_into_a_locked_run_directory_is_refused_before_writing(tmp_path
     # ... also when the engine refuses it after the data were prepared (ep_size 2 on one rank)
     ep2 = _raw(fresh, tmp_path / "cache")
     ep2["moe_runtime"] = {"backend": "autoep", "ep_size": 2}
-    with pytest.raises(DistributedTestError, match=r"`moe_runtime.ep_size` \(2\) must divide the number of ranks \(1\)"):
+    with pytest.raises(DistributedTestError,
+                       match=r"`moe_runtime.ep_size` \(2\) must divide the number of ranks \(1\)"):
         run_distributed(_train, 1, args=(ep2,), timeout=300)
     assert not fresh.exists()
 

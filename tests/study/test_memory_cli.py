@@ -70,7 +70,8 @@ def test_every_shipped_recipe_gets_a_verdict_on_render_jobs_layout(capsys):
 #: GPUs of 22.5 GiB (activations over; zero2 + looped would leave only 4.5% free: not a fix); 4 x 2 GPUs
 #: of 12 GiB with looped checkpointing (only zero3+param_off with full checkpointing fits)
 NOT_FITTING = [TIGHT, ["--device-memory", "22.5GiB"],
-               ["--gpus-per-node", "2", "--device-memory", "12GiB", "--set", "train.activation_checkpointing.policy=looped"]]
+               ["--gpus-per-node", "2", "--device-memory", "12GiB",
+                "--set", "train.activation_checkpointing.policy=looped"]]
 
 
 @pytest.mark.parametrize("argv", NOT_FITTING, ids=["1x2-40GiB", "4x8-22.5GiB", "4x2-12GiB-looped"])
@@ -166,8 +167,9 @@ def test_layout_nodes_and_gpus_per_node(capsys):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--nodes", "1", "--gpus-per-node", "3"], r"`moe_runtime.ep_size` \(2\) does not divide the world size \(1 node"
-                                               r"\(s\) x 3 GPU\(s\) = 3\).* --nodes / --gpus-per-node .*--gpus-per-node 4"),
+    (["--nodes", "1", "--gpus-per-node", "3"],
+     r"`moe_runtime.ep_size` \(2\) does not divide the world size \(1 node"
+     r"\(s\) x 3 GPU\(s\) = 3\).* --nodes / --gpus-per-node .*--gpus-per-node 4"),
     (["--nodes", "0"], r"`--nodes` \(0\) must be a positive integer"),
     (["--gpus-per-node", "-2"], r"`--gpus-per-node` \(-2\) must be a positive integer"),
     (["--gpus-per-node", "16"], r"more GPUs than a node of layout 'h100' has"),

@@ -170,6 +170,17 @@ TEMPLATE_SETTINGS = {
 }
 
 
+
+class _DataParallel:
+    """DeepSpeed reads the data-parallel size from an mpu object."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.world
+
+
 @pytest.mark.parametrize("entry", ENTRIES, ids=_id)
 def test_every_template_as_filled_for_the_recipe_parses_in_deepspeed(entry, monkeypatch):
     monkeypatch.setattr(ds_runtime_config.dist, "get_rank", lambda: 0)
@@ -180,13 +191,7 @@ def test_every_template_as_filled_for_the_recipe_parses_in_deepspeed(entry, monk
             cfg, world = r.config, r.layout.nodes * r.layout.gpus_per_node
             assert template_name(cfg) == template
             d = build_ds_config(cfg, world)
-
-            class DataParallel:  # DeepSpeed reads the data-parallel size from an mpu object
-                @staticmethod
-                def get_data_parallel_world_size():
-                    return world
-
-            parsed = DeepSpeedConfig(d, mpu=DataParallel())
+            parsed = DeepSpeedConfig(d, mpu=_DataParallel(world))
             t = cfg.train
             accum = (t.global_batch_tokens or t.micro_batch_size * t.seq_len * world) // (
                 t.micro_batch_size * t.seq_len * world)

@@ -55,7 +55,8 @@ def test_tiny_real_sweep_then_fit(tmp_path):
     # 2) the whole sweep: the interrupted run resumes from its checkpoint, the others train
     second = run_distributed(_sweep_worker, 1, args=(path, [], None), timeout=600)[0]
     assert [s for _, s in second] == ["done"] * 8
-    steps = [json.loads(l)["step"] for l in (r0 / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    steps = [json.loads(line)["step"] for line in (r0 / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
     assert steps == [1, 2, 3, 4]  # steps 1-2 before the stop, 3-4 after the resume: none repeated
     # 3) nothing left to do: every run is skipped
     assert [s for _, s in run_distributed(_sweep_worker, 1, args=(path, [], None), timeout=300)[0]] == ["skipped"] * 8

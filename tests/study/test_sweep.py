@@ -163,13 +163,13 @@ def test_render_slurm_array_and_k8s_jobs(tmp_path, monkeypatch):
     subprocess.run(["bash", "-n", str(arrays[0])], check=True)
     scripts = sorted((plan.output_dir / "launch" / "slurm" / "runs").glob("*.sbatch"))
     assert len(scripts) == 12
-    for s, r in zip(scripts, plan.runs):
+    for s, r in zip(scripts, plan.runs, strict=True):
         assert s.name.startswith(f"{r.index:03d}-") and str(r.recipe_path.name) in s.read_text()
         subprocess.run(["bash", "-n", str(s)], check=True)
     (plan.runs[0].run_dir / "summary.json").write_text(json.dumps({"steps": plan.runs[0].steps}))
     jobs = render_k8s(plan)
     assert len(jobs) == 11  # the finished run gets no job
-    for j, r in zip(jobs, plan.runs[1:]):
+    for j, r in zip(jobs, plan.runs[1:], strict=True):
         doc = yaml.safe_load(j.read_text())
         assert doc["kind"] == "PyTorchJob"
         args = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"][0]
@@ -217,7 +217,7 @@ def test_estimate_is_analytic_from_the_budget_then_measured_from_the_run_directo
         return tokens * compute_budget(config_from_dict(r.raw)).train_flops_per_token / (2 * CPU_FLOPS_PER_CORE)
 
     est = estimate_runs(plan, cpu_cores=2, local_peak_tflops=0)
-    for r, e in zip(plan.runs, est):
+    for r, e in zip(plan.runs, est, strict=True):
         assert e.seconds == pytest.approx(hand_analytic(r), rel=1e-12) and e.remaining_s == e.seconds
         assert e.source == "analytic: 2 CPU core(s) x 30 GFLOP/s" and e.gpus is None
 
@@ -230,7 +230,7 @@ def test_estimate_is_analytic_from_the_budget_then_measured_from_the_run_directo
     part.run_dir.mkdir(parents=True)
     rows = [{"step": 1, "tokens_per_s": 1000.0}, {"step": 2, "val_loss": 5.0}, {"step": 3, "tokens_per_s": 3000.0}]
     (part.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
-    est = dict(zip(by_name, estimate_runs(plan, cpu_cores=2, local_peak_tflops=0)))
+    est = dict(zip(by_name, estimate_runs(plan, cpu_cores=2, local_peak_tflops=0), strict=True))
     e = est["baseline-h64-d1"]
     assert e.source == "measured: summary.json of this run"
     assert e.seconds == pytest.approx(done.steps * 1024 / 2048.0) and e.remaining_s == 0  # finished

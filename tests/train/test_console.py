@@ -67,11 +67,13 @@ def test_banner_states_layout_budgets_and_batch(tmp_path):
 def test_step_and_val_lines():
     row = {"loss": 5.123449, "lr": 3e-4, "grad_norm": 1.2345, "tokens_per_s": 2345.4, "tflops_per_device": 0.0284,
            "memory_bytes": 1.5 * 2 ** 30, "mfu": 0.1234}
-    assert step_line(10, 1000, row, eta_s=185) == ("step   10/1000 | loss 5.1234 | lr 3.00e-04 | grad_norm 1.234 | "
-                                                   "2,345 tok/s | 0.0284 TFLOP/s | MFU 12.3% | rss 1.50 GiB | eta 3m05s")
+    assert step_line(10, 1000, row, eta_s=185) == (
+        "step   10/1000 | loss 5.1234 | lr 3.00e-04 | grad_norm 1.234 | "
+        "2,345 tok/s | 0.0284 TFLOP/s | MFU 12.3% | rss 1.50 GiB | eta 3m05s")
     no_mfu = {k: v for k, v in row.items() if k != "mfu"}
     assert step_line(1000, 1000, no_mfu, cuda=True).endswith("| 0.0284 TFLOP/s | mem 1.50 GiB")
-    assert val_line(50, {"text": 5.0, "code": 4.1, "all": 4.55}) == "val  step 50 | all 4.5500 | code 4.1000 | text 5.0000"
+    assert val_line(50, {"text": 5.0, "code": 4.1, "all": 4.55}) == (
+        "val  step 50 | all 4.5500 | code 4.1000 | text 5.0000")
     assert [format_duration(s) for s in (0.4, 59, 61, 3599, 7620)] == ["0s", "59s", "1m01s", "59m59s", "2h07m"]
 
 

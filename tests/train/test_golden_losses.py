@@ -134,9 +134,9 @@ def test_fresh_run_matches_golden_losses(case, fresh_runs):
     if problems:
         notes = golden.explain(case, doc, run["data"])
         more = f"\n  ... and {len(problems) - 6} more" if len(problems) > 6 else ""
+        check = f"exact check, {EXACT_ENV}=1" if exact else "tolerance rtol(step) of scripts/update_golden_losses.py"
         pytest.fail(
-            f"{case} ({doc['recipe']}): the fresh run left the golden curve "
-            f"({'exact check, ' + EXACT_ENV + '=1' if exact else 'tolerance rtol(step) of scripts/update_golden_losses.py'}).\n"
+            f"{case} ({doc['recipe']}): the fresh run left the golden curve ({check}).\n"
             f"first differing step: {problems[0]}\n  " + "\n  ".join(problems[1:6]) + more
             + f"\nold vs new:\n{report}"
             + "".join(f"\nnote: {n}" for n in notes)

@@ -134,7 +134,7 @@ def _check_against_exports(run_dir: Path, out: Path, tasks: Path, steps: list[in
     assert [r["step"] for r in rows] == steps  # at the interval steps only
     tokens = {r["step"]: r["tokens"] for r in _rows(run_dir) if "loss" in r}
     logged = []
-    for row, s in zip(rows, steps):
+    for row, s in zip(rows, steps, strict=True):
         assert row["tokens"] == tokens[s]
         assert row["harness/seconds"] > 0
         got, want = _logged(row), _export_metrics(out / f"step{s}", tasks)

@@ -85,7 +85,7 @@ def _wait_for_step(metrics: Path, step: int, proc, timeout=240):
     t0 = time.time()
     while time.time() - t0 < scaled_timeout(timeout):
         if metrics.exists():
-            rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             if any(r.get("step", 0) >= step and "loss" in r for r in rows):
                 return
         if proc.poll() is not None:
@@ -128,7 +128,7 @@ def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
     proc = _cli_train(raw, tmp_path, "--resume", "auto")
     out, _ = proc.communicate(timeout=scaled_timeout(240))
     assert proc.returncode == 0, out
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == step_last + 1 or any(r.get("step") == step_last + 1 for r in rows)
 
 
@@ -146,7 +146,7 @@ def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     assert summary["steps"] == 4 and summary["tokens"] == 4 * 2 * 32
     assert set(summary["validation_loss"]) == {"code", "text", "all"}
     assert summary["budget"]["visits"] == 6
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     assert [r["loss"] for r in train_rows] == pytest.approx(res["losses"], rel=1e-6)
     assert all(r["grad_norm"] > 0 for r in train_rows)
@@ -306,8 +306,8 @@ def test_resume_at_another_scale_is_refused_before_anything_is_written(tmp_path,
     before the run directory changes, naming what differs and the supported path (export, then
     train.init_from)."""
     from smelt_ds.errors import ConfigError
-    from smelt_ds.testing import DistributedTestError
     from smelt_ds.runs import checkpoint as ckpt
+    from smelt_ds.testing import DistributedTestError
     from smelt_ds.train.guards import check_run_dir
 
     raw = _raw(tmp_path, cache, train={"max_steps": 2, "eval_every": 2, "save_every": 2},
@@ -322,9 +322,10 @@ def test_resume_at_another_scale_is_refused_before_anything_is_written(tmp_path,
     longer = {**raw, "train": {**raw["train"], "max_steps": 4}}
     # one rank instead of two (and so expert-parallel size 1): the real journey, in a fresh process
     one_rank = {**longer, "moe_runtime": {**raw["moe_runtime"], "ep_size": 1}}
-    with pytest.raises(DistributedTestError, match=r"another layout \(ranks \(data-parallel x expert-parallel\) 2 "
-                                                   r"in the checkpoint vs 1 now; moe_runtime.ep_size \(expert-parallel size\) "
-                                                   r"2 in the checkpoint vs 1 now\).*smelt-ds export .*train.init_from"):
+    with pytest.raises(DistributedTestError,
+                       match=r"another layout \(ranks \(data-parallel x expert-parallel\) 2 "
+                             r"in the checkpoint vs 1 now; moe_runtime.ep_size \(expert-parallel size\) "
+                             r"2 in the checkpoint vs 1 now\).*smelt-ds export .*train.init_from"):
         run_distributed(_train, 1, args=(one_rank, "auto"), timeout=300)
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before   # nothing written
     cfg = config_from_dict(longer)
@@ -346,7 +347,7 @@ def test_logged_lr_is_the_lr_each_step_used(tmp_path, cache):
     r = run_distributed(_train, 1, args=(raw,), timeout=300)[0]
     expect = [1e-3 * s / 4 for s in (1, 2, 3, 4)] + [1e-3]
     assert r["lrs"] == pytest.approx(expect, rel=1e-12)
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["lr"] for row in rows if "lr" in row] == pytest.approx(expect, rel=1e-12)
 
 

@@ -94,13 +94,13 @@ def test_trace_holds_one_range_per_visit_and_moe_stage_per_profiled_step(run):
     assert [e["name"] for e in steps] == ["optimizer step 2", "optimizer step 3"]  # warm-up step 1 not kept
     for step in steps:
         visits = _inside(step, events, lambda n: n.startswith("layer "))
-        assert [e["name"] for e in visits] == [f"layer {l} visit {v}" for l, v in plan] * ACCUM
+        assert [e["name"] for e in visits] == [f"layer {layer} visit {v}" for layer, v in plan] * ACCUM
         for visit in visits:
             layer = int(visit["name"].split()[1])
             stages = _inside(visit, events, lambda n: n.startswith("moe "))
             assert [e["name"] for e in stages] == (STAGES if layer in moe_layers else [])
         assert len(_inside(step, events, lambda n: n.startswith("moe "))) == 4 * ACCUM * sum(
-            l in moe_layers for l, _ in plan)
+            layer in moe_layers for layer, _ in plan)
 
 
 @pytest.mark.slow
@@ -135,7 +135,8 @@ def test_ranges_are_recorded_only_when_on(tiny_cfg):
     model = SmeltLM(cfg.model, cfg.moe, cfg.loop).train()
     assert _forward_ranges(model, on=False) == []
     names = _forward_ranges(model, on=True)
-    assert [n for n in names if n.startswith("layer ")] == [f"layer {v.layer} visit {v.visit}" for v in cfg.schedule.plan]
+    want = [f"layer {v.layer} visit {v.visit}" for v in cfg.schedule.plan]
+    assert [n for n in names if n.startswith("layer ")] == want
     assert [n for n in names if n.startswith("moe ")] == STAGES * len(cfg.schedule.plan)
 
 

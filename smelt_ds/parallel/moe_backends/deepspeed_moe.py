@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -264,7 +265,7 @@ class DeepSpeedMoE(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_reference(cls, ref: MoE, moe_cfg, runtime_cfg, ep_rank: int = 0) -> "DeepSpeedMoE":
+    def from_reference(cls, ref: MoE, moe_cfg, runtime_cfg, ep_rank: int = 0) -> DeepSpeedMoE:
         """Build from a reference :class:`MoE` (``moe_cfg``, ``runtime_cfg`` as in the constructor;
         ``ep_rank`` this rank's index in its expert-parallel group), copying the router and this rank's experts
         (``gate_up_proj[e]`` rows ``[:F]`` -> ``gate_proj``, ``[F:]`` -> ``up_proj``,

@@ -9,9 +9,10 @@ import contextlib
 import ctypes
 import itertools
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -163,7 +164,8 @@ def fit_law(N: Sequence[float] | np.ndarray, D: Sequence[float] | np.ndarray, L:
                 best = res
     if best is None:
         raise ValueError(f"fit_law needs at least one start: got n_starts={n_starts} and no extra_starts")
-    at_bound = [name for name, v, (lo, hi) in zip(("log A", "log B", "log E", "alpha", "beta"), best.x, BOUNDS)
+    names = ("log A", "log B", "log E", "alpha", "beta")
+    at_bound = [name for name, v, (lo, hi) in zip(names, best.x, BOUNDS, strict=True)
                 if min(v - lo, hi - v) < 1e-6]
     return FitResult(ScalingLaw.from_theta(best.x), float(best.fun), at_bound, bool(best.success))
 

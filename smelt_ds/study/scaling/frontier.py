@@ -87,7 +87,7 @@ def compute_for_loss(law: ScalingLaw, fm: FlopsModel, loss) -> np.ndarray:
     loss = np.atleast_1d(np.asarray(loss, dtype=float))
     if law.alpha <= 0 or law.beta <= 0:
         return np.full_like(loss, np.nan)
-    _, logc = _min_over_logn(lambda x, l: _log_compute_at(law, fm, x, l), loss)
+    _, logc = _min_over_logn(lambda x, target: _log_compute_at(law, fm, x, target), loss)
     return np.exp(logc)
 
 

@@ -4,8 +4,8 @@ FLOPs per token as a function of N (:class:`FlopsModel`, fitted by :func:`fit_fl
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -32,7 +32,7 @@ class ScalingLaw:
         return self.E + self.A * N ** -self.alpha + self.B * D ** -self.beta
 
     @classmethod
-    def from_theta(cls, theta) -> "ScalingLaw":
+    def from_theta(cls, theta) -> ScalingLaw:
         a, b, e, alpha, beta = (float(x) for x in theta)
         return cls(math.exp(e), math.exp(a), alpha, math.exp(b), beta)
 
@@ -73,7 +73,7 @@ def fit_flops_model(N: Sequence[float], flops_per_token: Sequence[float]) -> Flo
     """
     from scipy.optimize import nnls
 
-    pairs = sorted(set(zip((float(n) for n in N), (float(f) for f in flops_per_token))))
+    pairs = sorted(set(zip((float(n) for n in N), (float(f) for f in flops_per_token), strict=True)))
     if not pairs:
         raise ConfigError("no runs to fit FLOPs per token to")
     n, f = np.array(pairs).T

@@ -34,7 +34,7 @@ def measured_savings(res: dict[str, Any], arch: str) -> tuple[float, float] | No
     if "savings" not in a:
         return None
     lo, hi = res["C_measured"]
-    vals = [v for c, v in zip(res["C_grid"], a["savings"]["saving"])
+    vals = [v for c, v in zip(res["C_grid"], a["savings"]["saving"], strict=True)
             if lo <= c <= hi * 1.0001 and v is not None and math.isfinite(v)]
     return (min(vals), max(vals)) if vals else None
 

@@ -4,7 +4,6 @@ steps in which an expert gets no token (2 gloo ranks; tiny model: backend_helper
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -83,8 +82,8 @@ def _empty_expert_worker(rank: int, world: int) -> dict:
         extra = {"expert_parallel": expert_parallel_section(cfg)} if backend == "autoep" else {}
         engine, *_ = deepspeed.initialize(
             model=model, config=ds_config(stage, **extra),
-            model_parameters=moe_backends.optimizer_param_groups(model, [{"params": list(model.parameters()), "name": "all"}],
-                                                       cfg),
+            model_parameters=moe_backends.optimizer_param_groups(
+                model, [{"params": list(model.parameters()), "name": "all"}], cfg),
             optimizer=moe_backends.moe_optimizer(torch.optim.AdamW, lr=1e-2))
         losses, grads = [], None
         for ids in shard_batches(2, rank):
@@ -121,8 +120,8 @@ def _empty_expert_reference_grads() -> dict:
 @pytest.mark.distributed
 def test_empty_expert_no_hang():
     """Finite losses, and the gradients of the first step equal the single-process reference's
-    (within 2 n u of each tensor's largest gradient, n = N_STEP); an expert that got no token from any rank has exactly zero
-    gradients."""
+    (within 2 n u of each tensor's largest gradient, n = N_STEP); an expert that got no token from
+    any rank has exactly zero gradients."""
     from tests.parallel.test_grad_norm import merge
 
     r0, r1 = run_distributed(_empty_expert_worker, world_size=WORLD, timeout=TIMEOUT_S)
@@ -136,7 +135,7 @@ def test_empty_expert_no_hang():
         grads = merge([r0[key]["grads"], r1[key]["grads"]])
         assert set(grads) == set(ref), key
         for name, want in ref.items():
-            assert_close_chain(grads[name], want, N_STEP, msg=lambda m, name=name: f"{key} {name}: {m}")
+            assert_close_chain(grads[name], want, N_STEP, msg=lambda m, key=key, name=name: f"{key} {name}: {m}")
         empty = [e for e in range(4) if r0[key]["layer3"][e] + r1[key]["layer3"][e] == 0]
         assert empty, key
         for e in empty:

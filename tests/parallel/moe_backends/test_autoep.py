@@ -107,7 +107,7 @@ def _autoep_worker(rank: int, world: int, steps: int) -> dict:
             engine.step()
             rows.append((objective(out).item(), out.aux_loss.item(), out.z_loss.item()))
         layers = autoep.autoep_layers(model)
-        res[ckpt] = {"rows": rows, "layers": [(n, l.num_local_experts, l.ep_size) for n, l in layers],
+        res[ckpt] = {"rows": rows, "layers": [(n, layer.num_local_experts, layer.ep_size) for n, layer in layers],
                      "local_w1": tuple(getattr(layers[0][1].experts.w1, "ds_shape", layers[0][1].experts.w1.shape))}
     return res
 

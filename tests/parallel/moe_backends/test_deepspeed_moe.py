@@ -69,7 +69,7 @@ def test_deepspeed_backend_capacity_statistics_and_decode():
     ids = shard_batches(1, 0)[0]
     out = model(ids[:, :-1], labels=ids[:, 1:])
     T = MICRO * SEQ
-    for visit, route in model.recorder.routes.items():
+    for route in model.recorder.routes.values():
         assert route.capacity == math.ceil(T / 4 * 0.5 * 2)  # ceil(T / E * capacity_factor * k)
         kept_per_expert = torch.bincount(route.topk_idx_TK[route.kept_TK], minlength=4)
         assert int(kept_per_expert.max()) <= route.capacity
@@ -127,7 +127,7 @@ def test_fused_experts_equal_deepspeed_experts_loop(G, E, C, H, F_):
     want = _run_experts(loop, x, g)
     got = _run_experts(fused, x, g)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2], strict=True))
     assert [n for n, _ in fused.named_parameters()] == [n for n, _ in loop.named_parameters()]
     assert all(p.allreduce is False and p.group_name == "ep_size_1" for p in fused.parameters())
     fused.zero_grad(set_to_none=True)
@@ -135,7 +135,7 @@ def test_fused_experts_equal_deepspeed_experts_loop(G, E, C, H, F_):
         mp.setattr(deepspeed_moe, "_use_bmm", lambda t: True)
         bmm = _run_experts(fused, x, g)
     n = H + F_ + (2 * F_ + H) + G * C  # gate/up and down forward, their input gradients, weights over rows
-    for a, b in zip([bmm[0], bmm[1], *bmm[2]], [want[0], want[1], *want[2]]):
+    for a, b in zip([bmm[0], bmm[1], *bmm[2]], [want[0], want[1], *want[2]], strict=True):
         assert_close_chain(a, b, n)
 
 
@@ -197,7 +197,8 @@ def _deepspeed_ep_worker(rank: int, world: int) -> dict:
         ep_rank = moe_backends.expert_parallel_rank(ep)
         for stage in (0, 2):
             model = moe_backends.apply_backend(build(cfg), cfg, zero_stage=stage)
-            groups = moe_backends.optimizer_param_groups(model, [{"params": list(model.parameters()), "name": "all"}], cfg)
+            groups = moe_backends.optimizer_param_groups(
+                model, [{"params": list(model.parameters()), "name": "all"}], cfg)
             engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=1.0),
                                               config=ds_config(stage))
             before = {i: expert_tensors(b.mlp, ep_rank, "data") for i, b in enumerate(model.layers)}

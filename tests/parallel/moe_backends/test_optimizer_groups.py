@@ -3,7 +3,6 @@ parameters in DeepSpeed's ``moe`` groups with their group's options kept."""
 
 from __future__ import annotations
 
-
 import pytest
 
 deepspeed = pytest.importorskip("deepspeed")

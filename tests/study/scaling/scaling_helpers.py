@@ -10,7 +10,6 @@ import numpy as np
 
 from smelt_ds.study.scaling.law import ScalingLaw
 
-
 # Chinchilla's Approach-3 estimate (Hoffmann et al. 2022, Eq. 10) as the known law
 CHINCHILLA = ScalingLaw(E=1.69, A=406.4, alpha=0.34, B=410.7, beta=0.28)
 

@@ -38,8 +38,8 @@ def test_degenerate_inputs_are_clear_errors():
 
 def test_analyse_reports_an_unfittable_architecture_and_fits_the_rest():
     N, D, L = law_grid(CHINCHILLA, 3, 3)
-    good = [RunPoint(f"b{i}", "baseline", float(l), float(n), float(d), 6 * float(n))
-            for i, (n, d, l) in enumerate(zip(N, D, L))]
+    good = [RunPoint(f"b{i}", "baseline", float(loss), float(n), float(d), 6 * float(n))
+            for i, (n, d, loss) in enumerate(zip(N, D, L, strict=True))]
     lonely = [RunPoint("s0", "smelt", 3.0, 1e8, 1e10, 6e8, position="middle")]
     res = analyse(good + lonely, n_bootstrap=0)
     assert set(res["architectures"]) == {"baseline"}
@@ -70,7 +70,7 @@ def test_fit_cli_on_synthetic_runs_reproduces_the_closed_form_saving(tmp_path, c
     assert (fp["f0"], fp["f1"]) == pytest.approx((0.0, 6.0), abs=1e-6)
     lo, hi = s["savings_ci95"]
     assert all(a <= 1 - r ** (1 / CHINCHILLA.alpha) + 2e-3 and b >= 1 - r ** (1 / CHINCHILLA.alpha) - 2e-3
-               for a, b in zip(lo, hi))
+               for a, b in zip(lo, hi, strict=True))
     assert len(res["excluded"]) == 1 and "unfinished" in res["excluded"][0]["reason"]
     md = (out / "report.md").read_text()
     assert "saving over the measured compute range: +26.6% to +26.6%" in md

@@ -33,8 +33,8 @@ def test_fit_recovers_a_noisy_law_within_stated_tolerances():
 
 def test_bootstrap_intervals_cover_the_true_exponents():
     N, D, L = law_grid(CHINCHILLA, n_sizes=5, n_tokens=4, noise=0.005, seed=2)
-    pts = [RunPoint(f"r{i}", "x", float(l), float(n), float(d), 6 * float(n))
-           for i, (n, d, l) in enumerate(zip(N, D, L))]
+    pts = [RunPoint(f"r{i}", "x", float(loss), float(n), float(d), 6 * float(n))
+           for i, (n, d, loss) in enumerate(zip(N, D, L, strict=True))]
     fits = {"x": fit_law(N, D, L)}
     boot = bootstrap({"x": pts}, fits, {"x": FlopsModel(0, 6)}, None, np.array([1e20]), n=20, seed=0)
     params = boot["x"]["params"]

@@ -102,6 +102,6 @@ def test_envelope_and_isoflop_profiles_against_direct_computation():
     prof = isoflop_profiles(pts)
     assert len(prof) == 3
     _, N_cf, _, _ = closed_form(law, k, np.array([g["C"] for g in prof]))
-    for g, n in zip(prof, N_cf):
+    for g, n in zip(prof, N_cf, strict=True):
         assert g["N_opt"] == pytest.approx(n, rel=0.15)  # a parabola in log N approximates the profile
         assert g["N_opt"] != pytest.approx(n, rel=1e-3)  # ... but is not the closed form itself
