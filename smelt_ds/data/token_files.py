@@ -28,7 +28,6 @@ counted, never used. Shapes are in tokens; ``starts`` are token offsets into the
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -467,9 +466,3 @@ def select_smallest(keys: np.ndarray, n: int) -> tuple[int, int]:
                            for k in [np.asarray(keys[a:a + CHUNK_TOKENS])]])
     t = np.partition(cand, n - below - 1)[n - below - 1]
     return int(t), n - below - int((cand < t).sum())
-
-
-def file_identity(path: Path) -> dict:
-    """Size and modification time (ns) of a file, as recorded in the manifest."""
-    st = os.stat(path)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}

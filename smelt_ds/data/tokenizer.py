@@ -259,11 +259,3 @@ def cut_problem(tok: Tokenizer) -> str | None:
         if not t.get("special") and (t.get("lstrip") or t.get("rstrip") or any(c.isspace() for c in t["content"])):
             return f"its added token {t['content']!r} may span or absorb whitespace"
     return None
-
-
-def copy_tokenizer(src: Path, dst: str | Path) -> Path:
-    """Copy a tokenizer file to ``dst`` (a file path); returns ``dst``."""
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
-    return dst

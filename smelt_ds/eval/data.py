@@ -14,7 +14,6 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from smelt_ds.config.data import DataConfig
 from smelt_ds.data.loader import ValidationLoader, check_compatible
@@ -123,12 +122,6 @@ class EvalData:
             if seen >= max_tokens:
                 break
         return "\n".join(p for p in parts if p)
-
-    def bytes_of(self, labels: torch.Tensor) -> int:
-        """UTF-8 bytes of the label tokens (``-100`` ignored), units: bytes."""
-        ids = labels[labels != -100].numpy()
-        return int(self.byte_lengths[ids].sum())
-
 
 def open_eval_data(cfg, split: str = "validation") -> EvalData:
     """Prepare (or reuse) the recipe's data section and check it fits the model.

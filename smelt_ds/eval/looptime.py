@@ -16,7 +16,6 @@ at inference; arXiv 2605.09165 exits early at loop boundaries (here: ``exit_afte
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,12 +50,6 @@ def parse_repeats(text: str | None) -> list[int] | None:
 def has_loop(run: LoadedRun) -> bool:
     """Whether the run's plan has a loop range (a test-time loop count applies)."""
     return bool(run.cfg.schedule.spans)
-
-
-@dataclass
-class _Applied:
-    loop: LoopConfig
-    label: str
 
 
 @torch.no_grad()

@@ -53,7 +53,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -157,10 +157,6 @@ class SandboxResult:
     @property
     def passed(self) -> bool:
         return self.status == "passed"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class Isolation:

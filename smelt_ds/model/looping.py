@@ -26,7 +26,7 @@ in place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -191,9 +191,6 @@ class LoopingBlockManager(nn.Module):
         return True
 
     # -- forward ------------------------------------------------------------------------------
-    def iter_visits(self) -> Iterator[Visit]:
-        return iter(self.schedule.plan)
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: Any = None,
                 recorder: VisitRecorderLike | None = None, probs_hook: ProbsHook | None = None,
                 visit_hook: Callable[[Visit, torch.Tensor], None] | None = None) -> torch.Tensor:

@@ -122,10 +122,6 @@ def _expert_placement(t: torch.Tensor, backend: str, local: int | None) -> list[
     return list(getattr(t, DS_AUTOEP_UC_META)[AUTOEP_PARAM_LOCAL_EXPERTS])
 
 
-def _is_expert(t: torch.Tensor) -> bool:
-    return getattr(t, "allreduce", True) is False and hasattr(t, "group_name")
-
-
 def _expert_data_rank(t: torch.Tensor) -> int:
     from deepspeed.utils import groups
 
