@@ -318,7 +318,7 @@ def compare(golden: list[dict[str, Any]], fresh: list[dict[str, Any]], exact: bo
         for key in COMPARED:
             if not _close(f[key], g[key], tol, atol=0.0 if exact else ATOL):
                 problems.append(f"step {s} {key}: golden {g[key]!r}, fresh {f[key]!r} (relative difference "
-                                f"{_rel(f[key], g[key]):.3g} > tolerance {tol:.3g})")
+                                f"{_relative_difference(f[key], g[key]):.3g} > tolerance {tol:.3g})")
         if not _close(f["lr"], g["lr"], 0.0 if exact else LR_RTOL, atol=0.0):
             problems.append(f"step {s} lr: golden {g['lr']!r}, fresh {f['lr']!r} (the LR schedule changed)")
     return problems
@@ -328,7 +328,7 @@ def _span(rows: list[dict[str, Any]]) -> str:
     return f"{len(rows)} rows, steps {rows[0]['step']}..{rows[-1]['step']}" if rows else "no rows"
 
 
-def _rel(a: float, b: float) -> float:
+def _relative_difference(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
@@ -337,7 +337,7 @@ def summary(golden: list[dict[str, Any]], fresh: list[dict[str, Any]]) -> str:
     lines = []
     for key in RECORDED:
         # the common prefix: compare() reports a differing number of steps
-        diffs = [(_rel(f[key], g[key]), g["step"]) for g, f in zip(golden, fresh, strict=False)]
+        diffs = [(_relative_difference(f[key], g[key]), g["step"]) for g, f in zip(golden, fresh, strict=False)]
         worst, at = max(diffs, default=(0.0, None))
         first = next((s for d, s in diffs if d > 0), None)
         lines.append(f"  {key:9s} max relative difference {worst:.3g}" + (f" (step {at})" if worst else "")

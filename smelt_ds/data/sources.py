@@ -133,7 +133,7 @@ def _check_cuttable(doc: str, max_bytes: int, where: Callable[..., str]) -> None
             raise ConfigError(f"{where()}: {e}") from None
 
 
-def _row(text: str | None, file: str, skip: str = "", replaced: int = 0) -> dict:
+def _text_row(text: str | None, file: str, skip: str = "", replaced: int = 0) -> dict:
     return {"text": text, "skip": skip, "file": file, "replaced": replaced}
 
 
@@ -183,7 +183,7 @@ def _text_rows(path: Path, src: SourceConfig, cfg: DataConfig, where: str) -> It
         _check_cuttable(doc, cfg.tokenize_chunk_bytes,
                         lambda i=i: f"{where} file {str(path)!r} {src.sample_by} {i + 1}")
         # the replaced count goes on the first row of the file so the total is exact
-        yield _row(doc, str(path), "" if doc.strip() else "empty_document", replaced if i == 0 else 0)
+        yield _text_row(doc, str(path), "" if doc.strip() else "empty_document", replaced if i == 0 else 0)
 
 
 def _jsonl_error(path: Path, lineno: int, problem: str, field_name: str) -> ConfigError:
@@ -194,7 +194,7 @@ def _jsonl_error(path: Path, lineno: int, problem: str, field_name: str) -> Conf
 def _jsonl_line(line: bytes, lineno: int, path: Path, src: SourceConfig, cfg: DataConfig, where: str) -> dict:
     text, replaced = _decode(line, cfg.non_utf8, f"file {str(path)!r}", lineno)
     if not text.strip():
-        return _row(None, str(path), "blank_line", replaced)
+        return _text_row(None, str(path), "blank_line", replaced)
     try:
         obj = json.loads(text)
         problem = (None if isinstance(obj, dict) and isinstance(obj.get(src.text_field), str)
@@ -204,10 +204,10 @@ def _jsonl_line(line: bytes, lineno: int, path: Path, src: SourceConfig, cfg: Da
     if problem is None:
         doc = obj[src.text_field]
         _check_cuttable(doc, cfg.tokenize_chunk_bytes, lambda: f"{where} file {str(path)!r} line {lineno}")
-        return _row(doc, str(path), "" if doc.strip() else "empty_document", replaced)
+        return _text_row(doc, str(path), "" if doc.strip() else "empty_document", replaced)
     if cfg.bad_jsonl_lines == "error":
         raise _jsonl_error(path, lineno, problem, src.text_field)
-    return _row(None, str(path), "bad_jsonl_line", replaced)
+    return _text_row(None, str(path), "bad_jsonl_line", replaced)
 
 
 def _jsonl_rows(path: Path, src: SourceConfig, cfg: DataConfig, where: str) -> Iterator[dict]:
@@ -232,7 +232,7 @@ def _parquet_rows(path: Path, src: SourceConfig, cfg: DataConfig, where: str) ->
             if doc is not None:
                 _check_cuttable(doc, cfg.tokenize_chunk_bytes,
                                 lambda row=row: f"{where} file {str(path)!r} row {row} (0-based)")
-            yield _row(doc, str(path), "" if doc and doc.strip() else "empty_document")
+            yield _text_row(doc, str(path), "" if doc and doc.strip() else "empty_document")
 
 
 def _file_rows(files: list[str], src_json: str, cfg_json: str, fingerprint: str, where: str) -> Iterator[dict]:
@@ -242,7 +242,7 @@ def _file_rows(files: list[str], src_json: str, cfg_json: str, fingerprint: str,
     for name in files:
         path = Path(name)
         if path.stat().st_size == 0:
-            yield _row(None, name, "empty_file")
+            yield _text_row(None, name, "empty_file")
             continue
         fmt = file_format(path, src.format)
         rows = (_jsonl_rows(path, src, cfg, where) if fmt == "jsonl" else _parquet_rows(path, src, cfg, where)

@@ -43,7 +43,7 @@ from smelt_ds.model.looping import Visit
 __all__ = ["AttentionStats", "RoutingStats", "LogitLens", "loop_boundaries", "analyze_model"]
 
 
-def _key(v: Visit) -> str:
+def _visit_key(v: Visit) -> str:
     return f"L{v.layer}V{v.visit}"
 
 
@@ -91,7 +91,7 @@ class AttentionStats:
             top = share.topk(min(self.top_m, share.shape[-1]), dim=-1)
             rec["top_positions"] = [[[int(j), float(s)] for j, s in zip(idx.tolist(), val.tolist(), strict=True)]
                                     for idx, val in zip(top.indices, top.values, strict=True)]
-            out[_key(v)] = rec
+            out[_visit_key(v)] = rec
         return out
 
 
@@ -103,14 +103,14 @@ def compare_visits(attn: dict, plan: list[Visit]) -> list[dict]:
         by_layer[v.layer].append(v)
     out = []
     for layer, visits in sorted(by_layer.items()):
-        if len(visits) < 2 or any(_key(v) not in attn for v in visits):
+        if len(visits) < 2 or any(_visit_key(v) not in attn for v in visits):
             continue
         rec = {"layer": layer, "visits": [v.visit for v in visits]}
         for name in ("first_mass", "content_mass", "entropy"):
-            vals = [attn[_key(v)]["mean"][name] for v in visits]
+            vals = [attn[_visit_key(v)]["mean"][name] for v in visits]
             rec[name] = vals
             rec[f"delta_{name}"] = vals[-1] - vals[0]
-            rec[f"{name}_per_head"] = [attn[_key(v)][name] for v in visits]
+            rec[f"{name}_per_head"] = [attn[_visit_key(v)][name] for v in visits]
         out.append(rec)
     return out
 
@@ -151,8 +151,8 @@ class RoutingStats:
                 continue
             c = self.counts[v]
             share = c / c.sum()
-            visits[_key(v)] = {"layer": v.layer, "visit": v.visit, "plan_index": i, "tokens": self.tokens[v],
-                               "load": share.tolist(), "load_max_over_mean": float(c.max() / c.mean())}
+            visits[_visit_key(v)] = {"layer": v.layer, "visit": v.visit, "plan_index": i, "tokens": self.tokens[v],
+                                     "load": share.tolist(), "load_max_over_mean": float(c.max() / c.mean())}
         div = [{"layer": pair[0], "visits": [pair[1], pair[2]],
                 "divergence": self.changed[pair] / self.pair_tokens[pair],
                 "overlap": self.kept[pair] / self.pair_tokens[pair], "tokens": self.pair_tokens[pair]}
@@ -220,7 +220,7 @@ class LogitLens:
         rows = []
         for d in sorted(self.nats):
             v = plan[d - 1] if d else None
-            rows.append({"depth": d, "label": "embedding" if v is None else _key(v),
+            rows.append({"depth": d, "label": "embedding" if v is None else _visit_key(v),
                          "layer": None if v is None else v.layer, "visit": None if v is None else v.visit,
                          "loss": self.nats[d] / self.tokens, "accuracy": self.correct[d] / self.tokens,
                          "agree_final": self.agree[d] / self.tokens})

@@ -210,13 +210,13 @@ def _positive(**values) -> None:
             raise ConfigError(f"`--{name.replace('_', '-')}` ({v}) must be > 0: pass a positive number")
 
 
-def _csv(text: str | None) -> list[str] | None:
+def _comma_list(text: str | None) -> list[str] | None:
     return None if text is None else [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _load(args):
 
-    runs = load_runs(args.runs, args.set, _csv(args.names), args.allow_other_tokenizer)
+    runs = load_runs(args.runs, args.set, _comma_list(args.names), args.allow_other_tokenizer)
     if getattr(args, "corpus", None):
 
         for r in runs:
@@ -289,10 +289,10 @@ def _run_default(args: argparse.Namespace) -> int:
     _positive(batches=args.batches, micro_batch=args.micro_batch, episodes=args.episodes, seq_len=args.seq_len)
     _check_training_windows(args)
     batches = args.batches if args.batches is not None else (None if args.corpus else 32)
-    check_task_names(tuple(_csv(args.tasks) or TASK_NAMES))  # before the (long) loss pass
+    check_task_names(tuple(_comma_list(args.tasks) or TASK_NAMES))  # before the (long) loss pass
     settings = EvalSettings(seq_len=args.seq_len, micro_batch_size=args.micro_batch or 8, batches=batches,
                             buckets=parse_buckets(args.buckets), shots=parse_shots(args.shots),
-                            episodes=args.episodes, tasks=tuple(_csv(args.tasks) or TASK_NAMES), seed=args.seed,
+                            episodes=args.episodes, tasks=tuple(_comma_list(args.tasks) or TASK_NAMES), seed=args.seed,
                             training_windows=args.training_windows)
     runs = _load(args)
     result = evaluate_runs(runs, settings)
@@ -304,7 +304,7 @@ def run_analyze(args: argparse.Namespace) -> int:
 
     _positive(batches=args.batches, micro_batch=args.micro_batch, top=args.top, seq_len=args.seq_len)
     settings = AnalysisSettings(seq_len=args.seq_len, micro_batch_size=args.micro_batch, batches=args.batches,
-                                domains=_csv(args.domains), top_m=args.top)
+                                domains=_comma_list(args.domains), top_m=args.top)
     runs = _load(args)
     result = analyze_runs(runs, settings)
     _finish(result, analysis_table(result), _out_dir(args, runs), "analysis", plot_analysis, args.no_plots)
@@ -435,7 +435,7 @@ def _clear_old_outputs(out: Path) -> None:
 
 
 def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, loop_opts: bool) -> dict:
-    tasks = _csv(args.harness) or []
+    tasks = _comma_list(args.harness) or []
     if not tasks:
         raise ConfigError(f"`--harness` ({args.harness!r}) names no task: pass comma-separated task names, e.g. "
                           "--harness smelt_offline")

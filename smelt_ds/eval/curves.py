@@ -284,7 +284,7 @@ def _domains(runs: list[RunCurves]) -> list[str]:
     return sorted(ds, key=lambda d: d == "all")
 
 
-def _xs(r: RunCurves, pts, axis: str) -> list[float]:
+def _x_values(r: RunCurves, pts, axis: str) -> list[float]:
     return [float(t) if axis == "tokens" else r.flops(t) for _, t, _ in pts]
 
 
@@ -296,14 +296,14 @@ def _loss_panels(axes, runs: list[RunCurves], colors, axis: str) -> None:
     ax_t, ax_v = axes
     for r, c in zip(runs, colors, strict=True):
         pts = r.series.get("loss", [])
-        ax_t.plot(_xs(r, pts, axis), [v for *_, v in pts], color=c, lw=1.2, label=r.label, **_few(pts))
+        ax_t.plot(_x_values(r, pts, axis), [v for *_, v in pts], color=c, lw=1.2, label=r.label, **_markers_if_few(pts))
     ax_t.set_title(f"train loss (mean over each logging interval) vs {axis}", fontsize=9)
     ax_t.set_ylabel("loss (nats/token)")
     for j, d in enumerate(_domains(runs)):
         for r, c in zip(runs, colors, strict=True):
             pts = r.series.get(f"val/{d}", [])
             if pts:
-                ax_v.plot(_xs(r, pts, axis), [v for *_, v in pts], color=c, ls=_STYLES[j % len(_STYLES)],
+                ax_v.plot(_x_values(r, pts, axis), [v for *_, v in pts], color=c, ls=_STYLES[j % len(_STYLES)],
                           marker=_MARKERS[j % len(_MARKERS)], ms=4, lw=1.2, label=f"{r.label} {d}")
     ax_v.set_title(f"validation loss per domain vs {axis} ('all': domains weighted equally)", fontsize=9)
     ax_v.set_ylabel("loss (nats/token)")
@@ -312,7 +312,7 @@ def _loss_panels(axes, runs: list[RunCurves], colors, axis: str) -> None:
         _legend(ax)
 
 
-def _few(pts) -> dict[str, Any]:
+def _markers_if_few(pts) -> dict[str, Any]:
     """Markers for a series of one to three points (a run that has just started), which a line alone hides."""
     return {"marker": "o", "ms": 4} if len(pts) <= 3 else {}
 
@@ -332,7 +332,7 @@ def _scalar_panel(ax, runs: list[RunCurves], colors, key: str, title: str, axis:
     for i, (r, c) in enumerate(zip(runs, colors, strict=True)):
         pts = r.series.get(key, [])
         lw = 1.2 + 2.4 * (len(runs) - 1 - i) / max(1, len(runs) - 1) if widen else 1.2
-        ax.plot(_xs(r, pts, axis), [v for *_, v in pts], color=c, lw=lw, label=r.label, **_few(pts))
+        ax.plot(_x_values(r, pts, axis), [v for *_, v in pts], color=c, lw=lw, label=r.label, **_markers_if_few(pts))
     if log and all(v > 0 for r in runs for *_, v in r.series.get(key, [])) and any(r.series.get(key) for r in runs):
         ax.set_yscale("log")
         title = title.replace(" vs ", " (log scale) vs ", 1)
@@ -349,7 +349,7 @@ def _load_panel(ax, r: RunCurves, axis: str) -> None:
     for layer, visit, k in keys:
         pts = r.series[k]
         c = cmap(layers.index(layer) / max(1, len(layers) - 1) * 0.9)
-        ax.plot(_xs(r, pts, axis), [v for *_, v in pts], color=c, ls=_STYLES[visit % len(_STYLES)], lw=1.1,
+        ax.plot(_x_values(r, pts, axis), [v for *_, v in pts], color=c, ls=_STYLES[visit % len(_STYLES)], lw=1.1,
                 label=f"L{layer}V{visit}")
     ax.set_title(f"{r.label}: expert load (max / mean tokens per expert) per (layer, visit)", fontsize=9)
     ax.set_xlabel(_xlabel(axis))

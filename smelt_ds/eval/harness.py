@@ -501,12 +501,12 @@ class SmeltHarnessLM(TemplateLM):
 
         encoded: dict[str, list[int]] = {}
 
-        def enc(context: str) -> list[int]:
+        def cached_encode(context: str) -> list[int]:
             if context not in encoded:
                 encoded[context] = self.tok_encode(context)
             return encoded[context]
 
-        re_ord = Collator([req.args for req in requests], sort_fn=lambda a: (-len(enc(a[0])), a[0]),
+        re_ord = Collator([req.args for req in requests], sort_fn=lambda a: (-len(cached_encode(a[0])), a[0]),
                           group_by="gen_kwargs", group_fn=lambda a: a[1])
         generator = torch.Generator(device=self._device).manual_seed(self.seed)
         res: list[str] = []
@@ -514,7 +514,7 @@ class SmeltHarnessLM(TemplateLM):
         with self._running():
             for chunk in re_ord.get_batched(n=self.batch_size):
                 opts = self._gen_options(chunk[0][1])
-                ids = [self._gen_context(enc(ctx), opts["max_gen_toks"]) for ctx, _ in chunk]
+                ids = [self._gen_context(cached_encode(ctx), opts["max_gen_toks"]) for ctx, _ in chunk]
                 i = 0
                 while i < len(chunk):  # runs of equal length (the chunk is sorted by length)
                     j = i

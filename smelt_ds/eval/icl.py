@@ -73,7 +73,7 @@ def _rng(seed: int, name: str, e: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(name.encode()), e]))
 
 
-def _ids(tokenizer, text: str) -> list[int]:
+def _token_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
@@ -145,11 +145,12 @@ class WordCaseTask(ICLTask):
         rng = _rng(self.seed, self.name, e)
         picked = rng.choice(len(self.words), min(self.max_k + 1, len(self.words)), replace=False).tolist()
         q = self.words[picked[-1]]
-        examples = [_ids(self.tokenizer, f"{self.words[i]} -> {self.words[i].upper()}\n") for i in picked[:k]]
-        return self._assemble(examples, _ids(self.tokenizer, f"{q} ->"), _ids(self.tokenizer, f" {q.upper()}"))
+        examples = [_token_ids(self.tokenizer, f"{self.words[i]} -> {self.words[i].upper()}\n") for i in picked[:k]]
+        return self._assemble(examples, _token_ids(self.tokenizer, f"{q} ->"),
+                              _token_ids(self.tokenizer, f" {q.upper()}"))
 
 
-def _cut(line: str) -> int | None:
+def _middle_space(line: str) -> int | None:
     """Index of the space nearest the middle of ``line`` with non-space characters on both sides."""
     cands = [i for i in range(1, len(line) - 1) if line[i] == " " and line[i - 1] != " " and line[i + 1] != " "]
     return min(cands, key=lambda i: abs(i - len(line) / 2)) if cands else None
@@ -165,9 +166,9 @@ class LineCompletionTask(ICLTask):
         rng = _rng(self.seed, self.name, e)
         picked = rng.choice(len(self.lines), min(self.max_k + 1, len(self.lines)), replace=False).tolist()
         q = self.lines[picked[-1]]
-        c = _cut(q)
-        examples = [_ids(self.tokenizer, self.lines[i] + "\n") for i in picked[:k]]
-        return self._assemble(examples, _ids(self.tokenizer, q[:c]), _ids(self.tokenizer, q[c:]))
+        c = _middle_space(q)
+        examples = [_token_ids(self.tokenizer, self.lines[i] + "\n") for i in picked[:k]]
+        return self._assemble(examples, _token_ids(self.tokenizer, q[:c]), _token_ids(self.tokenizer, q[c:]))
 
 
 def _words_from_text(text: str) -> list[str]:
@@ -178,7 +179,7 @@ def _lines_from_text(text: str) -> list[str]:
     out = []
     for raw in text.splitlines():
         line = raw.strip()
-        if 24 <= len(line) <= 100 and _cut(line) is not None:
+        if 24 <= len(line) <= 100 and _middle_space(line) is not None:
             out.append(line)
     return sorted(set(out))
 
@@ -204,10 +205,10 @@ def build_tasks(data, names: tuple[str, ...] = TASK_NAMES, seed: int = 0, text_t
             raise ConfigError(f"the tokenizer has {len(words)} single-token words (space + 3-8 lowercase letters), "
                               "the synthetic tasks need >= 16: drop kv_recall and pattern from --tasks or use a "
                               "larger vocabulary")
-        nl = _ids(tok, "\n")
+        nl = _token_ids(tok, "\n")
         if "kv_recall" in names:
             tasks.append(KVRecallTask("kv_recall", "synthetic", "key-value recall, 4 random keys per episode",
-                                      eot, seed, words=words, arrow=_ids(tok, " ->"), newline=nl))
+                                      eot, seed, words=words, arrow=_token_ids(tok, " ->"), newline=nl))
         if "pattern" in names:
             tasks.append(PatternTask("pattern", "synthetic", "continue a 6-word pattern shown k times", eot, seed,
                                      words=words, newline=nl))

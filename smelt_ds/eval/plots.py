@@ -52,7 +52,7 @@ def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
-def _nan(x):
+def _none_as_nan(x):
     return float("nan") if x is None else x
 
 
@@ -69,7 +69,7 @@ def _domains_figure(result: dict, path: Path) -> list[int]:
     width = 0.8 / len(names)
     for ax, (key, label) in zip(axes, (("loss", "loss (nats/token)"), ("bits_per_byte", "bits per byte")), strict=True):
         for i, (n, c) in enumerate(zip(names, _colors(len(names)), strict=True)):
-            vals = [_nan(result["domains"][n].get(d, {}).get(key)) for d in domains]
+            vals = [_none_as_nan(result["domains"][n].get(d, {}).get(key)) for d in domains]
             ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(domains))], vals, width, color=c,
                    label=n)
         ax.set_xticks(range(len(domains)), domains)
@@ -94,9 +94,9 @@ def _positions_figure(result: dict, path: Path) -> list[int]:
     fig, axes = plt.subplots(2, len(domains), figsize=(3.0 * len(domains), 4.6), layout="constrained",
                              squeeze=False, sharex=True)
     for j, d in enumerate(domains):
-        ref = [_nan(p["loss"]) for p in result["domains"][names[0]].get(d, {}).get("positions", [])]
+        ref = [_none_as_nan(p["loss"]) for p in result["domains"][names[0]].get(d, {}).get("positions", [])]
         for n, c in zip(names, _colors(len(names)), strict=True):
-            vals = [_nan(p["loss"]) for p in result["domains"][n].get(d, {}).get("positions", [])]
+            vals = [_none_as_nan(p["loss"]) for p in result["domains"][n].get(d, {}).get("positions", [])]
             if not vals:
                 continue
             axes[0, j].plot(range(len(vals)), vals, "o-", color=c, label=n, ms=3)
@@ -121,10 +121,10 @@ def _icl_figure(result: dict, path: Path) -> list[int]:
         for n, c in zip(names, _colors(len(names)), strict=True):
             curve = result["icl"][n].get(t, {})
             ks = list(curve)
-            axes[0, j].plot(range(len(ks)), [_nan((curve[k] or {}).get("loss")) for k in ks], "o-", color=c, ms=3,
-                            label=n)
-            axes[1, j].plot(range(len(ks)), [_nan((curve[k] or {}).get("accuracy")) for k in ks], "o-", color=c,
-                            ms=3)
+            losses = [_none_as_nan((curve[k] or {}).get("loss")) for k in ks]
+            accuracies = [_none_as_nan((curve[k] or {}).get("accuracy")) for k in ks]
+            axes[0, j].plot(range(len(ks)), losses, "o-", color=c, ms=3, label=n)
+            axes[1, j].plot(range(len(ks)), accuracies, "o-", color=c, ms=3)
             for ax in axes[:, j]:
                 ax.set_xticks(range(len(ks)), ks, fontsize=7)
         axes[0, j].set_title(t, fontsize=9)

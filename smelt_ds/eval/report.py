@@ -15,7 +15,7 @@ from smelt_ds.files import write_json_atomic, write_text_atomic
 __all__ = ["eval_table", "analysis_table", "to_markdown", "details_markdown", "write_report"]
 
 
-def _row(section: str, metric: str, unit: str, values: dict, names: list[str]) -> dict:
+def _table_row(section: str, metric: str, unit: str, values: dict, names: list[str]) -> dict:
     ref = values.get(names[0])
     delta = {}
     for n in names[1:]:
@@ -43,27 +43,28 @@ def eval_table(result: dict) -> list[dict]:
     rows = []
     domains = list(dict.fromkeys(d for n in names for d in result["domains"][n]))
     for d in domains:
-        rows.append(_row("validation", f"loss {_domain_label(d)}", "nats/token",
-                         {n: _finite(result["domains"][n].get(d, {}).get("loss")) for n in names}, names))
+        rows.append(_table_row("validation", f"loss {_domain_label(d)}", "nats/token",
+                               {n: _finite(result["domains"][n].get(d, {}).get("loss")) for n in names}, names))
     for d in domains:
-        rows.append(_row("validation", f"bits per byte {_domain_label(d)}", "bits/byte",
-                         {n: _finite(result["domains"][n].get(d, {}).get("bits_per_byte")) for n in names}, names))
+        rows.append(_table_row("validation", f"bits per byte {_domain_label(d)}", "bits/byte",
+                               {n: _finite(result["domains"][n].get(d, {}).get("bits_per_byte")) for n in names},
+                               names))
     for i, (s, e) in enumerate(result["settings"]["buckets"]):
         vals = {}
         for n in names:
             pos = result["domains"][n].get("all", {}).get("positions", [])
             vals[n] = _finite(pos[i]["loss"]) if i < len(pos) else None
-        rows.append(_row("loss by position (domains weighted equally)", f"positions {s}-{e}", "nats/token", vals,
-                         names))
+        rows.append(_table_row("loss by position (domains weighted equally)", f"positions {s}-{e}", "nats/token", vals,
+                               names))
     for task, info in result["tasks"].items():
         shots = list(dict.fromkeys(k for n in names for k in result["icl"][n].get(task, {})))
         for k in shots:
             vals = {n: (result["icl"][n].get(task, {}).get(k) or {}).get("loss") for n in names}
-            rows.append(_row(f"in-context: {task}", f"k={k} loss", "nats/token", vals, names))
+            rows.append(_table_row(f"in-context: {task}", f"k={k} loss", "nats/token", vals, names))
         if info["kind"] == "synthetic" or task == "word_case":
             for k in shots:
                 vals = {n: (result["icl"][n].get(task, {}).get(k) or {}).get("accuracy") for n in names}
-                rows.append(_row(f"in-context: {task}", f"k={k} accuracy", "share", vals, names))
+                rows.append(_table_row(f"in-context: {task}", f"k={k} accuracy", "share", vals, names))
     return rows
 
 
@@ -81,42 +82,43 @@ def analysis_table(result: dict) -> list[dict]:
     rows = []
     for stat, label, unit in (("first_mass", "first-token mass", "share"), ("content_mass", "content mass", "share"),
                               ("entropy", "attention entropy", "nats")):
-        rows.append(_row("attention (mean over visits and heads)", label, unit,
-                         {n: _mean([v["mean"][stat] for v in A[n]["attention"].values()]) for n in names}, names))
+        rows.append(_table_row("attention (mean over visits and heads)", label, unit,
+                               {n: _mean([v["mean"][stat] for v in A[n]["attention"].values()]) for n in names}, names))
     for stat, label in (("first_mass", "first-token mass"), ("content_mass", "content mass")):
         for which, idx in (("first", 0), ("last", -1)):
             vals = {n: _mean([c[stat][idx] for c in A[n]["attention_visits"]]) for n in names}
-            rows.append(_row("attention of looped layers", f"{label}, {which} visit", "share", vals, names))
+            rows.append(_table_row("attention of looped layers", f"{label}, {which} visit", "share", vals, names))
     max_depth = max(len(A[n]["logit_lens"]["depths"]) for n in names)
     for d in range(1, max_depth):
         vals = {}
         for n in names:
             key = [k for k, v in A[n]["attention"].items() if v["plan_index"] == d - 1]
             vals[n] = A[n]["attention"][key[0]]["mean"]["first_mass"] if key else None
-        rows.append(_row("first-token mass by depth", f"depth {d}", "share", vals, names))
-    rows.append(_row("routing", "load max/mean (mean over MoE visits)", "ratio",
-                     {n: _mean([v["load_max_over_mean"] for v in A[n]["routing"]["visits"].values()]) for n in names},
-                     names))
-    rows.append(_row("routing", "divergence between visits (mean over looped layers)", "share of tokens",
-                     {n: _mean([x["divergence"] for x in A[n]["routing"]["divergence"]]) for n in names}, names))
-    rows.append(_row("routing", "experts kept between visits (mean)", "share",
-                     {n: _mean([x["overlap"] for x in A[n]["routing"]["divergence"]]) for n in names}, names))
+        rows.append(_table_row("first-token mass by depth", f"depth {d}", "share", vals, names))
+    rows.append(_table_row("routing", "load max/mean (mean over MoE visits)", "ratio",
+                           {n: _mean([v["load_max_over_mean"] for v in A[n]["routing"]["visits"].values()])
+                            for n in names},
+                           names))
+    rows.append(_table_row("routing", "divergence between visits (mean over looped layers)", "share of tokens",
+                           {n: _mean([x["divergence"] for x in A[n]["routing"]["divergence"]]) for n in names}, names))
+    rows.append(_table_row("routing", "experts kept between visits (mean)", "share",
+                           {n: _mean([x["overlap"] for x in A[n]["routing"]["divergence"]]) for n in names}, names))
     for d in range(max_depth):
         vals = {}
         for n in names:
             rows_n = A[n]["logit_lens"]["depths"]
             vals[n] = rows_n[d]["loss"] if d < len(rows_n) else None
-        rows.append(_row("logit lens", "embedding" if d == 0 else f"after visit {d}", "nats/token", vals, names))
+        rows.append(_table_row("logit lens", "embedding" if d == 0 else f"after visit {d}", "nats/token", vals, names))
     return rows
 
 
-def _fmt(x, unit: str) -> str:
+def _value_text(x, unit: str) -> str:
     if x is None:
         return "–"
     return f"{x:.3f}" if unit in ("share", "share of tokens") else f"{x:.4f}"
 
 
-def _fmt_delta(x, unit: str) -> str:
+def _delta_text(x, unit: str) -> str:
     if x is None:
         return "–"
     return f"{x:+.3f}" if unit in ("share", "share of tokens") else f"{x:+.4f}"
@@ -131,8 +133,8 @@ def to_markdown(rows: list[dict], names: list[str]) -> str:
         if r["section"] != section:
             section = r["section"]
             lines.append(f"| **{section}** |" + " |" * (len(head) - 1))
-        cells = [r["metric"], r["unit"], *[_fmt(r["values"][n], r["unit"]) for n in names],
-                 *[_fmt_delta(r["delta"][n], r["unit"]) for n in names[1:]]]
+        cells = [r["metric"], r["unit"], *[_value_text(r["values"][n], r["unit"]) for n in names],
+                 *[_delta_text(r["delta"][n], r["unit"]) for n in names[1:]]]
         lines.append("| " + " | ".join(cells) + " |")
     if any(v is None for r in rows for v in r["values"].values()):
         lines += ["", "`–`: no value. For an in-context task: its episodes with that many examples do not fit "

@@ -349,7 +349,7 @@ def _child_setup(rlimits: list[tuple[int, int, int]], cgroup_procs: str | None) 
     return setup
 
 
-def _cut(text: str) -> str:
+def _shortened(text: str) -> str:
     text = " ".join(text.split()) if "\n" in text else text
     return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
 
@@ -438,7 +438,7 @@ class _Job:
             _, wstatus, usage = os.wait4(self.proc.pid, 0)  # rusage includes the children it reaped
             rc = self.proc.returncode = os.waitstatus_to_exitcode(wstatus)
             status, error = self._outcome(rc, usage.ru_utime + usage.ru_stime)
-            return SandboxResult(status, _cut(error), round(self.seconds, 4), rc, str(self.workdir),
+            return SandboxResult(status, _shortened(error), round(self.seconds, 4), rc, str(self.workdir),
                                  self.iso.network, self.iso.processes(self.limits), self.iso.filesystem)
         finally:
             self.cleanup()

@@ -261,8 +261,8 @@ def _pair(run_docs: dict[int, dict], base_docs: dict[int, dict]) -> tuple[list[i
     return common, len(set(run_docs) - set(base_docs)), len(set(base_docs) - set(run_docs))
 
 
-def _row(run: str, task: str, metric: str, better: str, stratum: str, k: int, run_docs: dict, base_docs: dict,
-         n_resamples: int, seed: int, confidence: float, **extra) -> dict:
+def _paired_row(run: str, task: str, metric: str, better: str, stratum: str, k: int, run_docs: dict, base_docs: dict,
+                n_resamples: int, seed: int, confidence: float, **extra) -> dict:
     common, run_only, base_only = _pair(run_docs, base_docs)
     stats = paired_difference([run_docs[d]["value"] for d in common], [base_docs[d]["value"] for d in common],
                               n_resamples=n_resamples, seed=seed, confidence=confidence)
@@ -353,11 +353,11 @@ def stratify(records, baseline: str, length_buckets: list[int] | None = None, n_
             run_b = _split_by_length_bucket(own.get(k0, {}), base_len, edges)
             counts[run] = [len(b) for b in run_b]
             for i in range(nb):
-                lrows.append(_row(run, task, metric, better, "length", k0, run_b[i], base_b[i], bucket=i,
-                                  length_range=[edges[i], edges[i + 1]], **kw))
+                lrows.append(_paired_row(run, task, metric, better, "length", k0, run_b[i], base_b[i], bucket=i,
+                                         length_range=[edges[i], edges[i + 1]], **kw))
             # (b) every k the Baseline has
             for k in ks:
-                krows.append(_row(run, task, metric, better, "k", k, own.get(k, {}), base[k], **kw))
+                krows.append(_paired_row(run, task, metric, better, "k", k, own.get(k, {}), base[k], **kw))
         comparisons.append({"task": task, "metric": metric, "better": better,
                             "length": {"k": k0, "edges": edges, "edges_source": source,
                                        "labels": [f"{a}-{b - 1}" for a, b in itertools.pairwise(edges)],
@@ -384,7 +384,7 @@ def stratify(records, baseline: str, length_buckets: list[int] | None = None, n_
 # ---------------------------------------------------------------------------------------------
 
 
-def _num(x: float | None, sign: bool = True) -> str:
+def _difference_text(x: float | None, sign: bool = True) -> str:
     if x is None:
         return "—"
     if x == 0.0:
@@ -395,7 +395,7 @@ def _num(x: float | None, sign: bool = True) -> str:
     return s.replace("-", "−")
 
 
-def _where(row: dict) -> str:
+def _stratum_text(row: dict) -> str:
     if row["stratum"] == "k":
         return f"at k={row['k']}"
     lo, hi = row["length_range"]
@@ -407,16 +407,16 @@ def row_sentence(row: dict, baseline: str, confidence: float = 0.95) -> str:
     +0.031 [−0.012, +0.074]: the 95% interval includes 0, so this difference is not
     distinguishable from noise at n=200 examples.``"""
     pct = f"{confidence:.0%}"
-    head = f"{row['run']} - {baseline} on {row['task']} {row['metric']} {_where(row)}"
+    head = f"{row['run']} - {baseline} on {row['task']} {row['metric']} {_stratum_text(row)}"
     n = row["n"]
     if n == 0:
         return (f"{head}: no paired examples (no interval, so it counts as an interval that includes 0: nothing "
                 "to distinguish from noise).")
-    d = _num(row["difference"])
+    d = _difference_text(row["difference"])
     if row["low"] is None:
         return (f"{head}: {d} from n={n} example; no bootstrap interval (it needs at least 2 paired examples), so "
                 "it counts as an interval that includes 0: not distinguishable from noise.")
-    ci = f"{d} [{_num(row['low'])}, {_num(row['high'])}]"
+    ci = f"{d} [{_difference_text(row['low'])}, {_difference_text(row['high'])}]"
     const = ""
     if row["interval"] == "constant differences":
         const = (f" (every one of the n={n} paired differences equals {d}, so the bootstrap interval is the "
@@ -449,20 +449,20 @@ def _trend(rows: list[dict], what: str, baseline: str) -> str | None:
                 f"the difference changes with {what}.")
     direction = "larger" if last["difference"] > first["difference"] else "smaller"
     return (s + f"; the intervals at {lab(first)} and {lab(last)} do not overlap: the difference is {direction} at "
-            f"{lab(last)} ({_num(last['difference'])} vs {_num(first['difference'])}).")
+            f"{lab(last)} ({_difference_text(last['difference'])} vs {_difference_text(first['difference'])}).")
 
 
 def _table(rows: list[dict], baseline: str, label) -> list[str]:
     out = [f"| {label[0]} | run | n | {baseline} mean | run mean | Δ | interval | includes 0 | dropped (run / base) |",
            "|---|---|---:|---:|---:|---:|---|---|---:|"]
     for r in rows:
-        ci = "—" if r["low"] is None else f"[{_num(r['low'])}, {_num(r['high'])}]"
+        ci = "—" if r["low"] is None else f"[{_difference_text(r['low'])}, {_difference_text(r['high'])}]"
         if r["interval"] not in (METHOD, "constant differences") and r["low"] is not None:
             ci += " (percentile)"
         if r["interval"] == "constant differences":
             ci += " (constant)"
-        out.append(f"| {label[1](r)} | {r['run']} | {r['n']} | {_num(r['mean_baseline'], False)} | "
-                   f"{_num(r['mean_run'], False)} | {_num(r['difference'])} | {ci} | "
+        out.append(f"| {label[1](r)} | {r['run']} | {r['n']} | {_difference_text(r['mean_baseline'], False)} | "
+                   f"{_difference_text(r['mean_run'], False)} | {_difference_text(r['difference'])} | {ci} | "
                    f"{'yes' if r['interval_includes_zero'] else 'no'} | "
                    f"{r['dropped']['run_only']} / {r['dropped']['baseline_only']} |")
     return out

@@ -72,7 +72,7 @@ def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
     t = cfg.train
     W, N, r = t.warmup_steps, t.max_steps, t.min_lr_ratio
 
-    def f(step: int) -> float:
+    def multiplier(step: int) -> float:
         if W and step < W:
             return (step + 1) / W
         if t.schedule == "constant":
@@ -86,7 +86,7 @@ def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
         progress = min(1.0, (step - decay_start) / max(1, N - decay_start))
         return 1.0 - (1 - r) * progress
 
-    return f
+    return multiplier
 
 
 def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
@@ -101,7 +101,7 @@ def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
     """
     import deepspeed
 
-    f = lr_multiplier(cfg)
+    multiplier = lr_multiplier(cfg)
     groups = param_groups(model, cfg)
     if cfg.moe_runtime.backend != "reference":
         groups = optimizer_param_groups(model, groups, cfg)
@@ -113,7 +113,7 @@ def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
     optimizer = None if "optimizer" in ds_config else adamw  # an optimizer offload: DeepSpeed's CPU Adam
 
     def scaled_multiplier(scale: float) -> Callable[[int], float]:
-        return lambda step: scale * f(step)
+        return lambda step: scale * multiplier(step)
 
     def scheduler(opt):
         return torch.optim.lr_scheduler.LambdaLR(

@@ -53,7 +53,7 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def _tag(step: int) -> str:
+def _step_tag(step: int) -> str:
     return f"step{step:08d}"
 
 
@@ -274,7 +274,7 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     import torch.distributed as dist
 
     root = checkpoint_dir(run_dir)
-    tag = _tag(step)
+    tag = _step_tag(step)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = {"world_size": world, **(layout or {})}

@@ -113,9 +113,10 @@ def derive_variants(baseline_path: str | Path, tolerance: float = 0.01) -> dict[
         name = f"{size}-{variant}"
         res = match_baseline(raw, position, ep_size=ep, tolerance=tolerance, name=name)
         cfg, d = res.config, res.deviations
-        cmd = (f"smelt-ds match {_rel(path)} --position {position} --ep-size {ep} --tolerance {tolerance:g} "
+        cmd = (f"smelt-ds match {_repo_relative(path)} --position {position} --ep-size {ep} --tolerance {tolerance:g} "
                f"--name {name}")
-        head = [f"# {size.upper()} {variant} ({_describe(cfg)}): written by `smelt-ds recipes derive {_rel(path)}`,",
+        head = [f"# {size.upper()} {variant} ({_describe(cfg)}): written by "
+                f"`smelt-ds recipes derive {_repo_relative(path)}`,",
                 f"# i.e. `{cmd}`.",
                 f"# {cfg.model.num_layers} unique layers, {res.matched.visits} visits per forward pass, "
                 f"{cfg.moe.num_experts} experts per layer. Deviations from the Baseline:",
@@ -143,7 +144,7 @@ def _plain(d: Any) -> Any:
     return json.loads(json.dumps(d))
 
 
-def _rel(path: Path) -> str:
+def _repo_relative(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(REPO_ROOT))
     except ValueError:
@@ -166,11 +167,11 @@ def _describe(cfg: RunConfig) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _gib(n: float) -> str:
+def _in_gib(n: float) -> str:
     return f"{n / 2 ** 30:.1f}"
 
 
-def _si(n: float) -> str:
+def _si_prefixed(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= div:
             return f"{n / div:.3g}{unit}"
@@ -196,7 +197,8 @@ def recipe_rows(entries: list[RecipeEntry] | None = None) -> tuple[list[dict[str
             base = config_from_dict(load_raw(e.baseline_path), source=str(e.baseline_path))
             base_budgets[e.baseline_path] = compute_budget(base)
         d = deviations(b, base_budgets[e.baseline_path])
-        budget_rows.append({"size": e.size, "variant": e.variant, "path": _rel(e.path), "loop": _describe(cfg),
+        budget_rows.append({"size": e.size, "variant": e.variant, "path": _repo_relative(e.path),
+                            "loop": _describe(cfg),
                             "unique_layers": b.unique_layers, "visits": b.visits, "experts": b.num_experts,
                             "top_k": cfg.moe.top_k, "non_embedding_params": b.non_embedding_params,
                             "active_non_embedding_params": b.active_non_embedding_params,
@@ -220,7 +222,7 @@ def recipe_rows(entries: list[RecipeEntry] | None = None) -> tuple[list[dict[str
     return budget_rows, layout_rows
 
 
-def _md(head: list[str], rows: list[list[str]]) -> list[str]:
+def _markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"] + \
         ["| " + " | ".join(r) + " |" for r in rows]
 
@@ -235,7 +237,7 @@ def _training_rows(entries: list[RecipeEntry]) -> list[list[str]]:
         tokens = t.max_steps * (t.global_batch_tokens or t.micro_batch_size * t.seq_len)
         rows.append([e.size, str(t.seq_len), f"{t.global_batch_tokens:,}" if t.global_batch_tokens else
                      f"{t.micro_batch_size * t.seq_len:,} per rank", f"{t.lr:g}", str(t.warmup_steps),
-                     f"{t.schedule} to {t.min_lr_ratio:g}", f"{t.max_steps:,}", _si(tokens),
+                     f"{t.schedule} to {t.min_lr_ratio:g}", f"{t.max_steps:,}", _si_prefixed(tokens),
                      f"{c.moe_runtime.backend}, ep {c.moe_runtime.ep_size}", f"ZeRO-{c.deepspeed.zero_stage}"])
     return rows
 
@@ -256,20 +258,21 @@ def recipes_table(entries: list[RecipeEntry] | None = None) -> str:
            "per-token FLOPs, non-embedding parameters and KV cache within 1%. Sources of every shape and "
            "training choice are cited in the Baseline files. `tiny` runs on a CPU.", "",
            "## Training setup (same for all variants of a size)", ""]
-    out += _md(["size", "seq_len (tokens)", "global batch (tokens)", "peak LR", "warmup (steps)", "schedule",
-                "steps", "tokens", "MoE backend", "ZeRO"], _training_rows(entries))
+    out += _markdown_table(["size", "seq_len (tokens)", "global batch (tokens)", "peak LR", "warmup (steps)",
+                            "schedule", "steps", "tokens", "MoE backend", "ZeRO"], _training_rows(entries))
     out += ["", "## Budgets", "",
             "Non-embedding parameters count all experts and exclude the token embedding and the output head; "
             "active = top-k experts only. FLOPs per token of training (3 x forward) at the recipe's `seq_len`; "
             "KV cache in bf16 bytes per token (every visit keeps its own K and V). Deviations are relative to the "
             "size's Baseline.", ""]
-    out += _md(["recipe", "loop", "unique layers", "visits", "experts/layer", "top-k", "non-emb params",
-                "active non-emb", "train FLOPs/token", "KV bytes/token", "dFLOPs", "dparams", "dKV"],
-               [[f"`{r['path']}`", r["loop"], str(r["unique_layers"]), str(r["visits"]), str(r["experts"]),
-                 str(r["top_k"]), _si(r["non_embedding_params"]), _si(r["active_non_embedding_params"]),
-                 _si(r["train_flops_per_token"]), f"{r['kv_cache_bytes_per_token']:,}",
-                 f"{r['deviation']['flops']:+.2%}", f"{r['deviation']['params']:+.2%}",
-                 f"{r['deviation']['kv_cache']:+.2%}"] for r in budgets])
+    out += _markdown_table(
+        ["recipe", "loop", "unique layers", "visits", "experts/layer", "top-k", "non-emb params", "active non-emb",
+         "train FLOPs/token", "KV bytes/token", "dFLOPs", "dparams", "dKV"],
+        [[f"`{r['path']}`", r["loop"], str(r["unique_layers"]), str(r["visits"]), str(r["experts"]),
+          str(r["top_k"]), _si_prefixed(r["non_embedding_params"]), _si_prefixed(r["active_non_embedding_params"]),
+          _si_prefixed(r["train_flops_per_token"]), f"{r['kv_cache_bytes_per_token']:,}",
+          f"{r['deviation']['flops']:+.2%}", f"{r['deviation']['params']:+.2%}",
+          f"{r['deviation']['kv_cache']:+.2%}"] for r in budgets])
     out += ["", "## Layouts and memory per GPU", "",
             f"Estimated by `smelt-ds memory` (`smelt_ds.cost.memory.estimate`) for the recipe's own ZeRO option and "
             f"activation-checkpointing policy with the layout's overrides applied; a layout fits when at least "
@@ -278,11 +281,11 @@ def recipes_table(entries: list[RecipeEntry] | None = None) -> str:
             f"Under ZeRO-3 "
             f"the memory includes the looped block kept gathered between visits by the loop-aware reuse distance "
             f"(`deepspeed.zero3_loop_tuning: auto`) at the layout's world size and device memory.", ""]
-    out += _md(["recipe", "layout", "GPU", "nodes x GPUs", "ZeRO", "MoE (ep)", "checkpointing", "precision",
-                "micro-batch x accumulation", "memory/GPU (GiB)", "device (GiB)", "headroom", "verdict"],
+    out += _markdown_table(["recipe", "layout", "GPU", "nodes x GPUs", "ZeRO", "MoE (ep)", "checkpointing", "precision",
+                            "micro-batch x accumulation", "memory/GPU (GiB)", "device (GiB)", "headroom", "verdict"],
                [[f"{r['size']}/{r['variant']}", r["layout"], r["gpu"], f"{r['nodes']} x {r['gpus_per_node']}",
                  r["zero"], f"{r['backend']} ({r['ep_size']})", r["policy"], r["precision"],
-                 f"{r['micro_batch']} x {r['accumulation']}", _gib(r["memory_bytes"]), f"{r['device_memory_gib']:g}",
+                 f"{r['micro_batch']} x {r['accumulation']}", _in_gib(r["memory_bytes"]), f"{r['device_memory_gib']:g}",
                  f"{r['headroom']:.0%}", "fits" if r["fits"] else "DOES NOT FIT"] for r in layouts])
     return "\n".join(out) + "\n"
 
