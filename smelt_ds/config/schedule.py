@@ -115,6 +115,9 @@ class LoopSchedule:
         self.spans = _check_spans(list(spans), num_layers)
         self.order = order
         self.plan: list[Visit] = self._build_plan()
+        #: unique layers that run more than once per forward pass (computed once; see is_looped)
+        self.looped_layers: frozenset[int] = frozenset(
+            i for s in self.spans if s.repeats > 1 for i in range(s.start, s.end))
 
     @classmethod
     def from_config(cls, loop_cfg, num_layers: int) -> LoopSchedule:
@@ -177,7 +180,8 @@ class LoopSchedule:
         return 1
 
     def is_looped(self, layer: int) -> bool:
-        return self.visits_of(layer) > 1
+        """Whether unique layer ``layer`` runs more than once per forward pass."""
+        return layer in self.looped_layers
 
     def span_of(self, layer: int) -> LoopSpan | None:
         for s in self.spans:

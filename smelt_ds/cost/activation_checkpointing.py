@@ -25,5 +25,5 @@ def checkpointed_visits(cfg: RunConfig, schedule: LoopSchedule) -> set[Visit]:
     if ac.policy == "full":
         return set(plan)
     if ac.policy == "looped":
-        return {v for v in plan if schedule.is_looped(v.layer)}
+        return {v for v in plan if v.layer in schedule.looped_layers}
     return {v for i, v in enumerate(plan) if i % ac.every_n == 0}

@@ -141,7 +141,7 @@ def _reuse_distance(schedule: LoopSchedule, t: list[tuple[str, Visit]], numel: l
     layer, ``numel[layer]``."""
     need = 0
     for layer in range(len(numel)):
-        if not schedule.is_looped(layer):
+        if layer not in schedule.looped_layers:
             continue
         uses = [i for i, (_, v) in enumerate(t) if v.layer == layer]
         for i, j in itertools.pairwise(uses):
@@ -200,7 +200,7 @@ def plan_zero3(cfg: RunConfig, zero: dict[str, Any], world_size: int,
     user = {k: v for k, v in (cfg.deepspeed.config.get("zero_optimization", {}) or {}).items() if k in KEYS}
     base = _base_values(zero)
     sizes = [numel[v.layer] for v in schedule.plan]
-    block = sum(n for layer, n in enumerate(numel) if schedule.is_looped(layer))
+    block = sum(n for layer, n in enumerate(numel) if layer in schedule.looped_layers)
     out = Zero3Tuning(cfg.deepspeed.zero3_loop_tuning, stage, False, "", dict(base), base, {}, user, block, sizes)
     if cfg.deepspeed.zero3_loop_tuning == "off":
         out.reason = "deepspeed.zero3_loop_tuning is 'off': template / DeepSpeed values"
