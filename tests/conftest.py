@@ -30,3 +30,16 @@ def tiny_cfg():
         return config_from_dict(_merge(TINY, overrides or {}))
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """``slow`` also covers the ``distributed`` tests (they start processes) and the tests that use
+    a fixture marked by :func:`tests.markers.slow_fixture`."""
+    for item in items:
+        if item.get_closest_marker("slow"):
+            continue
+        definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        uses_slow_fixture = any(getattr(defs[-1].func, "smelt_slow", False)
+                                for name in item.fixturenames if (defs := definitions.get(name)))
+        if item.get_closest_marker("distributed") or uses_slow_fixture:
+            item.add_marker(pytest.mark.slow)

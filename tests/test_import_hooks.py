@@ -36,6 +36,7 @@ def _probe(first: str) -> dict:
 
 
 @needs_mlflow
+@pytest.mark.slow
 def test_deepspeed_skips_mlflow_after_smelt_ds_and_mlflow_still_imports():
     # the control: without smelt_ds, this DeepSpeed imports MLflow (if a release stops, the hook is obsolete)
     assert _probe("") == {"after_deepspeed": True, "has_mlflow": True, "client": "MlflowClient"}

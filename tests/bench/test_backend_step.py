@@ -27,6 +27,7 @@ from smelt_ds.config.loading import load_config  # noqa: E402
 from smelt_ds.model import SmeltLM  # noqa: E402
 from smelt_ds.testing.distributed import scaled_timeout  # noqa: E402
 from smelt_ds.train.objective import total_loss  # noqa: E402
+from tests.markers import slow_fixture
 from tests.numerics import lm_chain_length, prob_tol  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +48,7 @@ def _bench_module():
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def bench(tmp_path_factory):
     """``(json result, stdout)`` of one run: 1 rank, 1 thread, 1 timed round, no warm-up."""
     out = tmp_path_factory.mktemp("backend_step") / "result.json"

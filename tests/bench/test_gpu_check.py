@@ -38,6 +38,9 @@ from smelt_ds.cost.memory import activation_bytes
 from smelt_ds.testing.distributed import scaled_timeout, timeout_scale
 from tests.numerics import lm_chain_length, prob_tol
 
+# the dry run of every section is shared by most tests here (about 45 s on 2 cores): the module is slow
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 SECTIONS = ["sdpa", "moe_layer", "train_eager", "memory", "train_compiled"]

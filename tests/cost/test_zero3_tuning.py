@@ -20,6 +20,7 @@ from smelt_ds.cost.zero3_tuning import KEYS, plan_zero3, reuse_distance_needed, 
 from smelt_ds.cost.zero_config import write_zero3_tuning, zero_section
 from smelt_ds.parallel.ds_config import build_ds_config
 from smelt_ds.testing import run_distributed
+from tests.markers import slow_fixture
 
 P_LAYER, P_SPAN = 9408, 18816
 SMALL = {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0, "stage3_prefetch_bucket_size": 0}
@@ -147,6 +148,7 @@ CASES = [("off", "none", True), ("auto", "none", True), ("auto", "none", False),
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def comms():
     raws = []
     for tuning, policy, no_prefetch in CASES:

@@ -139,6 +139,7 @@ def _worker(rank, world, raws):
     return res
 
 
+@pytest.mark.slow
 def test_shipped_template_off_and_auto_gather_the_same_bytes():
     """Shipped template with two user values that make the count exact on a tiny model: every
     parameter releasable (persistence threshold 0; the template's 1e5 keeps all of these gathered

@@ -7,6 +7,8 @@ import json
 import sys
 from pydoc_data.topics import topics
 
+import pytest
+
 from smelt_ds.cli import main
 from smelt_ds.data.builtin import DEFAULT_MAX_BYTES, build_builtin_corpus, load_manifest, stdlib_dir
 
@@ -15,6 +17,7 @@ def read(corpus, domain):
     return [json.loads(line) for line in (corpus / f"{domain}.jsonl").read_text(encoding="utf-8").splitlines()]
 
 
+@pytest.mark.slow
 def test_same_python_same_corpus_same_hash(builtin_prepared, session_cache, tmp_path):
     (cached,) = (session_cache / "builtin").iterdir()  # built by the session's first preparation
     fresh = build_builtin_corpus(tmp_path / "fresh")

@@ -187,6 +187,7 @@ def test_changed_source_is_prepared_again(tmp_path):
     assert second.meta["sources"][0]["documents"] == 41
 
 
+@pytest.mark.slow
 def test_num_proc_2_with_tokenizers_parallelism_true_finishes(tmp_path):
     """A tokenizer whose thread pool already ran in the parent, then forked map workers: must not hang."""
     script = textwrap.dedent(f"""
@@ -310,6 +311,7 @@ def _one_line_text(n_bytes: int) -> str:
     return (text * (n_bytes // len(text) + 1))[:n_bytes]
 
 
+@pytest.mark.slow
 def test_a_long_single_line_document_is_tokenised_in_bounded_memory(tmp_path):
     """A 3 MB single-line document with a 64 KB limit: preparing it takes about 130 MB more than the
     interpreter already holds (about 750 MB when the whole document goes to the tokenizer at once)."""

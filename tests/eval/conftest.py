@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.markers import slow_fixture
+
 
 @pytest.fixture(autouse=True)
 def _one_thread(monkeypatch, tmp_path):
@@ -60,6 +62,7 @@ def random_exports(tmp_path_factory, eval_cache, eval_data):
 
 
 @pytest.fixture(scope="session")
+@slow_fixture
 def trained_run(tmp_path_factory, eval_cache, eval_data) -> Path:
     """A tiny SMELT run directory trained for 20 steps (checkpoint at step 20)."""
     from smelt_ds.testing import run_distributed

@@ -455,6 +455,7 @@ def test_repeated_calls_are_reproducible(setup):
         (acc["t_mc"] * len(MC_DOCS) + acc["t_ll"] * len(LL_DOCS)) / (len(MC_DOCS) + len(LL_DOCS)), abs=1e-12)
 
 
+@pytest.mark.slow
 def test_bad_options_name_the_field(setup, random_exports):
     m, tok, eot = setup["model"], setup["tok"], setup["eot"]
     for kwargs, field in (({"max_length": 65}, "max_length"), ({"batch_size": "auto"}, "batch_size"),

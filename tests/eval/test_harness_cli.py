@@ -37,6 +37,7 @@ def tasks_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_eval_harness_two_runs_two_k(tmp_path, random_exports, tasks_dir, capsys):
     out = tmp_path / "out"
     assert _cli("eval", random_exports["baseline"], random_exports["smelt"], "--harness", "t_mc,t_ll",
@@ -87,6 +88,7 @@ def test_eval_harness_two_runs_two_k(tmp_path, random_exports, tasks_dir, capsys
     assert direct["results"] == json.loads((out / "harness" / "tiny-smelt_k1" / "results.json").read_text())["results"]
 
 
+@pytest.mark.slow
 def test_eval_harness_loop_repeats_and_baseline_no_loop(tmp_path, random_exports, tasks_dir):
     out = tmp_path / "out"
     assert _cli("eval", random_exports["baseline"], random_exports["smelt"], "--harness", "t_mc",
@@ -126,6 +128,7 @@ def test_eval_loop_repeats_without_harness_writes_a_loss_table(tmp_path, random_
     assert not (out / "eval.json").exists()
 
 
+@pytest.mark.slow
 def test_eval_harness_refusals(tmp_path, random_exports, tasks_dir, capsys):
     run = random_exports["smelt"]
     assert _cli("eval", run, "--harness", "t_mc", "--num-fewshot", "0,x", "-o", tmp_path) == 2
@@ -168,6 +171,7 @@ def test_old_outputs_are_cleared(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.md"]  # another pass's files stay
 
 
+@pytest.mark.slow
 def test_lm_eval_command_line_in_a_subprocess(tmp_path, random_exports, tasks_dir):
     """``smelt-ds lm-eval run --model smelt-ds ...``: lm-eval's own CLI and output files, with the
     numbers of the in-process evaluation on the same 2 documents (batch size 1 both)."""

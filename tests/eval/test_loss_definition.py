@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from smelt_ds.errors import ConfigError
+from tests.markers import slow_fixture
 from tests.numerics import lm_chain_length, prob_tol
 
 EVAL_BATCHES = 20
@@ -44,6 +45,7 @@ def _raw(cache: Path, run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def run(tmp_path_factory, eval_cache, eval_data):
     """A tiny SMELT run (6 steps, validation and checkpoints at steps 3 and 6) and its in-loop
     validation rows ``{step: {domain: loss}}`` from metrics.jsonl."""

@@ -431,6 +431,7 @@ print(json.dumps({n: [t.OUTPUT_TYPE, len(t.eval_docs)] for n, t in loaded["tasks
 """
 
 
+@pytest.mark.slow
 def test_harness_loads_in_a_fresh_offline_process(built, tmp_path):
     out, manifest = built
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",

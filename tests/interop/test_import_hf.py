@@ -96,6 +96,7 @@ def test_round_trip_of_a_looped_model_through_the_smelt_format(make_export, tmp_
     assert cfg.schedule.plan == source_cfg.schedule.plan
 
 
+@pytest.mark.slow
 def test_imported_recipe_trains_from_the_checkpoint(make_export, interop_cache, tmp_path):
     src = make_export("rt-train", **BASELINES["qwen3_moe"])
     hf = export_hf(src, tmp_path / "hf")

@@ -22,6 +22,7 @@ from smelt_ds.model.router import TopKRouter
 from smelt_ds.parallel.engine import check_activation_checkpointing, configure_activation_checkpointing
 from smelt_ds.testing import run_distributed
 from smelt_ds.train.objective import total_loss
+from tests.markers import slow_fixture
 from tests.numerics import assert_close_chain, lm_chain_length, prob_tol
 
 POLICIES = ("full", "looped", "every_n")
@@ -212,6 +213,7 @@ def _engine_losses():
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def ds_results():
     return run_distributed(_ds_worker, world_size=1, timeout=240)[0]
 

@@ -14,6 +14,7 @@ import torch
 
 from smelt_ds.config.loading import config_from_dict
 from smelt_ds.testing import run_distributed, scaled_timeout
+from tests.markers import slow_fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,6 +64,7 @@ def _fsync_order_worker(rank, world, raw):
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def trained(tmp_path_factory, cache):
     """A 4-step run saving at steps 2 and 4, with every fsync and rename recorded."""
     tmp = tmp_path_factory.mktemp("ckpt-run")
@@ -218,6 +220,7 @@ def test_checkpoint_without_digests_that_deepspeed_cannot_read_names_it(trained,
         run_distributed(_train, 1, args=(raw, "auto"), timeout=300)
 
 
+@pytest.mark.slow
 def test_full_disk_names_the_file_and_leaves_no_complete_checkpoint(tmp_path, cache):
     """/dev/full answers every write with ENOSPC, as a full file system does."""
     import yaml

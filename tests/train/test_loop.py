@@ -95,6 +95,7 @@ def _wait_for_step(metrics: Path, step: int, proc, timeout=240):
     raise AssertionError("timed out waiting for training")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
     from smelt_ds.runs import checkpoint as ckpt
 
@@ -132,6 +133,7 @@ def test_sigterm_saves_and_sigkill_leaves_last_good_checkpoint(tmp_path, cache):
     assert rows[-1]["step"] == step_last + 1 or any(r.get("step") == step_last + 1 for r in rows)
 
 
+@pytest.mark.slow
 def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     from smelt_ds.model import SmeltLM
     from smelt_ds.runs.export import export_checkpoint, load_exported
@@ -338,6 +340,7 @@ def test_resume_at_another_scale_is_refused_before_anything_is_written(tmp_path,
         check_run_dir(run_dir, config_from_dict({**longer, "moe_runtime": {}}), "auto", 2)
 
 
+@pytest.mark.slow
 def test_logged_lr_is_the_lr_each_step_used(tmp_path, cache):
     """Step s (1-based) of a linear warmup over W steps runs at lr * s / W; metrics.jsonl and the
     result must log that value, not the next step's (as the scheduler reports after stepping)."""
