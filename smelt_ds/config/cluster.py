@@ -3,7 +3,7 @@ render-job``, ``smelt-ds recipes table`` and the memory verdicts; training never
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from smelt_ds.config.schema import StrictModel
 from smelt_ds.errors import ConfigError
@@ -20,12 +20,23 @@ class ClusterLayout(StrictModel):
     """
 
     gpu: str = Field(..., description="GPU model, e.g. 'H100-SXM5-80GB'; 'cpu' for CPU processes")
-    device_memory_gib: float = Field(..., gt=0, description="usable memory per GPU in GiB (2**30 bytes), "
-                                                            "as torch.cuda.get_device_properties reports it")
+    device_memory_gib: float = Field(..., gt=0,
+                                     description="usable memory per GPU in GiB (2**30 bytes), as "
+                                                 "torch.cuda.get_device_properties reports it (e.g. 79.1 for an "
+                                                 "H100 80GB); above 4096 is refused as a size in bytes")
     nodes: int = Field(1, gt=0, description="number of nodes")
     gpus_per_node: int = Field(8, gt=0, description="GPUs (ranks) per node")
     overrides: list[str] = Field(default_factory=list,
                                  description="`--set KEY=VALUE` overrides applied to the recipe on this layout")
+
+
+    @field_validator("device_memory_gib")
+    @classmethod
+    def _in_gib_not_bytes(cls, value: float) -> float:
+        if value > 4096:
+            raise ValueError(f"{value:g} GiB per GPU is more than any GPU has: the field is in GiB, not bytes "
+                             f"(that would be {value / 2 ** 30:.1f} GiB); write e.g. 79.1 for an H100 80GB")
+        return value
 
 
 class ClusterConfig(StrictModel):

@@ -78,7 +78,7 @@ def parse_bytes(text: str | int | float, what: str = "--device-memory") -> int:
             without a unit (``"80"``: 80 bytes or 80 GB?), an unknown unit, or a size that is not
             positive.
     """
-    example = "e.g. 80GiB (an 80 GB H100/A100 as torch reports it) or 141GB (an H200)"
+    example = "e.g. 79.1GiB (an H100 80GB as torch reports it) or 139.7GiB (an H200 141GB)"
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), "b"
     else:

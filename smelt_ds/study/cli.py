@@ -4,7 +4,7 @@
 training-FLOPs savings from finished runs). ``smelt-ds sweep`` lives in :mod:`smelt_ds.study.sweep`,
 so that these commands start without the training stack.
 
-    smelt-ds memory recipes/m/smelt.yaml [--layout h200] [--nodes N] [--device-memory 80GiB] [--measure]
+    smelt-ds memory recipes/m/smelt.yaml [--layout h200] [--nodes N] [--device-memory 79.1GiB] [--measure]
     smelt-ds recipes table [-o docs/recipes.md] [--check]
     smelt-ds recipes derive recipes/xl/baseline.yaml [--check]
     smelt-ds scaling fit RUNS_DIR
@@ -85,7 +85,8 @@ def _add_memory_parser(sub: argparse._SubParsersAction) -> None:
                    help="GPUs (ranks) per node (default: the layout's; 1 without layouts)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="memory per GPU with its unit: GB = 1e9 bytes, GiB = 2^30 bytes (also B, KB, MB, TB, KiB, "
-                        "MiB, TiB), e.g. 80GiB (H100/A100 80GB), 141GB (H200); a bare number is refused (default: "
+                        "MiB, TiB), e.g. 79.1GiB (an H100 80GB as torch reports it), 139.7GiB (an H200); a bare "
+                        "number is refused (default: "
                         "the layout's device_memory_gib; without layouts the CPU stand-in render-job uses, "
                         f"{CPU_LAYOUT.device_memory_gib:g}GiB)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: train.seq_len)")

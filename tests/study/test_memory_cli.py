@@ -174,9 +174,9 @@ def test_layout_nodes_and_gpus_per_node(capsys):
     (["--gpus-per-node", "-2"], r"`--gpus-per-node` \(-2\) must be a positive integer"),
     (["--gpus-per-node", "16"], r"more GPUs than a node of layout 'h100' has"),
     (["--layout", "b200"], r"--layout 'b200'.*\['h100', 'h200'\]"),
-    (["--device-memory", "80"], r"`--device-memory` \('80'\) has no unit.*80GiB.*141GB"),
+    (["--device-memory", "80"], r"`--device-memory` \('80'\) has no unit.*79.1GiB.*139.7GiB"),
     (["--device-memory", "8e10"], r"`--device-memory` \('8e10'\) has no unit"),
-    (["--device-memory", "0GiB"], r"`--device-memory` \('0GiB'\) must be a positive memory size.*80GiB"),
+    (["--device-memory", "0GiB"], r"`--device-memory` \('0GiB'\) must be a positive memory size.*79.1GiB"),
     (["--device-memory=-1GB"], r"`--device-memory` \('-1GB'\) must be a positive memory size"),
 ])
 def test_bad_flags_exit_2_naming_the_flag_and_fix(capsys, argv, match):
