@@ -46,9 +46,8 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -90,6 +89,9 @@ from smelt_ds.data.tokenizer import (
 )
 from smelt_ds.errors import ConfigError
 from smelt_ds.runs.tokenizer_file import TOKENIZER_FILE, load_tokenizer, tokenizer_hash
+
+if TYPE_CHECKING:
+    import datasets
 
 __all__ = ["FORMAT_VERSION", "META_FILE", "SPLITS", "token_dtype", "validation_count", "document_keys",
            "validation_mask", "tokenise", "PreparedData", "preparation_key", "build_tokenizer", "prepare_from_config"]
@@ -180,6 +182,8 @@ def _encode_batch(batch: dict[str, list], indices: list[int], tokenizer: Tokeniz
 
 
 def _ids_features() -> datasets.Features:
+    import datasets  # on first use: a rank that opens a finished preparation never needs it
+
     list_type = getattr(datasets, "List", datasets.Sequence)
     return datasets.Features({"input_ids": list_type(datasets.Value("int32"))})
 
@@ -638,6 +642,8 @@ def _announce_builtin(cfg: DataConfig, root: Path) -> None:
 
 
 def _prepare_into(tmp: Path, cfg: DataConfig, root: Path, key: str) -> None:
+    import datasets
+
     t0 = time.time()
     work = tmp / "_work"
     _announce_builtin(cfg, root)

@@ -28,12 +28,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import datasets
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from datasets.exceptions import DatasetGenerationError
 
 from smelt_ds.config.data import TOKEN_FIELDS, DataConfig, SourceConfig
 from smelt_ds.data.builtin import builtin_corpus_dir, builtin_key
@@ -42,14 +40,22 @@ from smelt_ds.data.token_sources import token_source_files
 from smelt_ds.data.tokenizer import UncuttableDocument, cut_document, utf8_len
 from smelt_ds.errors import ConfigError
 
+if TYPE_CHECKING:
+    import datasets
+
 __all__ = ["SourceData", "read_source", "read_sources", "source_fingerprint", "offline_requested",
            "resolve_files", "file_format"]
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 SKIP_REASONS = ("empty_document", "empty_file", "blank_line", "bad_jsonl_line")
-_FEATURES = datasets.Features({"text": datasets.Value("string"), "skip": datasets.Value("string"),
-                               "file": datasets.Value("string"), "replaced": datasets.Value("int64")})
+def _row_features() -> datasets.Features:
+    """The columns of a source's rows (``datasets`` is imported on first use: a training rank that
+    opens a finished preparation never needs it)."""
+    import datasets
+
+    return datasets.Features({"text": datasets.Value("string"), "skip": datasets.Value("string"),
+                              "file": datasets.Value("string"), "replaced": datasets.Value("int64")})
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 _LINE_BREAK = re.compile(r"\r?\n")
 _OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "SMELT_DS_OFFLINE")
@@ -297,6 +303,7 @@ def offline_requested(cfg: DataConfig) -> bool:
 @contextlib.contextmanager
 def _hub_offline(on: bool):
     """Offline mode of datasets and huggingface_hub for the duration (they read env at import)."""
+    import datasets
     import huggingface_hub.constants as hub_constants
 
     saved = (datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE)
@@ -309,6 +316,8 @@ def _hub_offline(on: bool):
 
 
 def _load_hub_dataset(src: SourceConfig, where: str, offline: bool) -> datasets.Dataset:
+    import datasets
+
     try:
         with _hub_offline(offline):
             ds = datasets.load_dataset(src.dataset, src.dataset_config, split=src.split, revision=src.revision)
@@ -341,7 +350,7 @@ def _dataset_rows(src: SourceConfig, where: str, cfg: DataConfig, work_dir: Path
     return ds.map(_hub_rows, batched=True, with_indices=True,
                   fn_kwargs={"text_field": src.text_field, "name": src.dataset, "where": where,
                              "max_bytes": cfg.tokenize_chunk_bytes},
-                  remove_columns=ds.column_names, features=_FEATURES,
+                  remove_columns=ds.column_names, features=_row_features(),
                   cache_file_name=str(work_dir / f"rows-{index}.arrow"), desc=f"read {src.label()}")
 
 
@@ -368,10 +377,13 @@ def _kept(rows: datasets.Dataset, max_documents: int | None) -> datasets.Dataset
 
 def _local_rows(src: SourceConfig, files: list[Path], cfg: DataConfig, work_dir: Path, fp: str,
                 where: str) -> datasets.Dataset:
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
     kwargs = {"files": [str(p) for p in files], "src_json": src.model_dump_json(),
               "cfg_json": cfg.model_dump_json(), "fingerprint": fp, "where": where}
     try:
-        return datasets.Dataset.from_generator(_file_rows, features=_FEATURES, gen_kwargs=kwargs,
+        return datasets.Dataset.from_generator(_file_rows, features=_row_features(), gen_kwargs=kwargs,
                                                cache_dir=str(work_dir / "generator"))
     except DatasetGenerationError as e:  # datasets wraps what the generator raised
         if isinstance(e.__cause__, ConfigError):

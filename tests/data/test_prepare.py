@@ -377,3 +377,23 @@ def test_long_documents_with_a_tokenizer_that_cannot_be_cut_exactly(tmp_path):
         prepare_from_config(cfg)
     ok = prepare_from_config(cfg.model_copy(update={"tokenize_chunk_bytes": size}))
     assert ok.meta["sources"][0]["documents"] == 31
+
+
+_OPEN_PREPARED = """
+import json, sys
+from smelt_ds.config.data import DataConfig
+from smelt_ds.data.prepare import prepare_from_config
+import smelt_ds.train.loop  # noqa: F401 (what a training rank imports)
+prepared = prepare_from_config(DataConfig(tokenizer={"vocab_size": 512}), sys.argv[1])
+print(json.dumps({"root": str(prepared.root), "imported": [m for m in ("datasets", "pandas") if m in sys.modules]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_opens_a_finished_preparation_does_not_import_datasets(builtin_prepared, session_cache):
+    """`datasets` (with pandas, about 0.6 s per process on 2 cores) is imported only to prepare:
+    the training loop's modules and opening the preparation the session made do not need it."""
+    out = subprocess.run([sys.executable, "-c", _OPEN_PREPARED, str(session_cache)], capture_output=True,
+                         text=True, check=True, timeout=120).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"root": str(builtin_prepared.root), "imported": []}
