@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from smelt_ds.errors import ConfigError
-from smelt_ds.launch.jobs import MIN_HEADROOM, SCHEDULERS, JobOptions, plan_job, render, summary
+from smelt_ds.launch.jobs import MIN_HEADROOM, SCHEDULERS, JobOptions, JobPlan, plan_job, render, summary
+from smelt_ds.train.trackers import check_trackers
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -88,10 +89,24 @@ def options_from_args(args: argparse.Namespace):
                       memory_per_gpu_gib=args.memory_per_gpu_gib)
 
 
-def run_render_job(args: argparse.Namespace) -> int:
+def warn_missing_trackers(plan: JobPlan) -> None:
+    """Print a warning (stderr) when a tracker of ``tracking.trackers`` cannot be used in this
+    environment (:func:`smelt_ds.train.trackers.check_trackers`): a Slurm or deepspeed job runs
+    the Python it is submitted from, so its training would be refused only after it was queued. A
+    warning, not a refusal: a Kubernetes job runs its image's environment, and a job script may
+    activate another one."""
+    try:
+        check_trackers(plan.config)
+    except ConfigError as e:
+        where = "the image" if plan.options.scheduler == "k8s" else "the job's environment"
+        print(f"smelt-ds render-job: warning: {e} (checked here; {where} must have it, or training refuses "
+              "at start)", file=sys.stderr)
 
+
+def run_render_job(args: argparse.Namespace) -> int:
     plan = plan_job(args.recipe, options_from_args(args))
     text = render(plan)  # also on --dry-run: bad scheduler options fail here, not at submission
+    warn_missing_trackers(plan)
     if args.dry_run:
         print(summary(plan, args.output))
         return 0

@@ -518,3 +518,15 @@ def test_scheduler_is_a_choice_refused_at_parse_time_naming_the_choices(capsys):
     with pytest.raises(SystemExit):
         cli_main(["render-job", "--help"])
     assert "--scheduler {deepspeed,slurm,k8s}" in capsys.readouterr().out
+
+
+def test_a_tracker_missing_here_is_a_warning_naming_the_extra(monkeypatch, capsys):
+    argv = ["render-job", "recipes/tiny/smelt.yaml", "--scheduler", "slurm", "--dry-run",
+            "--set", "tracking.trackers=[wandb]"]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, as when it is missing
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "smelt-ds render-job: warning: `tracking.trackers` (['wandb']) lists 'wandb'" in err
+    assert "pip install 'smelt-ds[wandb]'" in err and "the job's environment must have it" in err
+    monkeypatch.delitem(sys.modules, "wandb")  # the dev extra installs it: no warning
+    assert cli_main(argv) == 0 and "warning" not in capsys.readouterr().err
