@@ -84,7 +84,8 @@ __all__ = ["TASK_NAMES", "GROUP_NAME", "MANIFEST_FILE", "MARKER_FILE", "DEFAULT_
            "DEFAULT_MAX_ROLLING", "MAX_SHOTS", "FORMAT_VERSION", "validation_documents", "TrainOverlap",
            "lambada_examples",
            "nextline_examples", "humaneval_examples", "rolling_examples", "code_complete_examples",
-           "task_config", "build_tasks", "add_build_tasks_arguments", "run_build_tasks"]
+           "task_config", "FunctionRef", "task_yaml_text", "build_tasks", "add_build_tasks_arguments",
+           "run_build_tasks"]
 
 FORMAT_VERSION = 1
 BUILDER = "smelt-ds eval build-tasks"
@@ -501,8 +502,9 @@ def task_config(task: str, data_file: Path) -> dict[str, Any]:
             "metadata": {"version": float(FORMAT_VERSION), "description": _DESCRIPTIONS[task]}}
 
 
-def _yaml_text(obj: dict[str, Any]) -> str:
-    """YAML of ``obj`` in key order; strings holding a line break are written double-quoted ("\\n")."""
+def task_yaml_text(obj: dict[str, Any]) -> str:
+    """An lm-evaluation-harness task YAML of ``obj`` in key order: strings holding a line break are
+    written double-quoted ("\\n"), a :class:`FunctionRef` as ``!function module.name``."""
     import yaml
 
     class Dumper(yaml.SafeDumper):
@@ -707,12 +709,12 @@ def build_tasks(out_dir: str | os.PathLike, cfg: RunConfig | None = None, *,
     for task in TASK_NAMES:
         data_rel, yaml_rel = f"{DATA_DIR}/{task}.jsonl", f"{task}.yaml"
         data_sha = _write_atomic(out / data_rel, _jsonl_text(examples[task]))
-        yaml_sha = _write_atomic(out / yaml_rel, _yaml_text(task_config(task, out / data_rel)))
+        yaml_sha = _write_atomic(out / yaml_rel, task_yaml_text(task_config(task, out / data_rel)))
         tasks[task] = {"output_type": _TASK_FIELDS[task]["output_type"], "examples": len(examples[task]),
                        "max_fewshot": 0 if task == ROLLING else MAX_SHOTS, "source": sources[task],
                        "data_file": data_rel, "sha256": data_sha, "yaml": yaml_rel, "yaml_sha256": yaml_sha}
     group = {"group": GROUP_NAME, "task": list(TASK_NAMES), "metadata": {"version": float(FORMAT_VERSION)}}
-    group_sha = _write_atomic(out / f"{GROUP_NAME}.yaml", _yaml_text(group))
+    group_sha = _write_atomic(out / f"{GROUP_NAME}.yaml", task_yaml_text(group))
     readme_sha = _write_atomic(out / README_FILE, _readme(out, {t: len(examples[t]) for t in TASK_NAMES}))
     manifest = {"builder": BUILDER, "format_version": FORMAT_VERSION, "smelt_ds": smelt_ds.__version__,
                 "out_dir": str(out), "recipe": cfg.name, "prepared_key": prepared.key,
