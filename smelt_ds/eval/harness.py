@@ -62,6 +62,7 @@ from smelt_ds.config.loop import LoopConfig, loop_with_repeats
 from smelt_ds.config.schedule import build_schedule
 from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError
+from smelt_ds.eval.benchmarks import tasks_dir_for
 from smelt_ds.eval.data import open_eval_data
 from smelt_ds.runs.load import load_run
 from smelt_ds.runs.tokenizer_file import load_tokenizer, tokenizer_hash
@@ -622,15 +623,15 @@ def register() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-_TASK_MANAGERS: dict[tuple[str | None, bool], TaskManager] = {}
+_TASK_MANAGERS: dict[tuple[tuple[str, ...], bool], TaskManager] = {}
 
 
-def _cached_manager(include_path: str | None, defaults: bool) -> TaskManager:
+def _cached_manager(include_paths: tuple[str, ...], defaults: bool) -> TaskManager:
     from lm_eval.tasks import TaskManager
 
-    key = (include_path, defaults)
+    key = (include_paths, defaults)
     if key not in _TASK_MANAGERS:
-        _TASK_MANAGERS[key] = TaskManager(include_path=include_path, include_defaults=defaults)
+        _TASK_MANAGERS[key] = TaskManager(include_path=list(include_paths) or None, include_defaults=defaults)
     return _TASK_MANAGERS[key]
 
 
@@ -638,22 +639,29 @@ def task_manager(tasks: list[str], include_path: str | None = None) -> TaskManag
     """A :class:`lm_eval.tasks.TaskManager` that knows ``tasks``, cached per include path.
 
     With ``include_path`` the directory alone is indexed first (lm-eval's own ~15k task files take
-    about 20 s to index); lm-eval's built-in tasks are indexed (once per process) only when a name
-    is not found there. Raises ConfigError naming the task names found in neither."""
+    about 20 s to index). Names of the offline benchmarks (:mod:`smelt_ds.eval.benchmarks`, group
+    ``smelt_benchmarks``) that the directory does not hold add the fetched benchmarks' task
+    directory (ConfigError naming the install command when they are not fetched). lm-eval's
+    built-in tasks are indexed (once per process) only when a name is found in neither. Raises
+    ConfigError naming the task names found nowhere."""
     if include_path is not None and not Path(include_path).is_dir():
         raise ConfigError(f"`--include-path` ({include_path!r}) is not a directory: pass the directory holding "
                           "the task YAML files (e.g. the output of `smelt-ds eval build-tasks OUT`)")
-    path = None if include_path is None else str(Path(include_path).resolve())
-    own = _cached_manager(path, False) if path is not None else None
-    if own is not None and all(own.match_tasks([t]) for t in tasks):
-        return own
-    builtin = _cached_manager(None, True)
-    missing = [t for t in tasks if not builtin.match_tasks([t]) and not (own is not None and own.match_tasks([t]))]
+    paths: tuple[str, ...] = () if include_path is None else (str(Path(include_path).resolve()),)
+    own = _cached_manager(paths, False) if paths else None
+    bench = tasks_dir_for([t for t in tasks if own is None or not own.match_tasks([t])])
+    paths += () if bench is None else (bench,)
+    local = _cached_manager(paths, False) if paths else None
+    if local is not None and all(local.match_tasks([t]) for t in tasks):
+        return local
+    builtin = _cached_manager((), True)
+    missing = [t for t in tasks if not builtin.match_tasks([t]) and not (local is not None and local.match_tasks([t]))]
     if missing:
         raise ConfigError(f"unknown harness task(s) {missing} (include path {include_path!r}): name tasks, groups "
                           "or tags of lm-eval or of the --include-path directory (`smelt-ds lm-eval ls tasks "
-                          "--include_path DIR` lists them)")
-    return builtin if path is None else _cached_manager(path, True)
+                          "--include_path DIR` lists them), or the offline benchmarks (`smelt-ds eval "
+                          "fetch-benchmarks` lists them)")
+    return builtin if not paths else _cached_manager(paths, True)
 
 
 @contextlib.contextmanager
