@@ -890,8 +890,9 @@ def harness_markdown(report: dict) -> str:
                      + (f", {c['label']}" if c.get("label") else ""))
     lines += ["", f"Value ± the harness's standard error; Δ = column minus {base} (the first run). The harness "
               "bootstraps the stderr of perplexity-type metrics (heavy-tailed: read it as rough), and reports "
-              "none for bits per byte. k is the requested number of in-context examples; a task whose YAML fixes "
-              "k = 0 (the rolling one) runs the same at every k.", ""]
+              "none for bits_per_byte (byte-weighted, of whole texts); bpb (the benchmark tasks' gold bits per "
+              "byte) is a mean over documents, with the standard error of a mean. k is the requested number of "
+              "in-context examples; a task whose YAML fixes k = 0 (the rolling one) runs the same at every k.", ""]
     head = ["task", "metric", "k"] + names + [f"Δ {n}" for n in others]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in report["table"]:

@@ -260,10 +260,9 @@ def test_fetch_rebuilds_the_same_files_atomically_and_once(bench_root, small_whe
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory, eval_cache, eval_data):
-    """A random-weight tiny SMELT model (MAX_LEN context), its smelt-ds export and HF export."""
+def tiny_export(tmp_path_factory, eval_cache, eval_data):
+    """A random-weight tiny SMELT model (MAX_LEN context) and its smelt-ds export (with tokenizer)."""
     from smelt_ds.config.loading import config_from_dict
-    from smelt_ds.interop.export import export_hf
     from smelt_ds.model import SmeltLM
     from tests.eval.eval_test_utils import export_model, tiny_raw
 
@@ -271,10 +270,18 @@ def tiny_pair(tmp_path_factory, eval_cache, eval_data):
     torch.manual_seed(1)
     cfg = config_from_dict(raw)
     model = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
-    root = tmp_path_factory.mktemp("bench-model")
-    src = export_model(model, cfg, root / "export")
+    src = export_model(model, cfg, tmp_path_factory.mktemp("bench-model") / "export")
     eval_data.tokenizer.save(str(src / "tokenizer.json"))
-    return model, src, export_hf(src, root / "hf").out
+    return model, src
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_export) -> Path:
+    """The Hugging Face export of :func:`tiny_export` (model_type smelt, its own modeling code)."""
+    from smelt_ds.interop.export import export_hf
+
+    src = tiny_export[1]
+    return export_hf(src, src.parent / "hf").out
 
 
 def _bpb_from_requests(sample: dict, gold: int) -> float:
@@ -294,7 +301,8 @@ def _ambiguous(lls: list[float], lengths: list[int], tol: float) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 5])
-def test_numbers_equal_lm_eval_hf_model_on_the_export(tiny_pair, eval_data, bench_root, k, monkeypatch, tmp_path):
+def test_numbers_equal_lm_eval_hf_model_on_the_export(tiny_export, tiny_hf, eval_data, bench_root, k, monkeypatch,
+                                                      tmp_path):
     """Same requests (prompts and few-shot draws), per-request log-likelihoods within the float32
     bound of the two forwards (Higham & Mary, tests/numerics.py; the sums of log-probabilities
     have no cancellation), every task's metrics within what that bound allows: bpb (a mean of
@@ -305,7 +313,7 @@ def test_numbers_equal_lm_eval_hf_model_on_the_export(tiny_pair, eval_data, benc
     from lm_eval.models.huggingface import HFLM
 
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
-    model, _, hf_dir = tiny_pair
+    model, hf_dir = tiny_export[0], tiny_hf
     names = list(bm.TASK_NAMES)
     ours = evaluate_model(model, eval_data.tokenizer, eval_data.eot_id, names, num_fewshot=k, limit=LIMIT,
                           batch_size=1, log_samples=True, seed=SEED)
@@ -348,12 +356,12 @@ def test_numbers_equal_lm_eval_hf_model_on_the_export(tiny_pair, eval_data, benc
     assert decided >= 0.9 * LIMIT * (2 * 7 + 2)  # nearly every choice was decided beyond the bound
 
 
-def test_eval_harness_command_on_benchmark_tasks(tiny_pair, tmp_path, capsys):
+def test_eval_harness_command_on_benchmark_tasks(tiny_export, tmp_path, capsys):
     """`smelt-ds eval EXPORT --harness ...` on benchmark tasks without --include-path: the
     harness's results per k, each task's split in its config, bpb in the comparison table."""
     from smelt_ds.cli import main
 
-    export = tiny_pair[1]
+    export = tiny_export[1]
     out = tmp_path / "evals"
     assert main(["eval", str(export), "--harness", "arc_easy_val,lambada_bpb,mbpp_bpb", "--num-fewshot", "0,5",
                  "--limit", "2", "--no-plots", "-o", str(out)]) == 0
