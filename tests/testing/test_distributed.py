@@ -121,3 +121,40 @@ def test_run_distributed_propagates_errors_and_times_out(monkeypatch):
     with pytest.raises(DistributedTestError, match=rf"timed out after {scaled_timeout(10):g} s \(timeout=10 s x "
                        r"SMELT_TEST_TIMEOUT_SCALE=[0-9.e+-]+\); ranks without a result: \[0\]"):
         run_distributed(_sleep_on_rank_0, world_size=2, timeout=10, init_deepspeed=False)
+
+
+def _what_the_rank_sees(rank: int, world: int, name: str) -> dict:
+    import os
+    import sys
+
+    print(f"rank {rank} says hello on stdout", flush=True)
+    print(f"rank {rank} says hello on stderr", file=sys.stderr, flush=True)
+    return {"value": os.environ.get(name), "ppid": os.getppid(), "cwd": os.getcwd(),
+            "gone": "SMELT_TEST_GONE" in os.environ}
+
+
+def test_ranks_are_forked_from_one_server_with_the_callers_environment_output_and_directory(
+        monkeypatch, capfd, tmp_path):
+    """The default start method forks every rank from one server that imported torch and DeepSpeed
+    when it started; what a test sets after that (environment, working directory) and pytest's
+    capture of this test's output must still reach the ranks."""
+    import os
+
+    monkeypatch.setenv("SMELT_TEST_GONE", "1")
+    with capfd.disabled():  # a server started here holds the descriptors of pytest's outer capture
+        first = run_distributed(_what_the_rank_sees, 2, args=("SMELT_TEST_SEEN",), init_deepspeed=False,
+                                timeout=60)
+    monkeypatch.delenv("SMELT_TEST_GONE")
+    monkeypatch.setenv("SMELT_TEST_SEEN", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    second = run_distributed(_what_the_rank_sees, 2, args=("SMELT_TEST_SEEN",), init_deepspeed=False, timeout=60)
+    out, err = capfd.readouterr()
+    servers = {r["ppid"] for r in first + second}
+    assert len(servers) == 1 and servers != {os.getpid()}  # one fork server, not this process
+    assert [r["value"] for r in first] == [None, None] and [r["gone"] for r in first] == [True, True]
+    assert [r["value"] for r in second] == ["set after the server started"] * 2
+    assert [r["gone"] for r in second] == [False, False]
+    assert {r["cwd"] for r in second} == {str(tmp_path)}
+    for rank in (0, 1):
+        assert f"rank {rank} says hello on stdout" in out and f"rank {rank} says hello on stderr" in err
