@@ -99,10 +99,12 @@ def scaled_timeout(seconds: float) -> float:
 
 #: modules the fork server imports once, so that each rank starts as a fork of a process that has
 #: them (``smelt_ds`` first: it installs the import hook that spares DeepSpeed's optional MLflow
-#: import). Nothing here may read, at import, an environment variable a test sets: the server's
-#: environment is the one it started with (the children get the caller's, see _ParentState).
-FORKSERVER_PRELOAD = ("smelt_ds", "torch", "torch.distributed", "deepspeed", "smelt_ds.train.loop",
-                      "smelt_ds.testing.distributed")
+#: import; ``torch._dynamo``: torch's optimizers import it on construction, 1.4 s of a rank's first
+#: training on 2 cores; ``torch.utils.tensorboard``: the metrics writer). Nothing here may read, at
+#: import, an environment variable a test sets: the server's environment is the one it started with
+#: (the children get the caller's, see _ParentState).
+FORKSERVER_PRELOAD = ("smelt_ds", "torch", "torch.distributed", "torch._dynamo", "torch.utils.tensorboard",
+                      "deepspeed", "smelt_ds.train.loop", "smelt_ds.testing.distributed")
 
 
 def _detach_fd(dup: Any) -> int:
