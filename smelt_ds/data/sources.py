@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any, cast
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from smelt_ds.config.data import TOKEN_FIELDS, DataConfig, SourceConfig
+from smelt_ds.config.data import NEW_KIND_FIELDS, TOKEN_FIELDS, DataConfig, SourceConfig
 from smelt_ds.data.builtin import builtin_corpus_dir, builtin_key
 from smelt_ds.data.cache import sha256_json
+from smelt_ds.data.ladder import ladder_corpus_dir, ladder_key
 from smelt_ds.data.token_sources import token_source_files
 from smelt_ds.data.tokenizer import UncuttableDocument, cut_document, utf8_len
 from smelt_ds.errors import ConfigError
@@ -272,9 +273,11 @@ def _stat_list(files: list[Path]) -> list[tuple[str, int, int]]:
 def source_fingerprint(src: SourceConfig, index: int, cfg: DataConfig) -> str:
     """Identity of a source for cache keys: its settings plus, for files (token files too),
     path/size/mtime of each file (like make and rsync), for the built-in corpus the interpreter identity and cap, for a
-    dataset name its name/config/split/revision (pin ``revision`` to notice upstream changes)."""
-    unset_token_fields = {k for k in TOKEN_FIELDS if getattr(src, k) is None}  # keys of text sources as before them
-    parts: dict[str, Any] = {"source": src.model_dump(mode="json", exclude=unset_token_fields),
+    dataset name its name/config/split/revision (pin ``revision`` to notice upstream changes), for the
+    ladder corpus its pinned files and cap (:func:`smelt_ds.data.ladder.ladder_key`)."""
+    # fields added later are left out while unset: the keys of other sources stay what they were
+    unset_later_fields = {k for k in TOKEN_FIELDS + NEW_KIND_FIELDS if getattr(src, k) is None}
+    parts: dict[str, Any] = {"source": src.model_dump(mode="json", exclude=unset_later_fields),
                              "domain": src.resolved_domain()}
     where = f"data.sources[{index}]"
     if src.is_token_source():
@@ -283,6 +286,8 @@ def source_fingerprint(src: SourceConfig, index: int, cfg: DataConfig) -> str:
         parts["files"] = _stat_list(resolve_files(src, where))
     elif src.builtin is not None:
         parts["builtin"] = builtin_key(cfg.builtin_max_bytes)
+    elif src.ladder is not None:
+        parts["ladder"] = ladder_key(cfg.ladder_max_bytes)
     elif Path(cast(str, src.dataset)).expanduser().is_dir():  # neither path nor builtin: a dataset source
         parts["files"] = _stat_list(sorted(p for p in Path(cast(str, src.dataset)).expanduser().rglob("*")
                                            if p.is_file()))
@@ -409,6 +414,10 @@ def read_source(src: SourceConfig, index: int, cfg: DataConfig, work_dir: Path,
         if src.builtin is not None:
             corpus = builtin_corpus_dir(cache_dir, cfg.builtin_max_bytes)
             local = src.model_copy(update={"builtin": None, "path": str(corpus / f"{src.builtin}.jsonl"),
+                                           "format": "jsonl", "domain": src.resolved_domain()})
+        elif src.ladder is not None:
+            corpus = ladder_corpus_dir(cache_dir, cfg.ladder_max_bytes, cfg.ladder_packages_dir)
+            local = src.model_copy(update={"ladder": None, "path": str(corpus / f"{src.ladder}.jsonl"),
                                            "format": "jsonl", "domain": src.resolved_domain()})
         files = resolve_files(local, where)
         rows = _local_rows(local, files, cfg, work_dir, fp, where)
