@@ -8,7 +8,8 @@ Layout (the Qwen3-MoE / Mixtral layout of transformers 5)::
     mlp.experts.down_proj           [E, H, F]
 
 Shape legend (suffix letters, as in torchtitan's moe.py): B batch, S sequence, T = B*S tokens,
-H hidden, E experts, K top-k, F expert intermediate size, N = T*K routed token copies.
+H hidden, E experts, K top-k, F expert intermediate size, N = T*K routed token copies, R rows of
+the row-block layout (:data:`CPU_BF16_ROW_BLOCK`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,18 @@ from torch import nn
 
 from smelt_ds.model.grouped_gemm import grouped_linear
 
-__all__ = ["GroupedExperts", "SwiGLU", "has_grouped_mm"]
+__all__ = ["CPU_BF16_ROW_BLOCK", "GroupedExperts", "SwiGLU", "has_grouped_mm", "row_block_layout"]
+
+#: Rows to which each expert's group of token copies is rounded up (with zero rows) in bf16 on
+#: CPU. torch's CPU matmul in bf16 is oneDNN's, which builds (JIT-compiles) a kernel for each new
+#: matrix shape and caches 1024 of them (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``); in fp32 it is MKL's
+#: sgemm, which builds nothing. An expert's row count follows the routing, so the per-expert
+#: matmuls met new shapes at every step, about 0.45 ms each to build, ten times the 300 x 128 x 192
+#: product itself: bf16 trained the tiny recipe at 0.43x the fp32 tokens/s (``bench/bf16_step.py``,
+#: ``docs/results/benchmarks.md``). With whole blocks of 32 rows each of a layer's six expert
+#: matmuls (gate/up and down: forward, input and weight gradients) has at most N/32 + 1 shapes,
+#: which stay cached; the zero rows cost at most 31 rows per expert.
+CPU_BF16_ROW_BLOCK = 32
 
 
 def has_grouped_mm() -> bool:
@@ -77,12 +89,70 @@ class _SwiGLUActivation(torch.autograd.Function):
         return torch.cat([d_gate, d_up], dim=-1)
 
 
+def _uses_row_blocks(x_NH: torch.Tensor) -> bool:
+    """bf16 copies on CPU, eagerly: where torch's matmul builds a kernel per shape
+    (:data:`CPU_BF16_ROW_BLOCK`). fp32 and other devices run the groups as they are; so does a
+    compiled model (torch.compile lowers ``torch._grouped_mm`` itself)."""
+    return x_NH.dtype == torch.bfloat16 and x_NH.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def row_block_layout(counts_E: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each expert's rows rounded up to a multiple of ``block``: ``(rows_N, blocked_counts_E, R)``.
+
+    ``rows_N[i]`` is the row of sorted copy ``i`` in the blocked layout (its expert's rows first,
+    in order, then zero rows up to the next multiple of ``block``), ``blocked_counts_E`` the rows
+    per expert there (an empty expert stays empty), ``R`` their sum (reads the counts on the host).
+    """
+    blocked_E = (counts_E + (block - 1)) // block * block
+    shift_E = (torch.cumsum(blocked_E, 0) - blocked_E) - (torch.cumsum(counts_E, 0) - counts_E)
+    N = int(counts_E.sum())
+    expert_N = torch.repeat_interleave(torch.arange(counts_E.shape[0], device=counts_E.device), counts_E,
+                                       output_size=N)
+    rows_N = torch.arange(N, device=counts_E.device) + shift_E[expert_N]
+    return rows_N, blocked_E, int(blocked_E.sum())
+
+
+class _ToRowBlocks(torch.autograd.Function):
+    """``x_NH`` -> ``(R, H)``: row ``i`` to row ``rows_N[i]``, every other row zero. Backward: the
+    gradient's rows ``rows_N`` (a gather). A zero row and its zero gradient row
+    (:class:`_FromRowBlocks`) each keep the weight gradients exactly those of the rows alone."""
+
+    @staticmethod
+    def forward(ctx, x_NH: torch.Tensor, rows_N: torch.Tensor, R: int) -> torch.Tensor:
+        ctx.save_for_backward(rows_N)
+        return x_NH.new_zeros(R, x_NH.shape[1]).index_copy_(0, rows_N, x_NH)
+
+    @staticmethod
+    def backward(ctx, g_RH: torch.Tensor):
+        (rows_N,) = ctx.saved_tensors
+        return g_RH.index_select(0, rows_N), None, None
+
+
+class _FromRowBlocks(torch.autograd.Function):
+    """``(R, H)`` -> ``y_NH``: the rows ``rows_N`` (a gather). Backward: the gradient back to rows
+    ``rows_N`` with zeros elsewhere (a copy, not autograd's ``index_add`` scatter), so that the
+    zero rows' gradient is exactly zero."""
+
+    @staticmethod
+    def forward(ctx, y_RH: torch.Tensor, rows_N: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows_N)
+        ctx.R = y_RH.shape[0]
+        return y_RH.index_select(0, rows_N)
+
+    @staticmethod
+    def backward(ctx, g_NH: torch.Tensor):
+        (rows_N,) = ctx.saved_tensors
+        return g_NH.new_zeros(ctx.R, g_NH.shape[1]).index_copy_(0, rows_N, g_NH), None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as two 3-D tensors; computes sorted token copies group by group.
 
     ``forward(x_NH, counts_E)``: ``x_NH`` rows sorted by expert, ``counts_E`` rows per expert
     (int64, sums to N); returns ``(N, H)``. The grouped path has no data-dependent Python (it
-    compiles into one graph); the loop path reads ``counts_E`` on the host.
+    compiles into one graph); the loop path reads ``counts_E`` on the host. In bf16 on CPU (eager)
+    either path runs each expert's rows padded with zero rows to whole :data:`CPU_BF16_ROW_BLOCK`
+    blocks (the layout reads ``counts_E`` on the host); the zero rows are dropped from the result.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, impl: str = "auto"):
@@ -99,6 +169,13 @@ class GroupedExperts(nn.Module):
         self.impl = impl
 
     def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        if _uses_row_blocks(x_NH):  # bf16 on CPU: groups rounded up to CPU_BF16_ROW_BLOCK rows
+            rows_N, blocked_E, R = row_block_layout(counts_E, CPU_BF16_ROW_BLOCK)
+            out_RH = self._forward_groups(_ToRowBlocks.apply(x_NH, rows_N, R), blocked_E)
+            return _FromRowBlocks.apply(out_RH, rows_N)
+        return self._forward_groups(x_NH, counts_E)
+
+    def _forward_groups(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         if self.impl == "grouped_mm" and self._grouped_mm_fits(x_NH):
             return self._forward_grouped(x_NH, counts_E)
         return self._forward_loop(x_NH, counts_E)
