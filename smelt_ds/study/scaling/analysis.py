@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from smelt_ds.errors import ConfigError
-from smelt_ds.study.scaling.collect import Exclusion, RunPoint, summarize_exclusions
+from smelt_ds.study.scaling.collect import Exclusion, RunPoint, average_replicates, summarize_exclusions
 from smelt_ds.study.scaling.fit import HUBER_DELTA, FitResult, bootstrap, fit_points, percentile_interval
 from smelt_ds.study.scaling.frontier import (
     compute_optimal,
@@ -22,7 +22,7 @@ from smelt_ds.study.scaling.frontier import (
 )
 from smelt_ds.study.scaling.law import PARAM_NAMES, FlopsModel, fit_flops_model
 
-__all__ = ["analyse", "paired_comparison"]
+__all__ = ["analyse", "paired_comparison", "replicate_spread"]
 
 
 def _pick_baseline(by_arch: dict[str, list[RunPoint]], baseline: str | None) -> str | None:
@@ -45,12 +45,18 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
     run's compute to 100x the most expensive). Architectures without enough runs for a fit are
     reported as exclusions. Returns a JSON-serialisable dict (see :func:`write_report`).
 
+    Replicates (runs of the same architecture, size and budget with other seeds) are averaged into
+    one point before the fits, envelopes and IsoFLOP profiles (:func:`average_replicates`); the paired
+    comparison pairs them seed by seed (:func:`paired_comparison`) and ``replicates`` reports their
+    spread (:func:`replicate_spread`).
+
     Raises ConfigError when no architecture can be fitted.
     """
     excluded = list(excluded or [])
-    by_arch: dict[str, list[RunPoint]] = {}
+    runs_by_arch: dict[str, list[RunPoint]] = {}
     for p in points:
-        by_arch.setdefault(p.architecture, []).append(p)
+        runs_by_arch.setdefault(p.architecture, []).append(p)
+    by_arch = {a: average_replicates(pts) for a, pts in runs_by_arch.items()}
     fits: dict[str, FitResult] = {}
     fms: dict[str, FlopsModel] = {}
     for arch, pts in sorted(by_arch.items()):
@@ -62,7 +68,8 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
     if not fits:
         reasons = "; ".join(summarize_exclusions(excluded)) or "no finished runs"
         base = _pick_baseline(by_arch, baseline) if by_arch else None
-        paired = {a: paired_comparison(by_arch[base], pts) for a, pts in by_arch.items() if base and a != base}
+        paired = {a: paired_comparison(runs_by_arch[base], pts) for a, pts in runs_by_arch.items()
+                  if base and a != base}
         so_far = "; ".join(f"{a} - {base}: {pr['n_pairs']} pair(s), mean loss delta {pr['mean_delta']:+.4f} "
                            "nats/token" for a, pr in paired.items() if pr)
         raise ConfigError(f"no architecture has enough finished runs for a scaling-law fit: {reasons}"
@@ -96,6 +103,7 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
             "bootstrap_samples": int(len(b.get("params", []))), "bootstrap_failed": int(b.get("failed", 0)),
             "envelope": [_point_dict(p) for p in envelope(pts)],
             "isoflop": isoflop_profiles(pts),
+            "replicates": replicate_spread(runs_by_arch[arch]),
         }
         if arch != base and base is not None:
             s = compute_savings(fits[base].law, fms[base], fit.law, fms[arch], C_grid)
@@ -106,7 +114,7 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
             archs[arch]["loss_delta_ci95"] = ([dlo.tolist(), dhi.tolist()] if dlo is not None and dhi is not None
                                               else None)
             archs[arch]["envelope_savings"] = envelope_savings(envelope(by_arch[base]), envelope(pts))
-            archs[arch]["paired"] = paired_comparison(by_arch[base], pts)
+            archs[arch]["paired"] = paired_comparison(runs_by_arch[base], runs_by_arch[arch])
     return {"law": "L(N, D) = E + A / N^alpha + B / D^beta",
             "units": {"loss": "nats/token (validation)", "N": "non-embedding parameters (embedding and output "
                       "head excluded, all experts counted)", "D": "training tokens",
@@ -119,41 +127,79 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
             "architectures": archs}
 
 
+def _pooled_sd(groups: list[list[float]]) -> float | None:
+    """Pooled sample standard deviation of the groups with 2 or more values (None without any)."""
+    dof = sum(len(g) - 1 for g in groups if len(g) > 1)
+    if dof == 0:
+        return None
+    return float(np.sqrt(sum(float(np.sum((np.array(g) - np.mean(g)) ** 2)) for g in groups if len(g) > 1) / dof))
+
+
+def replicate_spread(points: list[RunPoint]) -> dict[str, Any] | None:
+    """Run-to-run spread of the final loss between seeds: per design point with 2 or more runs
+    (:meth:`~smelt_ds.study.scaling.collect.RunPoint.point_key`) its seeds and losses, and the pooled
+    sample standard deviation over those points (nats/token). None without replicates."""
+    groups: dict[tuple, list[RunPoint]] = {}
+    for p in points:
+        groups.setdefault(p.point_key(), []).append(p)
+    reps = [g for g in groups.values() if len(g) > 1]
+    if not reps:
+        return None
+    return {"points": len(reps), "pooled_sd": _pooled_sd([[p.loss for p in g] for g in reps]),
+            "groups": [{"size": g[0].size, "budget": g[0].budget, "N": g[0].N, "D": g[0].D,
+                        "seeds": [p.seed for p in g], "losses": [p.loss for p in g]} for g in reps]}
+
+
 def paired_comparison(base_pts: list[RunPoint], other_pts: list[RunPoint], rel_tol: float = 0.02
                       ) -> dict[str, Any] | None:
     """Loss differences of runs matched one to one, without any fit: a run of the other
-    architecture pairs with the Baseline run of the same sweep size and budget (labels from
+    architecture pairs with the Baseline run of the same sweep size, budget and seed (labels from
     ``sweep_run.json``), else with the Baseline run of the same tokens ``D`` whose ``N`` is within
     ``rel_tol``. In a budget-matched sweep each pair has equal N, D and training FLOPs (within the
     matcher's tolerance), so ``delta = loss_X - loss_Baseline`` (nats/token; negative: X better)
     compares the architectures at equal compute directly.
 
-    Returns ``{"n_pairs", "mean_delta", "ci95" (paired t interval, scipy.stats.ttest_rel),
-    "p_value" (two-sided), "wins" (pairs with delta < 0), "by_budget" ({budget: mean delta}),
-    "pairs": [{"size", "budget", "N", "D", "C", "loss", "baseline_loss", "delta"}], "unpaired"}``,
-    or None without pairs.
+    Pairs of the same design point (size and budget; replicates of other seeds) are averaged into
+    one point delta first, so the test runs over design points: ``mean_delta`` is the mean of the
+    point deltas, ``ci95`` the paired t interval over points (``scipy.stats.ttest_rel`` of the
+    points' mean losses), ``p_value`` two-sided; ``seed_sd`` is the pooled standard deviation of a
+    pair's delta between seeds (points with 2 or more seeds; the run-to-run noise of one pair).
+
+    Returns ``{"n_pairs" (design points), "n_runs_pairs" (pairs of runs), "mean_delta", "ci95",
+    "p_value", "wins" (points with delta < 0), "seed_sd", "replicated_points", "by_budget"
+    ({budget: mean point delta}), "pairs": [{"size", "budget", "N", "D", "C", "loss",
+    "baseline_loss", "delta", "seeds", "deltas"}], "unpaired"}``, or None without pairs.
     """
     from scipy import stats
 
-    pairs: list[dict[str, Any]] = []
+    points: dict[tuple, list[tuple[RunPoint, RunPoint]]] = {}
     unpaired = 0
     for p in other_pts:
         if p.size is not None and p.budget is not None:
-            match = [b for b in base_pts if b.size == p.size and b.budget == p.budget]
+            match = [b for b in base_pts if b.size == p.size and b.budget == p.budget and b.seed == p.seed]
         else:
-            match = [b for b in base_pts if b.D == p.D and abs(b.N - p.N) <= rel_tol * b.N]
+            match = [b for b in base_pts if b.D == p.D and abs(b.N - p.N) <= rel_tol * b.N and b.seed == p.seed]
         if len(match) != 1:
             unpaired += 1
             continue
-        b = match[0]
-        pairs.append({"size": p.size, "budget": p.budget, "N": p.N, "D": p.D, "C": p.C, "loss": p.loss,
-                      "baseline_loss": b.loss, "delta": p.loss - b.loss})
-    if not pairs:
+        points.setdefault(p.point_key()[1:], []).append((p, match[0]))
+    if not points:
         return None
+    pairs: list[dict[str, Any]] = []
+    for g in points.values():
+        p = g[0][0]
+        deltas = [q.loss - b.loss for q, b in g]
+        pairs.append({"size": p.size, "budget": p.budget, "N": p.N, "D": p.D, "C": p.C,
+                      "loss": float(np.mean([q.loss for q, _ in g])),
+                      "baseline_loss": float(np.mean([b.loss for _, b in g])),
+                      "delta": float(np.mean(deltas)), "seeds": [q.seed for q, _ in g], "deltas": deltas})
     x = np.array([q["loss"] for q in pairs])
     y = np.array([q["baseline_loss"] for q in pairs])
-    out: dict[str, Any] = {"n_pairs": len(pairs), "mean_delta": float(np.mean(x - y)), "ci95": None,
-                           "p_value": None, "wins": int(np.sum(x < y)), "unpaired": unpaired, "pairs": pairs}
+    out: dict[str, Any] = {"n_pairs": len(pairs), "n_runs_pairs": sum(len(g) for g in points.values()),
+                           "mean_delta": float(np.mean(x - y)), "ci95": None, "p_value": None,
+                           "wins": int(np.sum(x < y)), "seed_sd": _pooled_sd([q["deltas"] for q in pairs]),
+                           "replicated_points": sum(len(q["deltas"]) > 1 for q in pairs),
+                           "unpaired": unpaired, "pairs": pairs}
     if len(pairs) >= 2 and np.std(x - y) > 0:
         t = stats.ttest_rel(x, y)
         ci = t.confidence_interval(0.95)

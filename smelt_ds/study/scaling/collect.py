@@ -15,14 +15,15 @@ import yaml
 
 from smelt_ds.errors import ConfigError
 
-__all__ = ["RunPoint", "Exclusion", "architecture_label", "collect_runs", "summarize_exclusions"]
+__all__ = ["RunPoint", "Exclusion", "architecture_label", "collect_runs", "average_replicates", "summarize_exclusions"]
 
 
 @dataclass
 class RunPoint:
     """One finished run. ``loss`` nats/token; ``N`` non-embedding parameters; ``D`` training
     tokens; ``flops_per_token`` training FLOPs per token (3 x forward, loops counted);
-    ``C = flops_per_token * D`` training FLOPs."""
+    ``C = flops_per_token * D`` training FLOPs. ``seed``: the sweep's replicate seed (None: one run
+    per point); ``replicates``: runs averaged into this point (:func:`average_replicates`)."""
 
     run_dir: str
     architecture: str
@@ -33,10 +34,18 @@ class RunPoint:
     position: str = "none"
     size: str | None = None
     budget: str | None = None
+    seed: int | None = None
+    replicates: int = 1
 
     @property
     def C(self) -> float:
         return self.flops_per_token * self.D
+
+    def point_key(self) -> tuple:
+        """The design point: (architecture, size, budget) from the sweep labels, else (architecture, N, D)."""
+        if self.size is not None and self.budget is not None:
+            return (self.architecture, "label", self.size, self.budget)
+        return (self.architecture, "N, D", self.N, self.D)
 
 
 @dataclass
@@ -97,7 +106,7 @@ def _read_point(run_dir: Path, loss_key: str) -> RunPoint | Exclusion:
     arch = label.get("architecture") or architecture_label(loop)
     return RunPoint(str(run_dir), arch, float(loss), float(b["non_embedding_params"]), float(s["tokens"]),
                     float(b["train_flops_per_token"]), position=label.get("position", loop.get("position", "none")),
-                    size=label.get("size"), budget=label.get("budget"))
+                    size=label.get("size"), budget=label.get("budget"), seed=label.get("seed"))
 
 
 def collect_runs(paths: Sequence[str | Path], loss_key: str = "all") -> tuple[list[RunPoint], list[Exclusion]]:
@@ -129,6 +138,27 @@ def collect_runs(paths: Sequence[str | Path], loss_key: str = "all") -> tuple[li
             else:
                 excluded.append(r)
     return points, excluded
+
+
+def average_replicates(points: Sequence[RunPoint]) -> list[RunPoint]:
+    """One point per design point (:meth:`RunPoint.point_key`: the same architecture, size and budget,
+    i.e. replicates of another seed), in the order of their first run: its loss is the mean of the
+    replicates' losses (nats/token) and ``replicates`` their number; N, D and FLOPs per token are the
+    first run's (replicates differ only in train.seed). A point trained with two seeds thus weighs as
+    much in the fits as a point trained once. Points without replicates are returned as they are."""
+    groups: dict[tuple, list[RunPoint]] = {}
+    for p in points:
+        groups.setdefault(p.point_key(), []).append(p)
+    out = []
+    for g in groups.values():
+        if len(g) == 1:
+            out.append(g[0])
+            continue
+        first = g[0]
+        out.append(RunPoint(";".join(p.run_dir for p in g), first.architecture, sum(p.loss for p in g) / len(g),
+                            first.N, first.D, first.flops_per_token, position=first.position, size=first.size,
+                            budget=first.budget, seed=None, replicates=len(g)))
+    return out
 
 
 def summarize_exclusions(excluded: list[Exclusion], examples: int = 2) -> list[str]:

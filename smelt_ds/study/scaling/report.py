@@ -173,15 +173,21 @@ def _markdown_paired(res: dict[str, Any]) -> list[str]:
              "delta = loss - loss of the matched Baseline run (nats/token; negative: better). In a "
              "budget-matched sweep the two runs of a pair have the same N, D and training FLOPs, so this "
              "compares the architectures at equal compute without a law. 95% CI and p: paired t-test "
-             "(scipy.stats.ttest_rel) over pairs; one seed per run, so seed noise is inside the spread.", "",
-             "| architecture | pairs | mean delta [95% CI] | p | better in | mean delta by budget |",
-             "|---|---:|---|---:|---:|---|"]
+             "(scipy.stats.ttest_rel) over design points (size and budget; the pairs of other seeds at a "
+             "point are averaged first). seed SD: pooled standard deviation of a pair's delta between seeds, "
+             "the run-to-run noise of one pair (n/a without replicates: seed noise is then inside the spread).",
+             "",
+             "| architecture | points (run pairs) | mean delta [95% CI] | p | better in | seed SD "
+             "| mean delta by budget |",
+             "|---|---:|---|---:|---:|---:|---|"]
     for arch, pr in paired:
         ci = f" [{pr['ci95'][0]:+.4f}, {pr['ci95'][1]:+.4f}]" if pr["ci95"] else ""
         pv = f"{pr['p_value']:.3g}" if pr["p_value"] is not None else "n/a"
+        sd = (f"{pr['seed_sd']:.4f} ({pr['replicated_points']} points)" if pr.get("seed_sd") is not None
+              else "n/a")
         bb = ", ".join(f"{k} {v:+.4f}" for k, v in pr["by_budget"].items())
-        lines.append(f"| {arch} | {pr['n_pairs']} | {pr['mean_delta']:+.4f}{ci} | {pv} | "
-                     f"{pr['wins']}/{pr['n_pairs']} | {bb} |")
+        lines.append(f"| {arch} | {pr['n_pairs']} ({pr.get('n_runs_pairs', pr['n_pairs'])}) | "
+                     f"{pr['mean_delta']:+.4f}{ci} | {pv} | {pr['wins']}/{pr['n_pairs']} | {sd} | {bb} |")
     lines.append("")
     return lines
 
@@ -298,7 +304,7 @@ def _plot_paired(res: dict[str, Any], out_dir: Path, name: str, colors: list[str
             continue
         col, pr = colors[k % len(colors)], paired[arch]
         ax.scatter([q["C"] for q in pr["pairs"]], [q["delta"] for q in pr["pairs"]], color=col, s=22,
-                   label=f"{arch} - {res['baseline']}, one pair per size and budget")
+                   label=f"{arch} - {res['baseline']}, one point per size and budget (seeds averaged)")
         ax.axhline(pr["mean_delta"], color=col, lw=1.2, label=f"{arch} mean {pr['mean_delta']:+.4f}")
         if pr["ci95"]:
             ax.axhspan(*pr["ci95"], color=col, alpha=0.15, lw=0, label=f"{arch} 95% CI (paired t)")
