@@ -84,6 +84,7 @@ VALIDATED = {("train",), ("sweep",), ("render-job",), ("memory",), ("budget",), 
 _LOOP, _EVAL, _HARNESS = "tests/train/test_loop.py", "tests/eval/test_eval_cli.py", "tests/eval/test_harness_cli.py"
 _BENCH = "tests/eval/test_benchmarks.py"
 _E2E_SWEEP = "tests/study/test_scaling_e2e.py::test_tiny_real_sweep_then_fit"
+_LADDER_FIT = "tests/study/scaling/test_replicates.py::test_the_fit_command_recomputes_the_report_from_summaries_alone"
 _RUN_EXPORT_INIT = f"{_LOOP}::test_run_directory_summary_export_and_init_from"
 EXPENSIVE = {
     # the main job (README.md), training, launcher, resume, export (docs/training.md)
@@ -151,6 +152,9 @@ EXPENSIVE = {
     "smelt-ds sweep recipes/sweeps/micro.yaml": _E2E_SWEEP,
     "smelt-ds scaling fit runs/sweeps/micro -o docs/scaling-micro": _E2E_SWEEP,
     "smelt-ds sweep recipes/sweeps/micro.yaml --steps-scale 0.05": _E2E_SWEEP,
+    "smelt-ds sweep recipes/sweeps/ladder.yaml": _E2E_SWEEP,
+    "smelt-ds scaling fit runs/sweeps/ladder -o docs/scaling-ladder": _LADDER_FIT,
+    "smelt-ds scaling fit runs/sweeps/ladder-gpu -o docs/scaling-ladder-gpu": _LADDER_FIT,
     # docs/data.md
     "smelt-ds data builtin /tmp/corpus": "tests/data/test_builtin.py::test_cli_prints_documents_mb_and_hash",
     "smelt-ds data tokenizer --input builtin --vocab-size 4096 -o tokenizer.json":

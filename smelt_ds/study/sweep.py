@@ -69,6 +69,9 @@ from smelt_ds.config.run import RunConfig
 from smelt_ds.config.schema import StrictModel
 from smelt_ds.config.train import resolve_batch
 from smelt_ds.cost.budget import compute_budget, match_baseline
+from smelt_ds.data.cache import is_complete
+from smelt_ds.data.loader import TrainLoader
+from smelt_ds.data.prepare import PreparedData, prepare_from_config, prepared_path
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.jobs import LAUNCHERS_DIR, JobOptions, JobPlan, fill_template, per_node_command, plan_job, render
 from smelt_ds.launch.placement import load_raw
@@ -98,6 +101,10 @@ class SweepSize(StrictModel):
     recipe: str | None = Field(None, description="Baseline recipe of this size, relative to the sweep file; "
                                                  "default: the sweep's `base`")
     overrides: dict[str, Any] = Field(default_factory=dict, description="recipe sections deep-merged into it")
+    tokens_per_s: float | None = Field(
+        None, gt=0, description="training tokens/s of this size measured where the sweep is meant to run (all "
+                                "ranks); the time estimate uses it for the size's runs until their run "
+                                "directories hold a measurement")
 
 
 class SweepBudget(StrictModel):
@@ -111,6 +118,9 @@ class SweepBudget(StrictModel):
                                                         "training FLOPs per token): IsoFLOP grids")
     tokens_per_param: float | None = Field(None, gt=0, description="training tokens per non-embedding parameter "
                                                                    "of the Baseline (Chinchilla: about 20)")
+    seeds: list[int] | None = Field(None, min_length=1, description="train.seed of each replicate at this budget "
+                                                                    "(every size and architecture); default: the "
+                                                                    "sweep's `seeds`")
 
     @model_validator(mode="after")
     def _one(self) -> SweepBudget:
@@ -173,6 +183,13 @@ class SweepConfig(StrictModel):
                                                                   "matched recipe from its Baseline")
     warmup_fraction: float | None = Field(None, ge=0, lt=1, description="warmup steps as a share of each run's "
                                                                         "steps; default: the recipe's")
+    seeds: list[int] | None = Field(None, min_length=1, description="train.seed of each replicate run (weight init "
+                                                                    "and router jitter; the data order and split keep "
+                                                                    "data.seed); run names end in -s<seed>; default: "
+                                                                    "one run with the recipe's seed, no suffix")
+    max_epochs: float | None = Field(None, gt=0, description="passes over the training split a run may read, at most "
+                                                             "(1: no training token is read twice); checked against "
+                                                             "the prepared data before training; null: no check")
     launch: SweepLaunch = Field(default_factory=SweepLaunch)
 
     @model_validator(mode="after")
@@ -182,7 +199,16 @@ class SweepConfig(StrictModel):
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:
                 raise ConfigError(f"`{key}` has duplicate names {dup}: give every entry its own name")
+        for where, seeds in [("seeds", self.seeds)] + [(f"budgets[{i}].seeds", b.seeds)
+                                                        for i, b in enumerate(self.budgets)]:
+            if seeds is not None and len(set(seeds)) != len(seeds):
+                raise ConfigError(f"`{where}` ({seeds}) repeats a seed: give every replicate its own seed")
         return self
+
+    def seeds_of(self, budget: SweepBudget) -> list[int | None]:
+        """The train.seed of each replicate at ``budget`` (None: the recipe's, one run without a suffix)."""
+        given = budget.seeds or self.seeds
+        return [None] if not given else list(given)
 
 
 def load_sweep(path: str | Path) -> SweepConfig:
@@ -217,6 +243,7 @@ class PlannedRun:
     train_flops_per_token: float
     non_embedding_params: int
     deviations: dict[str, float] | None = None
+    seed: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -228,7 +255,7 @@ class PlannedRun:
 
     def label(self, sweep: str) -> dict[str, Any]:
         return {"sweep": sweep, "run": self.name, "architecture": self.architecture, "position": self.position,
-                "size": self.size, "budget": self.budget, "steps": self.steps, "tokens": self.tokens,
+                "size": self.size, "budget": self.budget, "seed": self.seed, "steps": self.steps, "tokens": self.tokens,
                 "non_embedding_params": self.non_embedding_params,
                 "train_flops_per_token": self.train_flops_per_token, "train_flops": self.train_flops,
                 "deviations_vs_baseline": self.deviations}
@@ -286,8 +313,9 @@ def _steps(cfg: RunConfig, tokens: float, scale: float) -> tuple[int, int]:
 
 def plan_sweep(sweep: SweepConfig, source: str | Path, output_dir: str | None = None,
                overrides: list[str] | None = None, steps_scale: float = 1.0) -> SweepPlan:
-    """Expand a sweep into runs (sizes x budgets x architectures, in that nesting: budget, size,
-    architecture, so that a partial sweep covers every architecture). ``overrides`` are ``--set``
+    """Expand a sweep into runs (sizes x budgets x seeds x architectures, in that nesting: budget, size,
+    seed, architecture, so that a partial sweep covers every architecture and a pair of the same seed
+    trains one after the other). ``overrides`` are ``--set``
     strings applied to every size's Baseline before matching; ``steps_scale`` multiplies every run's
     steps and warmup (quick checks; use another ``output_dir``).
 
@@ -311,24 +339,29 @@ def plan_sweep(sweep: SweepConfig, source: str | Path, output_dir: str | None = 
         for size in sweep.sizes:
             base_raw, base_budget, archs = sizes[size.name]
             tokens = budget.tokens_for(base_budget)
-            for arch in sweep.architectures:
-                arch_raw, devs, match_notes = archs[arch.name]
-                notes += [f"{arch.name} @ {size.name}: {n}" for n in match_notes if n not in notes]
-                runs.append(_plan_run(sweep, source, out, len(runs), arch, size.name, budget.name, arch_raw, devs,
-                                      tokens, steps_scale))
+            for seed in sweep.seeds_of(budget):
+                for arch in sweep.architectures:
+                    arch_raw, devs, match_notes = archs[arch.name]
+                    notes += [f"{arch.name} @ {size.name}: {n}" for n in match_notes if n not in notes]
+                    runs.append(_plan_run(sweep, source, out, len(runs), arch, size.name, budget.name, arch_raw,
+                                          devs, tokens, steps_scale, seed))
     return SweepPlan(sweep, source, out, runs, sorted(set(notes)))
 
 
 def _plan_run(sweep: SweepConfig, source: Path, out: Path, index: int, arch: SweepArchitecture, size: str,
-              budget: str, arch_raw: dict[str, Any], devs, tokens: float, scale: float) -> PlannedRun:
+              budget: str, arch_raw: dict[str, Any], devs, tokens: float, scale: float,
+              seed: int | None = None) -> PlannedRun:
 
-    name = f"{arch.name}-{size}-{budget}"
+    suffix = "" if seed is None else f"-s{seed}"
+    name = f"{arch.name}-{size}-{budget}{suffix}"
     raw = copy.deepcopy(arch_raw)
     raw["name"] = f"{sweep.name}-{name}"
-    run_dir = out / arch.name / f"{size}-{budget}"
+    run_dir = out / arch.name / f"{size}-{budget}{suffix}"
+    t = raw.setdefault("train", {})
+    if seed is not None:
+        t["seed"] = seed
     trial = config_from_dict(raw, source=f"{source} run {name}")
     steps, per_step = _steps(trial, tokens, scale)
-    t = raw.setdefault("train", {})
     t["max_steps"] = steps
     t["run_dir"] = str(run_dir)
     if sweep.warmup_fraction is not None:
@@ -343,10 +376,10 @@ def _plan_run(sweep: SweepConfig, source: Path, out: Path, index: int, arch: Swe
     b = compute_budget(cfg)
     return PlannedRun(index, name, arch.name, cfg.loop.position, size, budget, run_dir,
                       out / "recipes" / f"{name}.yaml", raw, cfg, steps, per_step, b.train_flops_per_token,
-                      b.non_embedding_params, devs)
+                      b.non_embedding_params, devs, seed)
 
 
-def plan_table(plan: SweepPlan, estimates: list[RunEstimate] | None = None) -> str:
+def plan_table(plan: SweepPlan, estimates: list[RunEstimate] | None = None, mfu: float | None = None) -> str:
     """A markdown table of the planned runs and their status (FLOPs are training FLOPs); with
     ``estimates`` (:func:`estimate_runs`) also each run's estimated training time, its tokens/s and
     where they come from, and the totals (:func:`estimate_summary`)."""
@@ -371,9 +404,76 @@ def plan_table(plan: SweepPlan, estimates: list[RunEstimate] | None = None) -> s
     lines.append("steps per size (all architectures and budgets): "
                  + ", ".join(f"{k} {v:,}" for k, v in by_size.items()))
     if estimates is not None:
-        lines += estimate_summary(plan, estimates)
+        lines += estimate_summary(plan, estimates, ASSUMED_MFU if mfu is None else mfu)
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# one pass over the data (max_epochs)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_data_passes(plan: SweepPlan, prepare: bool = False) -> list[str]:
+    """Check that no run reads more than ``max_epochs`` passes over the training split of its data.
+
+    A run reads ``steps x tokens per step`` tokens; one pass holds ``windows per epoch x seq_len``
+    labelled tokens, computed as the training loader does (:class:`smelt_ds.data.loader.TrainLoader`:
+    windows of ``seq_len + 1`` tokens per shard, ``round(weight x windows)`` per source) from the
+    prepared data (``meta.json``). Data that is not prepared yet is prepared first when ``prepare``
+    (the first run would do it anyway), else left unchecked with a note. Returns the notes.
+
+    Raises ConfigError naming the run that reads the most passes, how many, and the fixes.
+    """
+    if plan.sweep.max_epochs is None:
+        return []
+    limit = plan.sweep.max_epochs
+    groups: dict[Path, list[PlannedRun]] = {}
+    notes: list[str] = []
+    unlocated: dict[str, list[str]] = {}
+    for r in plan.runs:
+        try:
+            groups.setdefault(prepared_path(r.config.data), []).append(r)
+        except ConfigError as e:  # e.g. a path source that lives on the cluster only
+            unlocated.setdefault(str(e), []).append(r.name)
+    notes += [f"max_epochs ({limit:g}) not checked for {len(names)} run(s) ({names[0]}, ...): their data cannot "
+              f"be located here ({e}); run this dry run where the data is prepared to check it"
+              for e, names in unlocated.items()]
+    over: list[tuple[float, PlannedRun, int, Path]] = []
+    checked: list[tuple[float, PlannedRun, int, Path]] = []
+    for path, runs in groups.items():
+        if prepare and not is_complete(path):
+            prepare_from_config(runs[0].config.data)
+        if not is_complete(path):
+            first = runs[0]
+            notes.append(f"max_epochs ({limit:g}) not checked for {len(runs)} run(s): their data is not prepared yet "
+                         f"({path}); the sweep prepares it and checks before its first run, or now: smelt-ds data "
+                         f"prepare --recipe {first.recipe_path} (after materializing: smelt-ds sweep {plan.source})")
+            continue
+        prepared = PreparedData.load(path, verify="size")
+        per_pass: dict[int, int] = {}
+        for r in runs:
+            S = r.config.train.seq_len
+            if S not in per_pass:
+                per_pass[S] = TrainLoader(prepared, S, 1, dp_rank=0, dp_world_size=1).windows_per_epoch * S
+            passes = r.tokens / per_pass[S]
+            checked.append((passes, r, per_pass[S], path))
+            if passes > limit:
+                over.append((passes, r, per_pass[S], path))
+    if over:
+        passes, r, one, path = max(over, key=lambda x: x[0])
+        others = f" (and {len(over) - 1} other run(s))" if len(over) > 1 else ""
+        raise ConfigError(f"run {r.name} reads {r.tokens:,} training tokens, {passes:.3g} passes over the training "
+                          f"split of its data ({one:,} tokens in windows of train.seq_len + 1 = "
+                          f"{r.config.train.seq_len + 1}; {path}){others}, more than the sweep's max_epochs "
+                          f"({limit:g}): lower budget {r.budget!r} or drop size {r.size!r}, or give the runs more "
+                          "training text (more or larger sources, data.ladder_max_bytes unset, a lower "
+                          "data.validation_share)")
+    if checked:
+        passes, r, one, path = max(checked, key=lambda x: x[0])
+        notes.append(f"max_epochs ({limit:g}) holds for {len(checked)} run(s): the most any reads is {passes:.3g} "
+                     f"passes over its training split, {r.name} ({r.tokens:,} of {one:,} tokens; {path})")
+    return notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,7 +547,7 @@ def _cpu_cores() -> int:
 
 
 def _analytic(plan: SweepPlan, r: PlannedRun, nproc: int, cpu_cores: int | None,
-              local_peak_tflops: float | None) -> tuple[float | None, int | None, str]:
+              local_peak_tflops: float | None, mfu: float) -> tuple[float | None, int | None, str]:
     """Sustained training FLOP/s assumed for run ``r`` (None: unknown GPU), its GPUs (None on
     CPU) and the assumption, in words."""
 
@@ -460,11 +560,11 @@ def _analytic(plan: SweepPlan, r: PlannedRun, nproc: int, cpu_cores: int | None,
         if peak is None:
             return None, gpus, (f"analytic: no peak TFLOP/s known for GPU {lay.gpu!r} of layout {name!r} "
                                 f"(known: {', '.join(PEAK_TFLOPS)})")
-        return (gpus * peak * 1e12 * ASSUMED_MFU, gpus,
-                f"analytic: layout {name}, {gpus} x {lay.gpu} at {peak:g} TFLOP/s x MFU {ASSUMED_MFU:g}")
+        return (gpus * peak * 1e12 * mfu, gpus,
+                f"analytic: layout {name}, {gpus} x {lay.gpu} at {peak:g} TFLOP/s x MFU {mfu:g}")
     if local_peak_tflops:  # a local run on this machine's GPUs
-        return (nproc * local_peak_tflops * 1e12 * ASSUMED_MFU, nproc,
-                f"analytic: {nproc} local GPU(s) at {local_peak_tflops:g} TFLOP/s x MFU {ASSUMED_MFU:g}")
+        return (nproc * local_peak_tflops * 1e12 * mfu, nproc,
+                f"analytic: {nproc} local GPU(s) at {local_peak_tflops:g} TFLOP/s x MFU {mfu:g}")
     cores = cpu_cores or _cpu_cores()
     return cores * CPU_FLOPS_PER_CORE, None, f"analytic: {cores} CPU core(s) x {CPU_FLOPS_PER_CORE / 1e9:g} GFLOP/s"
 
@@ -480,7 +580,7 @@ def _done_steps(r: PlannedRun, status: str) -> int:
 
 
 def estimate_runs(plan: SweepPlan, nproc: int = 1, cpu_cores: int | None = None,
-                  local_peak_tflops: float | None = None) -> list[RunEstimate]:
+                  local_peak_tflops: float | None = None, mfu: float = ASSUMED_MFU) -> list[RunEstimate]:
     """Estimate every planned run's training time (seconds) from its tokens and a throughput
     (tokens/s), in plan order.
 
@@ -489,13 +589,15 @@ def estimate_runs(plan: SweepPlan, nproc: int = 1, cpu_cores: int | None = None,
     1. measured in the run's own directory (:func:`measured_tokens_per_s`);
     2. measured in the directory of another run of the plan with the same architecture and size
        (the same recipe with another step count; summary.json before metrics.jsonl, in plan order);
-    3. analytic: sustained FLOP/s / the run's training FLOPs per token
+    3. the size's ``tokens_per_s`` in the sweep file (measured where the sweep was sized);
+    4. analytic: sustained FLOP/s / the run's training FLOPs per token
        (:func:`smelt_ds.cost.budget.compute_budget`: 3x forward, every visit). Sustained FLOP/s:
        for a recipe with cluster layouts, the GPUs of its layout (the sweep's ``launch.layout``,
        else the recipe's default) x their dense bf16 peak
-       (:data:`smelt_ds.train.metrics.PEAK_TFLOPS`) x :data:`ASSUMED_MFU`; else, on this machine,
+       (:data:`smelt_ds.train.metrics.PEAK_TFLOPS`) x ``mfu`` (default :data:`ASSUMED_MFU`; ``smelt-ds
+       sweep --mfu``); else, on this machine,
        ``nproc`` GPUs x ``local_peak_tflops`` (TFLOP/s; None: the CUDA device's,
-       :func:`smelt_ds.train.metrics.device_peak_tflops`; 0: no GPU) x :data:`ASSUMED_MFU`, or without a
+       :func:`smelt_ds.train.metrics.device_peak_tflops`; 0: no GPU) x ``mfu``, or without a
        known GPU ``cpu_cores`` (default: the cores this process may use) x
        :data:`CPU_FLOPS_PER_CORE`, whatever ``nproc`` (ranks share the cores).
 
@@ -510,7 +612,7 @@ def estimate_runs(plan: SweepPlan, nproc: int = 1, cpu_cores: int | None = None,
         by_kind.setdefault((r.architecture, r.size), []).append(r)
     out = []
     for r in plan.runs:
-        flops, gpus, source = _analytic(plan, r, nproc, cpu_cores, local_peak_tflops)
+        flops, gpus, source = _analytic(plan, r, nproc, cpu_cores, local_peak_tflops, mfu)
         found = measured[r.name]
         if found is not None:
             tps, path = found
@@ -518,9 +620,12 @@ def estimate_runs(plan: SweepPlan, nproc: int = 1, cpu_cores: int | None = None,
         else:
             siblings = [(m, s) for s in by_kind[(r.architecture, r.size)] if (m := measured[s.name]) is not None]
             siblings.sort(key=lambda x: x[0][1].name != "summary.json")  # stable: plan order within each kind
+            given = next(z.tokens_per_s for z in plan.sweep.sizes if z.name == r.size)
             if siblings:
                 (tps, path), other = siblings[0]
                 source = f"measured: {path.name} of {other.name}"
+            elif given is not None:
+                tps, source = given, f"measured: sizes[{r.size}].tokens_per_s of the sweep file"
             elif flops is None:
                 out.append(RunEstimate(None, None, None, source, gpus))
                 continue
@@ -541,7 +646,7 @@ def format_duration(seconds: float | None) -> str:
     return f"{seconds:.3g} s"
 
 
-def estimate_summary(plan: SweepPlan, estimates: list[RunEstimate]) -> list[str]:
+def estimate_summary(plan: SweepPlan, estimates: list[RunEstimate], mfu: float = ASSUMED_MFU) -> list[str]:
     """The lines under the plan table: estimated training time of all runs and of the unfinished
     ones (one after another), GPU-hours where the runs use GPUs, how many estimates are measured,
     and the analytic assumptions when any estimate uses them."""
@@ -561,7 +666,7 @@ def estimate_summary(plan: SweepPlan, estimates: list[RunEstimate]) -> list[str]
     lines = [line]
     if any(e.source.startswith("analytic") for e in estimates):
         lines.append("analytic tokens/s = sustained FLOP/s / training FLOPs per token (3x forward, every visit), "
-                     f"assuming MFU {ASSUMED_MFU:g} of the dense bf16 peak on GPUs and "
+                     f"assuming MFU {mfu:g} of the dense bf16 peak on GPUs (--mfu) and "
                      f"{CPU_FLOPS_PER_CORE / 1e9:g} GFLOP/s per CPU core (fp32); measured tokens/s come from the "
                      "sweep's run directories (summary.json, metrics.jsonl); start-up, data preparation and "
                      "validation are not counted")
@@ -683,6 +788,7 @@ def run_local(plan: SweepPlan, limit: int | None = None, executor: str = "subpro
     if executor not in ("subprocess", "inprocess"):
         raise ConfigError(f"--executor {executor!r} is unknown: use 'subprocess' or 'inprocess'")
     materialize(plan)
+    check_data_passes(plan, prepare=True)
     outcomes: list[RunOutcome] = []
     todo = []
     for r in plan.runs:
@@ -858,7 +964,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "inprocess: train in this process (default subprocess)")
     s.add_argument("--nproc", type=int, default=1,
                    help="local ranks per run (deepspeed launcher when > 1; default 1)")
+    s.add_argument("--mfu", type=_mfu, default=ASSUMED_MFU,
+                   help="model FLOPs utilisation assumed for analytic GPU estimates: a share of the GPUs' dense bf16 "
+                        f"peak, in (0, 1] (default {ASSUMED_MFU:g}); measured tokens/s are used where they exist")
     s.set_defaults(func=run_sweep)
+
+
+def _mfu(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number: give a share of the peak, e.g. 0.4") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value:g} is not in (0, 1]: give a share of the peak, e.g. 0.4 for 40%")
+    return value
 
 
 def _plan(args: argparse.Namespace):
@@ -875,7 +994,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 0:
         raise ConfigError(f"--limit ({args.limit}) must be >= 0")
     plan = _plan(args)
-    print(plan_table(plan, estimate_runs(plan, nproc=args.nproc)))
+    print(plan_table(plan, estimate_runs(plan, nproc=args.nproc, mfu=args.mfu), args.mfu))
+    if args.dry_run or args.render:
+        for note in check_data_passes(plan):
+            print(f"note: {note}")
     if args.dry_run:
         return 0
     if args.render:

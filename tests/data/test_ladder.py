@@ -150,6 +150,7 @@ def test_a_changed_or_missing_file_is_refused_naming_it(tmp_path):
     assert not (tmp_path / "c" / "code.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_ladder_sources_prepare_through_the_pipeline(tmp_path, monkeypatch):
     from smelt_ds.config.data import DataConfig
     from smelt_ds.data.prepare import prepare_from_config

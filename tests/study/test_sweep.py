@@ -49,7 +49,7 @@ def _sweep(tmp: Path, **over) -> Path:
 def test_every_shipped_sweep_plans(path):
     plan = plan_sweep(load_sweep(path), path)
     sw = plan.sweep
-    assert len(plan.runs) == len(sw.sizes) * len(sw.budgets) * len(sw.architectures)
+    assert len(plan.runs) == len(sw.sizes) * len(sw.architectures) * sum(len(sw.seeds_of(b)) for b in sw.budgets)
     per_arch = {a.name: {(r.size, r.budget) for r in plan.runs if r.architecture == a.name} for a in sw.architectures}
     assert all(len({s for s, _ in v}) >= 3 and len({b for _, b in v}) >= 3 for v in per_arch.values())
     for r in plan.runs:
