@@ -77,6 +77,7 @@ from smelt_ds.launch.jobs import LAUNCHERS_DIR, JobOptions, JobPlan, fill_templa
 from smelt_ds.launch.placement import load_raw
 from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.study.recipes import REPO_ROOT
+from smelt_ds.train.guards import common_keys
 from smelt_ds.train.loop import launcher_command, train
 from smelt_ds.train.metrics import PEAK_TFLOPS, device_peak_tflops
 
@@ -721,7 +722,8 @@ def _check_conflict(r: PlannedRun) -> None:
         return
     there = _comparable(yaml.safe_load(existing.read_text()) or {})
     planned = _comparable(config_to_dict(r.config))
-    diffs = config_diff(planned, there)
+    # fields added to the schema since the run directory was written are not compared
+    diffs = config_diff(common_keys(planned, there), common_keys(there, planned))
     if diffs:
         raise ConfigError(f"run directory {r.run_dir} holds a run of another recipe ({'; '.join(diffs[:4])}): "
                           "delete it, or give this sweep another output_dir (--output-dir)")

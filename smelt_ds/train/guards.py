@@ -20,8 +20,8 @@ from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.runs.provenance import RUN_TOKENIZER, tokenizer_file_hash
 from smelt_ds.runs.run_lock import RunLock
 
-__all__ = ["check_run_dir", "check_optional_packages", "earlier_run_files", "RUN_FILES", "RESUME_MAY_CHANGE",
-           "lock_run_dir", "remove_refused_new_run"]
+__all__ = ["check_run_dir", "check_optional_packages", "earlier_run_files", "common_keys", "RUN_FILES",
+           "RESUME_MAY_CHANGE", "lock_run_dir", "remove_refused_new_run"]
 
 #: what a run writes into its run directory besides checkpoints/, its lock and its tokenizer
 #: (loop._fit before the first checkpoint: zero3_tuning.json (ZeRO-3), config.yaml, ds_config.json,
@@ -157,7 +157,8 @@ def _check_resume_overrides(old: dict, new: dict, out_dir: Path, resume: str) ->
     def allowed(path: str) -> bool:
         return any(path == p or path.startswith(p + ".") for p in RESUME_MAY_CHANGE)
 
-    diffs = [d for d in config_diff(_common(new, old), _common(old, new), labels=("in this recipe", "in the run"))
+    diffs = [d for d in config_diff(common_keys(new, old), common_keys(old, new),
+                                    labels=("in this recipe", "in the run"))
              if not allowed(d.split(":", 1)[0])]
     if diffs:
         raise ConfigError(f"--resume {resume}: {'; '.join(diffs[:4])} (run directory {out_dir}): a resume continues "
@@ -166,10 +167,13 @@ def _check_resume_overrides(old: dict, new: dict, out_dir: Path, resume: str) ->
                           "values, or start a new run from its weights (`smelt-ds export` then train.init_from)")
 
 
-def _common(a: Any, b: Any) -> Any:
-    """``a`` restricted to the keys ``b`` also has (recursively): fields added since ``b`` was written."""
+def common_keys(a: Any, b: Any) -> Any:
+    """``a`` restricted to the keys ``b`` also has (recursively, into lists of the same length, such
+    as ``data.sources``): fields added since ``b`` was written."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return {k: _common(v, b[k]) for k, v in a.items() if k in b}
+        return {k: common_keys(v, b[k]) for k, v in a.items() if k in b}
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [common_keys(x, y) for x, y in zip(a, b, strict=True)]
     return a
 
 

@@ -221,3 +221,30 @@ def test_the_gpu_ladder_renders_to_slurm_and_kubernetes(tmp_path):
     assert doc["kind"] == "PyTorchJob"
     args = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"][0]
     assert re.search(r"summary\.json && exit 0; exec ", args) and plan.runs[-1].recipe_path.name in args
+
+
+def test_run_directories_written_before_the_ladder_fields_still_resume(tmp_path):
+    # config.yaml of a run made before `data.sources[].ladder` and `data.ladder_*` existed: the same
+    # recipe to the sweep's conflict check and to the resume check; a changed source still is not
+    from smelt_ds.config.loading import config_to_dict
+    from smelt_ds.study.sweep import materialize
+    from smelt_ds.train.guards import _check_resume_overrides
+
+    path = _sweep(tmp_path)
+    plan = plan_sweep(load_sweep(path), path)
+    r = plan.runs[0]
+    new = config_to_dict(r.config)
+    old = json.loads(json.dumps(new))
+    for src in old["data"]["sources"]:
+        del src["ladder"]
+    del old["data"]["ladder_max_bytes"], old["data"]["ladder_packages_dir"]
+    r.run_dir.mkdir(parents=True)
+    (r.run_dir / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    materialize(plan)
+    _check_resume_overrides(old, new, r.run_dir, "auto")
+    old["data"]["sources"][0]["weight"] = 2.0
+    (r.run_dir / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    with pytest.raises(ConfigError, match=r"data.sources: .* in the run"):
+        _check_resume_overrides(old, new, r.run_dir, "auto")
+    with pytest.raises(ConfigError, match=r"holds a run of another recipe \(data.sources"):
+        materialize(plan)
