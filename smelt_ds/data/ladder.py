@@ -121,7 +121,9 @@ def packages_dir(cache_dir: str | os.PathLike | None = None, given: str | os.Pat
 
 
 def _pip_command(pin: PinnedFile, dest: Path) -> list[str]:
-    binary = ["--no-binary", ":all:"] if pin.kind == "sdist" else ["--only-binary", ":all:"]
+    # an sdist pin: no wheel of this project, but its build requirements (pip prepares the sdist's metadata
+    # in an isolated environment) as wheels; `--no-binary :all:` would compile e.g. Cython from source there
+    binary = ["--no-binary", pin.project] if pin.kind == "sdist" else ["--only-binary", ":all:"]
     return [sys.executable, "-m", "pip", "download", "--no-deps", *binary, "--dest", str(dest),
             f"{pin.project}=={pin.version}"]
 
@@ -137,7 +139,7 @@ def _check_file(path: Path, pin: PinnedFile) -> None:
 def fetch_packages(dest: str | os.PathLike, pins: Sequence[PinnedFile] | None = None, fetch: bool = True
                    ) -> list[Path]:
     """The pinned files in ``dest``, each checked against its sha256; missing ones are fetched with
-    ``pip download NAME==VERSION --no-deps`` (sdists with ``--no-binary :all:``, wheels with
+    ``pip download NAME==VERSION --no-deps`` (sdists with ``--no-binary NAME``, wheels with
     ``--only-binary :all:``) when ``fetch``. Returns their paths in ``pins`` order.
 
     Raises ConfigError naming the file for a missing file (``fetch`` False or pip failed: with the
