@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import fnmatch
 import json
 import os
 import re
@@ -779,9 +780,11 @@ def _train_inprocess(r: PlannedRun, resume: str) -> tuple[int, bool]:
 
 
 def run_local(plan: SweepPlan, limit: int | None = None, executor: str = "subprocess", nproc: int = 1,
-              log: Callable[[str], None] = print) -> list[RunOutcome]:
+              log: Callable[[str], None] = print, only: list[str] | None = None) -> list[RunOutcome]:
     """Train the plan's runs one after another: finished runs are skipped, interrupted ones resume
-    from their newest complete checkpoint. ``limit``: train at most this many runs now.
+    from their newest complete checkpoint. ``limit``: train at most this many runs now. ``only``:
+    shell patterns of run names (e.g. ``*-h80-c3.2e13-*``); the runs matching none are left for later
+    (not trained, not listed as outcomes); ConfigError when a pattern matches no run.
     ``executor``: ``subprocess`` (``python -m smelt_ds.train`` per run, output to
     ``<run_dir>/train.log``; ``deepspeed`` launcher with ``nproc`` > 1) or ``inprocess``
     (:func:`smelt_ds.train.loop.train` in this process). Stops at the first interrupted run (Ctrl-C /
@@ -789,15 +792,24 @@ def run_local(plan: SweepPlan, limit: int | None = None, executor: str = "subpro
 
     if executor not in ("subprocess", "inprocess"):
         raise ConfigError(f"--executor {executor!r} is unknown: use 'subprocess' or 'inprocess'")
+    runs = plan.runs
+    if only:
+        names = [r.name for r in plan.runs]
+        for pattern in only:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                raise ConfigError(f"--only {pattern!r} matches no run of sweep {plan.sweep.name}: the runs are "
+                                  f"named <architecture>-<size>-<budget>[-s<seed>], e.g. {names[0]!r} "
+                                  "(`--dry-run` lists them)")
+        runs = [r for r in plan.runs if any(fnmatch.fnmatchcase(r.name, p) for p in only)]
     materialize(plan)
     check_data_passes(plan, prepare=True)
     outcomes: list[RunOutcome] = []
     todo = []
-    for r in plan.runs:
+    for r in runs:
         (outcomes.append(RunOutcome(r, "skipped", message="finished earlier")) if run_status(r) == "done"
          else todo.append(r))
     if outcomes:
-        log(f"sweep {plan.sweep.name}: {len(outcomes)} of {len(plan.runs)} runs finished earlier")
+        log(f"sweep {plan.sweep.name}: {len(outcomes)} of {len(runs)} runs finished earlier")
     if limit is not None:
         todo = todo[:max(0, limit)]
     t_all = time.perf_counter()
@@ -955,6 +967,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "train here)")
     s.add_argument("--limit", type=int, default=None,
                    help="train at most this many unfinished runs now (default: all)")
+    s.add_argument("--only", action="append", default=None, metavar="PATTERN",
+                   help="train only the runs whose name matches this shell pattern (repeatable), e.g. "
+                        "--only 'smelt-h80-*'; the others stay for a later call (default: every run)")
     s.add_argument("--steps-scale", type=float, default=1.0,
                    help="multiply every run's steps and warmup (quick checks; writes to <output_dir>-x<F> "
                         "unless --output-dir is given; default 1)")
@@ -1016,7 +1031,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             print(f"submit: kubectl apply -f {plan.output_dir / 'launch' / 'k8s'}  "
                   "(output_dir must be on the runs volume)")
         return 0
-    outcomes = run_local(plan, limit=args.limit, executor=args.executor, nproc=args.nproc)
+    outcomes = run_local(plan, limit=args.limit, executor=args.executor, nproc=args.nproc, only=args.only)
     print(f"fit: smelt-ds scaling fit {plan.output_dir}")
     if any(o.status == "interrupted" for o in outcomes):
         return 130

@@ -21,6 +21,7 @@ from smelt_ds.study.sweep import (
     plan_sweep,
     render_k8s,
     render_slurm,
+    run_local,
     run_status,
 )
 
@@ -132,6 +133,24 @@ def test_bad_sweep_files_name_the_field_and_fix(tmp_path, over, match):
     path = _sweep(tmp_path, **over)
     with pytest.raises(ConfigError, match=match):
         plan_sweep(load_sweep(path), path)
+
+
+def test_only_trains_the_runs_it_names_and_a_pattern_matching_none_is_refused(tmp_path, monkeypatch):
+    """``--only``: the runs matching a pattern train, in plan order; the others are neither trained
+    nor reported; a pattern that matches no run is an error naming it (not a silent no-op)."""
+    from smelt_ds.study import sweep as sweep_mod
+
+    plan = plan_sweep(load_sweep(_sweep(tmp_path)), tmp_path / "sweep.yaml")
+    trained = []
+    monkeypatch.setattr(sweep_mod, "check_data_passes", lambda plan, prepare=False: [])
+    monkeypatch.setattr(sweep_mod, "_train_subprocess",
+                        lambda r, resume, nproc: (trained.append(r.name), (1, False))[1])
+    outcomes = run_local(plan, only=["smelt-h128-*", "*-h64-d1"], log=lambda s: None)
+    expected = [r.name for r in plan.runs if r.name.startswith("smelt-h128-") or r.name.endswith("-h64-d1")]
+    assert trained == [o.run.name for o in outcomes] == expected
+    assert len(expected) == 5  # smelt-h128 at 3 budgets, both architectures of h64 at d1
+    with pytest.raises(ConfigError, match=r"--only 'smelt-h96-\*' matches no run .*--dry-run"):
+        run_local(plan, only=["smelt-h96-*"], log=lambda s: None)
 
 
 def test_cli_dry_run_and_steps_scale(tmp_path, capsys):
