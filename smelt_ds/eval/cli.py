@@ -38,7 +38,7 @@ from smelt_ds.eval.loss import parse_buckets
 from smelt_ds.eval.offline_tasks import MANIFEST_FILE, MARKER_FILE, add_build_tasks_arguments, run_build_tasks
 from smelt_ds.eval.plots import plot_analysis, plot_eval, safe_name
 from smelt_ds.eval.report import analysis_table, eval_table, to_markdown, write_report
-from smelt_ds.eval.stratified import plot_stratified, stratified_markdown, stratify, write_stratified
+from smelt_ds.eval.stratified import plot_stratified, pool_tasks, stratified_markdown, stratify, write_stratified
 from smelt_ds.eval.suite import AnalysisSettings, EvalSettings, analyze_runs, evaluate_runs
 from smelt_ds.files import write_json_atomic, write_text_atomic
 from smelt_ds.runs.load import LoadedRun, load_run, load_runs
@@ -114,6 +114,9 @@ def _add_harness_arguments(e: argparse.ArgumentParser) -> None:
                    help="numbers of in-context examples, each evaluated (default: the tasks' own)")
     h.add_argument("--include-path", default=None, metavar="DIR", help="directory of extra task YAML files")
     h.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N examples of each task")
+    h.add_argument("--samples-per-task", type=int, default=None, metavar="N",
+                   help="N examples of each task spread evenly over its documents (lm-eval's samples; instead of "
+                        "--limit, whose first N of a sorted file are not a fair sample)")
     h.add_argument("--harness-batch-size", type=int, default=8, metavar="N",
                    help="rows per forward of the harness model (default 8)")
     t = e.add_argument_group("test-time loop count", "run looped runs with other repeats of their loop ranges "
@@ -270,7 +273,8 @@ def run_eval(args: argparse.Namespace) -> int:
     return _run_default(args)
 
 
-_HARNESS_FLAGS = {"num_fewshot": None, "include_path": None, "limit": None, "harness_batch_size": 8}
+_HARNESS_FLAGS = {"num_fewshot": None, "include_path": None, "limit": None, "samples_per_task": None,
+                  "harness_batch_size": 8}
 _HUMANEVAL_FLAGS = {"samples": 1, "temperature": None, "top_p": 0.95, "max_new_tokens": 128, "humaneval_limit": None,
                     "allow_code_execution": False, "humaneval_loss_only": False, "timeout": 10.0,
                     "memory_mb": 1024, "workers": None}
@@ -454,14 +458,20 @@ def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, lo
         raise ConfigError(f"`--harness` ({args.harness!r}) names no task: pass comma-separated task names, e.g. "
                           "--harness smelt_offline")
     ks = _parse_fewshot(args.num_fewshot)
-    _positive(limit=args.limit, harness_batch_size=args.harness_batch_size)
+    _positive(limit=args.limit, harness_batch_size=args.harness_batch_size, samples_per_task=args.samples_per_task)
+    if args.limit is not None and args.samples_per_task is not None:
+        raise ConfigError(f"`--limit` ({args.limit}) and `--samples-per-task` ({args.samples_per_task}) both choose "
+                          "the documents: pass one of them")
     _check_offline_tasks(args.include_path, tasks, ks)
+    samples = (None if args.samples_per_task is None
+               else harness.spread_samples(tasks, args.samples_per_task, args.include_path))
     _clear_old_outputs(out)
     repeats = parse_repeats(args.loop_repeats)
     if loop_opts and not any(has_loop(r) for r in runs):
         raise ConfigError("no run has a loop range: `--loop-repeats` / `--exit-after` apply to looped runs "
                           f"(runs: {', '.join(r.name for r in runs)})")
     entries, records = [], []
+    truncation: dict[str, dict[str, dict]] = {}
     seen: set[tuple] = set()
     for run in runs:
         tok, eot = harness.run_tokenizer(run)
@@ -471,22 +481,28 @@ def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, lo
                                                    seed=args.seed)
             column = run.name if not label else f"{run.name} ({label})"
             budget = compute_budget(run.cfg.model_copy(update={"loop": lm.loop_cfg}))  # of the plan run
-            lengths = harness.own_lengths(lm, tasks, args.include_path, args.limit)
+            lengths = harness.own_lengths(lm, tasks, args.include_path, args.limit, samples)
             for k in ks:
                 res = harness.run_harness(lm, tasks, args.include_path, k, args.limit, log_samples=True,
-                                          seed=args.seed)
+                                          seed=args.seed, samples=samples)
+                over, per_task = harness.truncated_examples(lm, res)
+                truncation.setdefault(column, {})["task default" if k is None else str(k)] = per_task
                 res.setdefault("config", {}).update(
                     model="smelt-ds", model_args={"pretrained": str(run.export_dir),
                                                   "batch_size": args.harness_batch_size,
                                                   "loop_repeats": R, "exit_after": P},
-                    smelt_ds_seeds={"random": args.seed, "numpy": args.seed, "torch": args.seed, "fewshot": args.seed})
+                    smelt_ds_seeds={"random": args.seed, "numpy": args.seed, "torch": args.seed, "fewshot": args.seed},
+                    smelt_ds_samples_per_task=args.samples_per_task,
+                    smelt_ds_truncated={t: c["truncated"] for t, c in per_task.items()})
                 path = _write_harness_results(res, out / "harness" / _harness_dir(run, R, P, k))
                 entries.append({"column": column, "run": run.name, "label": label or None, "repeats": R,
                                 "exit_after": P, "visits": len(lm.visit_plan), "num_fewshot": k,
                                 "flops_per_token": budget.forward_flops_per_token,
                                 "kv_cache_bytes_per_token": budget.kv_cache_bytes_per_token,
                                 "results": res, "results_file": str(path.relative_to(out))})
-                for rec in harness.harness_records(res, column, k, lengths):
+                # an example whose request did not fit the window was not scored with its k examples whole:
+                # it leaves the per-example records (the stratified report), not the harness's own means
+                for rec in harness.harness_records(res, column, k, lengths, skip=over):
                     key = (rec["run"], rec["task"], rec["num_fewshot"], rec["doc_id"], rec["metric"])
                     if key not in seen:  # a task fixed at k=0 (rolling) runs the same at every requested k
                         seen.add(key)
@@ -495,13 +511,19 @@ def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, lo
                                     for m, c in ms.items())
                 print(f"[{column}] k={'task default' if k is None else k}: {summary}")
     report = harness.harness_report(entries)
+    report["truncation"] = truncation
     write_json_atomic(out / "harness.json", report)
     md = harness.harness_markdown(report)
     write_text_atomic(out / "harness.md", md)
     print(md)
     written = ["harness.json", "harness.md"]
     if len(report["columns"]) > 1 or len(ks) > 1:
+        pooled = {f"{domain} benchmarks": members
+                  for domain, members in benchmarks.domain_groups({r["task"] for r in records}).items()}
+        records += pool_tasks(records, pooled, "bpb")
         strat = stratify(records, report["baseline"], seed=args.seed)
+        strat["notes"] += [f"{name}: the bits per byte of the gold answers of {', '.join(members)} pooled (every "
+                           "example weighs the same)" for name, members in pooled.items()]
         if not args.no_plots:
             strat["figures"] = [p.name for p in plot_stratified(strat, out)]
         write_stratified(strat, out)

@@ -76,7 +76,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MODEL_NAME", "BOOTSTRAP_ITERS", "SmeltHarnessLM", "continuation_logprobs", "score_continuation",
            "register", "run_tokenizer", "task_manager", "run_harness", "evaluate_model", "own_lengths",
-           "harness_records", "metric_table", "harness_report", "harness_markdown", "run_lm_eval", "main"]
+           "spread_samples", "request_tokens", "truncated_examples", "harness_records", "metric_table",
+           "harness_report", "harness_markdown", "run_lm_eval", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -688,15 +689,17 @@ def _check_tasks(tasks) -> list[str]:
 
 def run_harness(lm: SmeltHarnessLM, tasks: list[str], include_path: str | None = None, num_fewshot: int | None = None,
                 limit: int | None = None, log_samples: bool = False, seed: int = 1234,
-                bootstrap_iters: int = BOOTSTRAP_ITERS) -> dict:
+                bootstrap_iters: int = BOOTSTRAP_ITERS, samples: dict[str, list[int]] | None = None) -> dict:
     """:func:`lm_eval.simple_evaluate` of ``lm`` on ``tasks`` (names, groups or tags).
 
     ``num_fewshot`` k overrides the tasks' own (None: theirs, else 0); ``limit`` caps the
-    examples per task (the first ``limit`` documents). Every seed of the harness (Python, NumPy,
-    torch, few-shot sampler) and the model's sampling seed are set from ``seed``, so repeated
-    calls give the same numbers. Stderrs of non-mean metrics use ``bootstrap_iters`` resamples,
-    in this process. Returns the harness's results dict (``results``, ``groups``, ``configs``,
-    ``n-shot``, ``n-samples``, ``config``, ``samples`` when ``log_samples``)."""
+    examples per task (the first ``limit`` documents); ``samples`` instead names the documents
+    (``{task: [doc index, ...]}``, lm-eval's ``samples``, e.g. from :func:`spread_samples`). Every
+    seed of the harness (Python, NumPy, torch, few-shot sampler) and the model's sampling seed are
+    set from ``seed``, so repeated calls give the same numbers. Stderrs of non-mean metrics use
+    ``bootstrap_iters`` resamples, in this process. Returns the harness's results dict
+    (``results``, ``groups``, ``configs``, ``n-shot``, ``n-samples``, ``config``, ``samples`` when
+    ``log_samples``)."""
     import lm_eval.evaluator
 
     names = _check_tasks(tasks)
@@ -704,11 +707,13 @@ def run_harness(lm: SmeltHarnessLM, tasks: list[str], include_path: str | None =
         raise ConfigError(f"`--num-fewshot` ({num_fewshot}) must be >= 0")
     if limit is not None and limit < 1:
         raise ConfigError(f"`--limit` ({limit}) must be >= 1 examples per task")
+    if limit is not None and samples is not None:
+        raise ConfigError("`--limit` and `--samples-per-task` both choose the documents: pass one of them")
     tm = task_manager(names, include_path)
     lm.seed = seed
     with _in_process_bootstrap():
         results = lm_eval.evaluator.simple_evaluate(
-            model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, log_samples=log_samples,
+            model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, samples=samples, log_samples=log_samples,
             task_manager=tm, bootstrap_iters=bootstrap_iters, random_seed=seed, numpy_random_seed=seed,
             torch_random_seed=seed, fewshot_random_seed=seed)
     assert results is not None  # rank 0 of one process
@@ -733,23 +738,27 @@ def evaluate_model(model: SmeltLM, tokenizer: Tokenizer, eot_id: int, tasks: lis
 
 
 def own_lengths(lm: SmeltHarnessLM, tasks: list[str], include_path: str | None = None,
-                limit: int | None = None) -> dict[tuple[str, int], int]:
+                limit: int | None = None, samples: dict[str, list[int]] | None = None) -> dict[tuple[str, int], int]:
     """``{(task, doc_id): tokens}``: the length of each example's own text at k = 0, built by the
     harness itself (``Task.build_all_requests`` with ``num_fewshot`` 0, no model call):
     context + target for ``loglikelihood`` tasks, the context for ``multiple_choice`` and
     ``generate_until``, the whole string for ``loglikelihood_rolling`` (tokens of
-    :meth:`SmeltHarnessLM.tok_encode`)."""
+    :meth:`SmeltHarnessLM.tok_encode`). ``limit`` / ``samples``: the documents, as :func:`run_harness`."""
     tm = task_manager(_check_tasks(tasks), include_path)
     loaded = tm.load(_check_tasks(tasks))
     out: dict[tuple[str, int], int] = {}
     for name, task in loaded["tasks"].items():
         task.set_config(key="num_fewshot", value=0)
-        task.build_all_requests(limit=limit, rank=0, world_size=1)
+        task.build_all_requests(limit=limit, samples=None if samples is None else samples.get(name), rank=0,
+                                world_size=1)
         first: dict[int, Any] = {}
         for inst in task.instances:
             if inst.doc_id not in first or inst.idx < first[inst.doc_id].idx:
                 first[inst.doc_id] = inst
+        chosen = None if samples is None else samples.get(name)
         for doc_id, inst in first.items():
+            if chosen:  # lm-eval numbers the chosen documents 0..n-1 here and logs their own index
+                doc_id = chosen[doc_id]
             if inst.request_type == "loglikelihood" and task.OUTPUT_TYPE == "loglikelihood":
                 text = inst.args[0] + inst.args[1]
             else:
@@ -758,8 +767,64 @@ def own_lengths(lm: SmeltHarnessLM, tasks: list[str], include_path: str | None =
     return out
 
 
+def spread_samples(tasks: list[str], n: int, include_path: str | None = None) -> dict[str, list[int]]:
+    """``{task: [doc index, ...]}``: ``n`` documents of each task spread evenly over its evaluation
+    documents (indices ``round(i * (D - 1) / (n - 1))``, i = 0..n-1, for D documents; all D when
+    ``n >= D``), for :func:`run_harness`'s ``samples``. Unlike ``limit`` (the first ``n``), this
+    does not take only the head of a file that is sorted (HellaSwag's validation starts with its
+    short ActivityNet contexts). Groups expand to their tasks. Raises ConfigError for ``n < 1``."""
+    if n < 1:
+        raise ConfigError(f"`--samples-per-task` ({n}) must be >= 1 documents per task")
+    names = _check_tasks(tasks)
+    loaded = task_manager(names, include_path).load(names)
+    out = {}
+    for name, task in loaded["tasks"].items():
+        total = len(task.eval_docs)
+        if n >= total:
+            out[name] = list(range(total))
+        else:  # n < total: steps of (total - 1) / (n - 1) >= 1 give n distinct indices
+            out[name] = [0] if n == 1 else [round(i * (total - 1) / (n - 1)) for i in range(n)]
+    return out
+
+
+def request_tokens(lm: SmeltHarnessLM, results: dict) -> dict[tuple[str, int], int]:
+    """``{(task, doc_id): tokens}``: the longest ``loglikelihood`` request of each example of a
+    ``log_samples`` result as the model reads it (``[end-of-text] + context + continuation``,
+    :meth:`SmeltHarnessLM._encode_pair`), few-shot examples included. A request longer than
+    ``lm.max_length + 1`` tokens has its context cut from the left (:meth:`SmeltHarnessLM._window`),
+    so a k-shot example over that length was not scored with its k examples whole
+    (:func:`truncated_examples`). Examples of other request types are absent."""
+    if "samples" not in results:
+        raise ConfigError("the harness result has no per-example samples: evaluate with log_samples=True")
+    out: dict[tuple[str, int], int] = {}
+    for task, samples in results["samples"].items():
+        for s in samples:
+            pairs = [a for a in s.get("arguments", []) if isinstance(a, (list, tuple)) and len(a) == 2
+                     and all(isinstance(x, str) for x in a)]
+            if pairs:
+                out[(task, int(s["doc_id"]))] = max(sum(map(len, lm._encode_pair(c, x))) for c, x in pairs)
+    return out
+
+
+def truncated_examples(lm: SmeltHarnessLM, results: dict) -> tuple[set[tuple[str, int]], dict[str, dict[str, int]]]:
+    """The examples of a ``log_samples`` result whose longest request exceeds the model's window
+    (``lm.max_length + 1`` tokens: :func:`request_tokens`), and per task ``{"examples", "truncated",
+    "max_tokens"}`` (examples with a ``loglikelihood`` request, how many of them exceed the window,
+    the longest request in tokens)."""
+    tokens = request_tokens(lm, results)
+    over = {key for key, n in tokens.items() if n > lm.max_length + 1}
+    per: dict[str, dict[str, int]] = {}
+    for (task, _), n in tokens.items():
+        c = per.setdefault(task, {"examples": 0, "truncated": 0, "max_tokens": 0})
+        c["examples"] += 1
+        c["truncated"] += n > lm.max_length + 1
+        c["max_tokens"] = max(c["max_tokens"], n)
+    return over, per
+
+
 def harness_records(results: dict, run_name: str, num_fewshot: int | None,
-                    lengths: dict[tuple[str, int], int]) -> list[dict]:
+                    lengths: dict[tuple[str, int], int], skip: set[tuple[str, int]] | frozenset = frozenset()
+                    ) -> list[dict]:
     """Per-example records for :func:`smelt_ds.eval.stratified.stratify` from a ``log_samples``
     result: ``{"run", "task", "num_fewshot", "doc_id", "length_tokens", "metric", "value"}``.
 
@@ -772,13 +837,16 @@ def harness_records(results: dict, run_name: str, num_fewshot: int | None,
     (:func:`own_lengths`); ``num_fewshot`` is the k that ran (the result's ``n-shot``), the
     requested one only where the result lacks it; a loglikelihood task with a ``bits_per_byte`` pair
     (``smelt_humaneval_ll``) gives ``bits_per_byte`` only; ``num_fewshot`` None takes each task's k
-    from the result's ``n-shot``. Raises ConfigError without samples."""
+    from the result's ``n-shot``. ``skip``: ``(task, doc_id)`` left out (e.g. the truncated ones of
+    :func:`truncated_examples`). Raises ConfigError without samples."""
     if "samples" not in results:
         raise ConfigError("the harness result has no per-example samples: evaluate with log_samples=True")
     out = []
     for task, samples in results["samples"].items():
         for s in samples:
             doc_id = int(s["doc_id"])
+            if (task, doc_id) in skip:
+                continue
             if (task, doc_id) not in lengths:
                 raise ConfigError(f"no length for example {doc_id} of task {task!r}: compute `lengths` with "
                                   "own_lengths() for the same tasks and limit")
@@ -900,7 +968,29 @@ def harness_markdown(report: dict) -> str:
         deltas = ["n/a" if row["delta"][n] is None else f"{row['delta'][n]:+.4f}" for n in others]
         lines.append("| " + " | ".join([row["task"], row["metric"], row["num_fewshot"]] + vals + deltas) + " |")
     lines.append("")
+    lines += _truncation_markdown(report.get("truncation") or {}, names)
     return "\n".join(lines)
+
+
+def _truncation_markdown(truncation: dict[str, dict[str, dict]], names: list[str]) -> list[str]:
+    """Rows (task, k) where some example's request exceeded the model's window, per column."""
+    rows: dict[tuple[str, str], dict[str, dict]] = {}
+    for col, by_k in truncation.items():
+        for k, per_task in by_k.items():
+            for task, c in per_task.items():
+                rows.setdefault((task, k), {})[col] = c
+    hit = {key: cols for key, cols in rows.items() if any(c["truncated"] for c in cols.values())}
+    if not hit:
+        return []
+    lines = ["Examples whose longest request (end-of-text + k examples + context + answer) exceeds the model's "
+             "window, so that its context was cut from the left: truncated / examples (longest request in "
+             "tokens). The means above include them as the harness scored them; the stratified report leaves "
+             "them out.", "", "| task | k | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
+    for (task, k), cols in sorted(hit.items()):
+        cells = [f"{cols[n]['truncated']} / {cols[n]['examples']} ({cols[n]['max_tokens']})" if n in cols else "n/a"
+                 for n in names]
+        lines.append(f"| {task} | {k} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,8 +61,8 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.eval.plots import DPI, _colors, _plt, safe_name
 from smelt_ds.files import write_atomic, write_json_atomic, write_text_atomic
 
-__all__ = ["MIN_BUCKET_EXAMPLES", "MAX_LENGTH_BUCKETS", "lower_is_better", "paired_difference", "stratify",
-           "row_sentence", "stratified_markdown", "plot_stratified", "write_stratified"]
+__all__ = ["MIN_BUCKET_EXAMPLES", "MAX_LENGTH_BUCKETS", "POOL_STRIDE", "lower_is_better", "paired_difference",
+           "pool_tasks", "stratify", "row_sentence", "stratified_markdown", "plot_stratified", "write_stratified"]
 
 MIN_BUCKET_EXAMPLES = 30
 MAX_LENGTH_BUCKETS = 5
@@ -83,6 +83,38 @@ def lower_is_better(metric: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # input checks
 # ---------------------------------------------------------------------------------------------
+
+
+#: pooled doc_id = member index * POOL_STRIDE + doc_id (documents of different tasks stay apart)
+POOL_STRIDE = 10_000_000
+
+
+def pool_tasks(records, groups: dict[str, list[str]], metric: str) -> list[dict]:
+    """Records of several tasks as one more "task" per group, for a difference pooled over their
+    examples (e.g. the code and the prose benchmarks' bits per byte).
+
+    ``groups``: ``{pooled task name: [member task, ...]}``; ``metric``: the one metric pooled
+    (it must mean the same in every member, e.g. ``bpb``). Returns new records (the input is
+    unchanged): every record of a member task with that metric, with ``task`` = the pooled name and
+    ``doc_id`` = ``index of the member in the group * POOL_STRIDE + doc_id``, so pairs are still
+    formed within one member's document; every example then weighs the same in the pooled mean
+    (a member with more examples weighs more). Raises ConfigError for a doc_id >= POOL_STRIDE or a
+    pooled name that is also a task of the records."""
+    recs = _check_records(records)
+    tasks = {r["task"] for r in recs}
+    out = []
+    for name, members in groups.items():
+        if name in tasks:
+            raise ConfigError(f"pooled task name {name!r} is also a task of the records: pick another name")
+        index = {t: i for i, t in enumerate(members)}
+        for r in recs:
+            if r["metric"] != metric or r["task"] not in index:
+                continue
+            if r["doc_id"] >= POOL_STRIDE:
+                raise ConfigError(f"doc_id {r['doc_id']} of task {r['task']!r} is >= {POOL_STRIDE:,}: pooled ids "
+                                  "would collide; pool fewer documents")
+            out.append({**r, "task": name, "doc_id": index[r["task"]] * POOL_STRIDE + r["doc_id"]})
+    return out
 
 
 def _check_records(records) -> list[dict]:

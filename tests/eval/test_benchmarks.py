@@ -364,6 +364,51 @@ def test_numbers_equal_lm_eval_hf_model_on_the_export(tiny_export, tiny_hf, eval
     assert decided >= 0.9 * LIMIT * (2 * 7 + 2)  # nearly every choice was decided beyond the bound
 
 
+def test_spread_samples_and_truncated_examples_are_those_the_window_cut(tiny_export, eval_data):
+    """``spread_samples`` picks evenly spaced documents (first and last included) and the harness
+    scores exactly those; ``truncated_examples`` names exactly the examples of which some request
+    lost context tokens in the model's own window (:meth:`SmeltHarnessLM._window`), at a
+    ``max_length`` (the median request) that cuts some examples and not others; ``harness_records``
+    leaves those out."""
+    from smelt_ds.eval.harness import SmeltHarnessLM, harness_records, request_tokens, run_harness, spread_samples
+    from smelt_ds.eval.harness import truncated_examples as truncated
+
+    tasks = ["arc_easy_val", "humaneval_bpb"]
+    samples = spread_samples(tasks, 5)
+    assert samples == {"arc_easy_val": [0, 142, 284, 427, 569], "humaneval_bpb": [0, 41, 82, 122, 163]}
+    model, eot = tiny_export[0], eval_data.eot_id
+    wide = SmeltHarnessLM.from_model(model, eval_data.tokenizer, eot, max_length=MAX_LEN)
+    res = run_harness(wide, tasks, num_fewshot=1, samples=samples, log_samples=True, seed=SEED, bootstrap_iters=0)
+    assert {t: sorted(int(s["doc_id"]) for s in res["samples"][t]) for t in tasks} == samples
+    assert request_tokens(wide, res) == {(t, int(s["doc_id"])): max(sum(map(len, wide._encode_pair(*a[:2])))
+                                                                   for a in s["arguments"])
+                                         for t in tasks for s in res["samples"][t]}
+    # the window: the shortest request of the ARC example whose choices differ most in length fits, its longest not
+    spans = [sorted(sum(map(len, wide._encode_pair(*a[:2]))) for a in s["arguments"]) for s in res["samples"][tasks[0]]]
+    widest = max(spans, key=lambda n: n[-1] - n[0])
+    shortest, longest = widest[0], widest[-1]
+    assert shortest < longest
+    lm = SmeltHarnessLM.from_model(model, eval_data.tokenizer, eot, max_length=shortest - 1)
+    over, per_task = truncated(lm, res)
+    cut = set()
+    for t in tasks:
+        for s in res["samples"][t]:
+            for context, continuation in (a[:2] for a in s["arguments"]):
+                ctx, cont = lm._encode_pair(context, continuation)
+                if len(lm._window(ctx, cont)) < len(ctx) + len(cont) - 1:  # the window dropped context tokens
+                    cut.add((t, int(s["doc_id"])))
+    assert over == cut and 0 < len(cut) < 10
+    assert sum(c["truncated"] for c in per_task.values()) == len(cut)
+    assert {t: c["examples"] for t, c in per_task.items()} == {t: 5 for t in tasks}
+    kept = {(r["task"], r["doc_id"]) for r in harness_records(res, "m", 1, {(t, d): 1 for t in tasks
+                                                                           for d in samples[t]}, skip=over)}
+    assert kept == {(t, d) for t in tasks for d in samples[t]} - cut
+
+
+def results_dir(out: Path, k: str) -> Path:
+    return next((out / "harness").glob(f"*_k{k}"))
+
+
 def test_eval_harness_command_on_benchmark_tasks(tiny_export, tmp_path, capsys):
     """`smelt-ds eval EXPORT --harness ...` on benchmark tasks without --include-path: the
     harness's results per k, each task's split in its config, bpb in the comparison table."""
@@ -372,14 +417,24 @@ def test_eval_harness_command_on_benchmark_tasks(tiny_export, tmp_path, capsys):
     export = tiny_export[1]
     out = tmp_path / "evals"
     assert main(["eval", str(export), "--harness", "arc_easy_val,lambada_bpb,mbpp_bpb", "--num-fewshot", "0,5",
-                 "--limit", "2", "--no-plots", "-o", str(out)]) == 0
+                 "--samples-per-task", "2", "--no-plots", "-o", str(out)]) == 0
     report = json.loads((out / "harness.json").read_text())
+    (column,) = report["truncation"]
+    for k in ("0", "5"):  # every example's requests measured against the window
+        assert {t: c["examples"] for t, c in report["truncation"][column][k].items()} == {
+            "arc_easy_val": 2, "lambada_bpb": 2, "mbpp_bpb": 2}
+    strat = json.loads((out / "stratified.json").read_text())
+    assert {"code benchmarks", "prose benchmarks"} <= {c["task"] for c in strat["comparisons"]}
+    assert any("mbpp_bpb pooled" in n for n in strat["notes"])
     cells = {(r["num_fewshot"], r["task"], r["metric"]) for r in report["table"]}
     for k in ("0", "5"):
         assert {(k, "arc_easy_val", m) for m in ("acc", "acc_norm", "bpb")} <= cells
         assert {(k, "lambada_bpb", m) for m in ("acc", "perplexity", "bpb")} <= cells
         assert (k, "mbpp_bpb", "bpb") in cells
-        results = json.loads(next((out / "harness").glob(f"*_k{k}/results.json")).read_text())
+        results = json.loads((results_dir(out, k) / "results.json").read_text())
         assert results["configs"]["arc_easy_val"]["metadata"]["split"] == "validation"
         assert results["n-samples"]["mbpp_bpb"]["effective"] == 2
+        assert results["config"]["smelt_ds_samples_per_task"] == 2
+        docs = [json.loads(line)["doc_id"] for line in (results_dir(out, k) / "samples_arc_easy_val.jsonl").open()]
+        assert sorted(docs) == [0, 569]  # the first and the last document, not the first two
     assert "arc_easy_val" in capsys.readouterr().out

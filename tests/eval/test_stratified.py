@@ -16,8 +16,10 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.eval.stratified import (
     MAX_LENGTH_BUCKETS,
     MIN_BUCKET_EXAMPLES,
+    POOL_STRIDE,
     _rng_kwargs,
     plot_stratified,
+    pool_tasks,
     stratified_markdown,
     stratify,
     write_stratified,
@@ -62,6 +64,23 @@ def test_point_difference_is_the_hand_computed_mean_of_paired_differences():
     assert row["mean_baseline"] == float(np.mean(base[order]))
     assert row["n"] == 9 and row["better"] == "lower"
     assert row["low"] < row["difference"] < row["high"]
+
+
+def test_pooled_tasks_pair_within_each_task_and_weigh_every_example_the_same():
+    """Two tasks share doc ids 0-1: pooled, the four pairs stay apart (n = 4) and the difference
+    is the mean of the four paired differences, (1 + 1 + 0 + 2) / 4 = 1; the other metric and
+    the unlisted task are not pooled; the input records are unchanged."""
+    recs = (_pair([0, 0], [1, 1], task="a", metric="bpb") + _pair([5, 3], [5, 5], task="b", metric="bpb")
+            + _pair([0, 0], [9, 9], task="a", metric="acc") + _pair([0, 0], [9, 9], task="c", metric="bpb"))
+    before = json.dumps(recs)
+    pooled = pool_tasks(recs, {"pooled": ["a", "b"]}, "bpb")
+    assert json.dumps(recs) == before
+    assert sorted(r["doc_id"] for r in pooled if r["run"] == "base") == [0, 1, POOL_STRIDE, POOL_STRIDE + 1]
+    res = stratify(pooled, "base", n_resamples=200)
+    row = _only_row(res)
+    assert (row["task"], row["n"], row["difference"]) == ("pooled", 4, 1.0)
+    with pytest.raises(ConfigError, match="'a' .*also a task"):
+        pool_tasks(recs, {"a": ["b"]}, "bpb")
 
 
 def test_constant_shift_gives_a_point_interval_that_excludes_zero():
