@@ -54,6 +54,8 @@ class AttentionStats:
     top_m: int = 3
     sums: dict = field(default_factory=lambda: defaultdict(dict))
     rows: dict = field(default_factory=lambda: defaultdict(int))
+    #: Visit -> [(B,) first-token mass per window: the mean over its heads and query rows], per batch
+    window_first: dict = field(default_factory=lambda: defaultdict(list))
 
     def hook(self, visit: Visit, probs: torch.Tensor) -> None:
         """``probs_hook`` for ``SmeltLM.forward``: ``probs`` ``(B, Nq, S, P+S)`` with ``P = 0``."""
@@ -69,6 +71,7 @@ class AttentionStats:
         acc = self.sums[visit]
         for name, t in stats.items():
             acc[name] = acc.get(name, 0) + t.double().sum(dim=(0, 2))  # (Nq,)
+        self.window_first[visit].append(first.double().mean(dim=(1, 2)))  # (B,)
         received = p.double().sum(dim=(0, 2))  # (Nq, S)
         acc["received"] = acc["received"] + received if "received" in acc else received
         self.rows[visit] += p.shape[0] * p.shape[2]
@@ -95,9 +98,18 @@ class AttentionStats:
         return out
 
 
-def compare_visits(attn: dict, plan: list[Visit]) -> list[dict]:
+def compare_visits(attn: dict, plan: list[Visit], window_first: dict | None = None, seed: int = 0) -> list[dict]:
     """First vs later visits of each looped layer: per visit the head-mean ``first_mass``,
-    ``content_mass``, ``entropy``, and ``delta_*`` = last visit minus first visit."""
+    ``content_mass``, ``entropy``, and ``delta_*`` = last visit minus first visit.
+
+    With ``window_first`` (:attr:`AttentionStats.window_first`), ``delta_first_mass_interval`` is
+    the paired comparison over validation windows of the last visit's first-token mass with the
+    first visit's (:func:`smelt_ds.eval.stratified.paired_difference`: the mean of the per-window
+    differences, which equals ``delta_first_mass`` since every window has the same rows, and its
+    paired bootstrap 95% interval, BCa, seeded with ``seed``): whether the second visit's lower
+    sink is more than window-to-window noise."""
+    from smelt_ds.eval.stratified import paired_difference
+
     by_layer: dict[int, list[Visit]] = defaultdict(list)
     for v in plan:
         by_layer[v.layer].append(v)
@@ -111,6 +123,9 @@ def compare_visits(attn: dict, plan: list[Visit]) -> list[dict]:
             rec[name] = vals
             rec[f"delta_{name}"] = vals[-1] - vals[0]
             rec[f"{name}_per_head"] = [attn[_visit_key(v)][name] for v in visits]
+        if window_first is not None and all(window_first.get(v) for v in (visits[0], visits[-1])):
+            last, first = (torch.cat(window_first[v]).tolist() for v in (visits[-1], visits[0]))
+            rec["delta_first_mass_interval"] = paired_difference(last, first, seed=seed)
         out.append(rec)
     return out
 
@@ -124,9 +139,12 @@ class RoutingStats:
     changed: dict = field(default_factory=lambda: defaultdict(float))  # (layer, a, b) -> tokens changed
     kept: dict = field(default_factory=lambda: defaultdict(float))  # (layer, a, b) -> sum of kept shares
     pair_tokens: dict = field(default_factory=lambda: defaultdict(int))
+    #: (layer, a, b) -> [(B,) share of each window's tokens whose expert set changed], per batch
+    window_changed: dict = field(default_factory=lambda: defaultdict(list))
 
-    def add(self, recorder) -> None:
-        """Accumulate the routes of the last forward pass (``model.recorder.routes``)."""
+    def add(self, recorder, windows: int = 1) -> None:
+        """Accumulate the routes of the last forward pass (``model.recorder.routes``) of a batch of
+        ``windows`` sequences (its T routed tokens in row-major ``(windows, T / windows)`` order)."""
         for v, r in recorder.routes.items():
             E = r.logits_TE.shape[-1]
             c = torch.bincount(r.topk_idx_TK.reshape(-1), minlength=E).double()
@@ -139,7 +157,9 @@ class RoutingStats:
             a, b = r.topk_idx_TK, recorder.routes[nxt].topk_idx_TK
             key = (v.layer, v.visit, nxt.visit)
             sa, sb = a.sort(-1).values, b.sort(-1).values
-            self.changed[key] += float((sa != sb).any(-1).sum())
+            changed = (sa != sb).any(-1)  # (T,)
+            self.changed[key] += float(changed.sum())
+            self.window_changed[key].append(changed.double().view(windows, -1).mean(-1))
             kept = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).double().mean(-1)  # (T,) share of experts kept
             self.kept[key] += float(kept.sum())
             self.pair_tokens[key] += a.shape[0]
@@ -155,9 +175,19 @@ class RoutingStats:
                                      "load": share.tolist(), "load_max_over_mean": float(c.max() / c.mean())}
         div = [{"layer": pair[0], "visits": [pair[1], pair[2]],
                 "divergence": self.changed[pair] / self.pair_tokens[pair],
-                "overlap": self.kept[pair] / self.pair_tokens[pair], "tokens": self.pair_tokens[pair]}
+                "overlap": self.kept[pair] / self.pair_tokens[pair], "tokens": self.pair_tokens[pair],
+                "divergence_interval": self._interval(pair)}
                for pair in sorted(self.pair_tokens)]
         return {"visits": visits, "divergence": div}
+
+    def _interval(self, pair) -> dict:
+        """The mean over windows of the per-window divergence (= ``divergence``: windows have equal
+        tokens) with its bootstrap 95% interval (BCa; :func:`smelt_ds.eval.stratified.paired_difference`
+        against 0)."""
+        from smelt_ds.eval.stratified import paired_difference
+
+        values = torch.cat(self.window_changed[pair]).tolist()
+        return paired_difference(values, [0.0] * len(values))
 
 
 def loop_boundaries(schedule) -> list[dict]:
@@ -248,8 +278,9 @@ def analyze_model(model, batches: list[dict], top_m: int = 3) -> dict:
         out = lens.run(model, b["input_ids"], b["labels"], probs_hook=attn.hook)
         n = int((b["labels"] != -100).sum())
         nats, toks = nats + float(out.lm_loss) * n, toks + n
-        routing.add(model.recorder)
+        routing.add(model.recorder, windows=b["input_ids"].shape[0])
     plan = model.schedule.plan
     a = attn.result(plan)
-    return {"attention": a, "attention_visits": compare_visits(a, plan), "routing": routing.result(plan),
+    return {"attention": a, "attention_visits": compare_visits(a, plan, attn.window_first),
+            "routing": routing.result(plan),
             "logit_lens": lens.result(model.schedule), "lm_loss": nats / toks if toks else float("nan")}

@@ -161,12 +161,40 @@ def details_markdown(result: dict) -> list[str]:
             out.append(f"| {d} | {key} | {rec['mean']['first_mass']:.3f} | {rec['mean']['content_mass']:.3f} | "
                        f"{rec['mean']['entropy']:.3f} | " + (f"{route['load_max_over_mean']:.2f}" if route else "–")
                        + " | " + (f"{dv:.3f}" if dv is not None else "–") + f" | {lens[d]['loss']:.4f} |")
+        out += _visit_intervals(a)
         bounds = a["logit_lens"]["boundaries"]
         if bounds:
             out += ["", "Loop boundaries (early-exit candidates): " + "; ".join(
                 f"{b['label']} (depth {b['depth']}): loss {b['loss']:.4f}, +{b['loss_gap_to_final']:.4f} vs final, "
                 f"top-1 agrees with final on {b['agree_final']:.1%}" for b in bounds)]
         out.append("")
+    return out
+
+
+def _interval_text(iv: dict) -> str:
+    if iv.get("low") is None:
+        return f"{iv['difference']:+.4f} (no interval: {iv['interval']})"
+    return f"{iv['difference']:+.4f} [{iv['low']:+.4f}, {iv['high']:+.4f}]"
+
+
+def _visit_intervals(a: dict) -> list[str]:
+    """Per looped layer: last minus first visit's first-token mass and the routing divergence
+    between visits, each with its bootstrap 95% interval over validation windows."""
+    div = {d["layer"]: d for d in a["routing"]["divergence"] if d.get("divergence_interval")}
+    rows = [c for c in a["attention_visits"] if c.get("delta_first_mass_interval")]
+    if not rows:
+        return []
+    n = rows[0]["delta_first_mass_interval"]["n"]
+    out = ["", f"Looped layers, last visit vs first, over {n} validation windows (mean of the per-window values, "
+               "bootstrap 95% interval, BCa; the sink difference is paired by window):", "",
+           "| layer | first-token mass, first visit | last visit | Δ [95% interval] | "
+           "routing divergence [95% interval] |",
+           "|---|---|---|---|---|"]
+    for c in rows:
+        dv = div.get(c["layer"])
+        out.append(f"| {c['layer']} | {c['first_mass'][0]:.4f} | {c['first_mass'][-1]:.4f} | "
+                   f"{_interval_text(c['delta_first_mass_interval'])} | "
+                   + (_interval_text(dv["divergence_interval"]).lstrip("+") if dv else "–") + " |")
     return out
 
 

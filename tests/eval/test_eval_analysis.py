@@ -142,6 +142,14 @@ def test_random_model_statistics_equal_hand_computations(tiny_cfg):
         assert rec["entropy"] == pytest.approx(ent.tolist(), rel=1e-4)
         top3 = p[:, :, 1:].sort(-1, descending=True).values[..., :3].sum(-1).mean(dim=(0, 2))
         assert rec["top_mass"] == pytest.approx(top3.tolist(), rel=attn_rtol)
+    # the second visit's sink vs the first's, paired over the 6 windows (2 batches x 3 rows)
+    for c in res["attention_visits"]:
+        first_v, last_v = (torch.cat(probs[Visit(c["layer"], v)])[:, :, 1:, 0].double().mean(dim=(1, 2))
+                           for v in (c["visits"][0], c["visits"][-1]))
+        iv = c["delta_first_mass_interval"]
+        assert iv["n"] == 6 and iv["difference"] == pytest.approx(float((last_v - first_v).mean()), abs=1e-6)
+        assert iv["low"] <= iv["difference"] <= iv["high"]
+        assert iv["difference"] == pytest.approx(c["delta_first_mass"], abs=1e-6)
     # routing: expert load and divergence from the router's own inputs
     K, E = m.moe_cfg.top_k, m.moe_cfg.num_experts
     for layer, xs in router_in.items():
@@ -160,6 +168,12 @@ def test_random_model_statistics_equal_hand_computations(tiny_cfg):
             got = next(d for d in res["routing"]["divergence"] if d["layer"] == layer)
             assert got["divergence"] == pytest.approx(want) and 0 < want <= 1
             assert got["overlap"] == pytest.approx(kept)
+            # per window (rows of 20 tokens in batch order), the mean's bootstrap interval
+            from smelt_ds.eval.stratified import paired_difference
+
+            per_window = (a != b).any(-1).double().view(6, -1).mean(-1).tolist()
+            assert got["divergence_interval"] == paired_difference(per_window, [0.0] * 6)
+            assert got["divergence_interval"]["difference"] == pytest.approx(want)
     # logit lens: the last depth is the model's own loss; depth d runs the first d visits by hand
     lens = res["logit_lens"]["depths"]
     assert len(lens) == m.schedule.effective_depth + 1

@@ -94,6 +94,13 @@ def test_analyze_files_and_ranges(analysis_out):
     assert all(0 <= d["divergence"] <= 1 for d in smelt["routing"]["divergence"])
     assert [b["depth"] for b in smelt["logit_lens"]["boundaries"]] == [1, 3, 5]
     assert res["analysis"]["tiny-baseline"]["routing"]["divergence"] == []
+    # analysis.md: per looped layer the sink difference and divergence with their intervals, as in the JSON
+    md = (analysis_out / "analysis.md").read_text()
+    for c, d in zip(smelt["attention_visits"], smelt["routing"]["divergence"], strict=True):
+        iv, dv = c["delta_first_mass_interval"], d["divergence_interval"]
+        assert iv["n"] == dv["n"] == 2 * 2  # --batches 1 per domain x --micro-batch 2, two domains
+        cell = f"{iv['difference']:+.4f}" + ("" if iv["low"] is None else f" [{iv['low']:+.4f}, {iv['high']:+.4f}]")
+        assert f"| {c['layer']} | {c['first_mass'][0]:.4f} | {c['first_mass'][-1]:.4f} | {cell}" in md
     assert {"attention_sink.png", "routing.png", "logit_lens.png", "attention_heads_tiny-smelt.png",
             "routing_load_tiny-baseline.png"} <= set(res["figures"])
     _check_figures(analysis_out, res)
