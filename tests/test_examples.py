@@ -141,7 +141,7 @@ EXPENSIVE = {
     "smelt-ds eval fetch-benchmarks": f"{_BENCH}::test_fetch_rebuilds_the_same_files_atomically_and_once",
     "smelt-ds eval runs/tiny-baseline runs/tiny-smelt --harness smelt_benchmarks --num-fewshot 0,5 -o evals/benchmarks":
         f"{_BENCH}::test_eval_harness_command_on_benchmark_tasks",
-    "smelt-ds eval runs/tiny-smelt --harness arc_easy_val,hellaswag_val,mbpp_bpb --limit 200":
+    "smelt-ds eval runs/tiny-smelt --harness arc_easy_val,hellaswag_val,mbpp_bpb --samples-per-task 200":
         f"{_BENCH}::test_eval_harness_command_on_benchmark_tasks",
     # docs/huggingface.md
     "smelt-ds export runs/tiny-baseline --format hf -o hf/tiny-baseline":
