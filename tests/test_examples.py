@@ -154,6 +154,12 @@ EXPENSIVE = {
     "smelt-ds sweep recipes/sweeps/micro.yaml --steps-scale 0.05": _E2E_SWEEP,
     "smelt-ds sweep recipes/sweeps/ladder.yaml": _E2E_SWEEP,
     "smelt-ds scaling fit runs/sweeps/ladder -o docs/scaling-ladder": _LADDER_FIT,
+    # docs/results/ladder.md: the ladder's largest pair (item 3 of issue 28)
+    "smelt-ds eval runs/sweeps/ladder/baseline/h80-c3.2e13 runs/sweeps/ladder/smelt/h80-c3.2e13 --harness "
+    "smelt_benchmarks --num-fewshot 0,1,2,4,8 --samples-per-task 100 -o evals/ladder-h80":
+        f"{_BENCH}::test_eval_harness_command_on_benchmark_tasks",
+    "smelt-ds analyze runs/sweeps/ladder/baseline/h80-c3.2e13 runs/sweeps/ladder/smelt/h80-c3.2e13 --batches 16 "
+    "-o evals/ladder-h80-analysis": f"{_EVAL}::test_analyze_files_and_ranges",
     "smelt-ds scaling fit runs/sweeps/ladder-gpu -o docs/scaling-ladder-gpu": _LADDER_FIT,
     # docs/data.md
     "smelt-ds data builtin /tmp/corpus": "tests/data/test_builtin.py::test_cli_prints_documents_mb_and_hash",
