@@ -106,8 +106,8 @@ def compare_visits(attn: dict, plan: list[Visit], window_first: dict | None = No
     the paired comparison over validation windows of the last visit's first-token mass with the
     first visit's (:func:`smelt_ds.eval.stratified.paired_difference`: the mean of the per-window
     differences, which equals ``delta_first_mass`` since every window has the same rows, and its
-    paired bootstrap 95% interval, BCa, seeded with ``seed``): whether the second visit's lower
-    sink is more than window-to-window noise."""
+    paired bootstrap 95% interval, BCa, seeded with ``seed``): whether the second visit's
+    sink differs from the first's by more than window-to-window noise."""
     from smelt_ds.eval.stratified import paired_difference
 
     by_layer: dict[int, list[Visit]] = defaultdict(list)

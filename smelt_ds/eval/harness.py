@@ -709,6 +709,8 @@ def run_harness(lm: SmeltHarnessLM, tasks: list[str], include_path: str | None =
         raise ConfigError(f"`--limit` ({limit}) must be >= 1 examples per task")
     if limit is not None and samples is not None:
         raise ConfigError("`--limit` and `--samples-per-task` both choose the documents: pass one of them")
+    if samples is not None:  # lm-eval maps its 0..n-1 enumeration through the list: sorted, each document once
+        samples = {t: sorted(set(map(int, v))) for t, v in samples.items()}
     tm = task_manager(names, include_path)
     lm.seed = seed
     with _in_process_bootstrap():
@@ -749,13 +751,13 @@ def own_lengths(lm: SmeltHarnessLM, tasks: list[str], include_path: str | None =
     out: dict[tuple[str, int], int] = {}
     for name, task in loaded["tasks"].items():
         task.set_config(key="num_fewshot", value=0)
-        task.build_all_requests(limit=limit, samples=None if samples is None else samples.get(name), rank=0,
-                                world_size=1)
+        task.build_all_requests(limit=limit, samples=None if samples is None or samples.get(name) is None
+                                else sorted(set(map(int, samples[name]))), rank=0, world_size=1)
         first: dict[int, Any] = {}
         for inst in task.instances:
             if inst.doc_id not in first or inst.idx < first[inst.doc_id].idx:
                 first[inst.doc_id] = inst
-        chosen = None if samples is None else samples.get(name)
+        chosen = None if samples is None or samples.get(name) is None else sorted(set(map(int, samples[name])))
         for doc_id, inst in first.items():
             if chosen:  # lm-eval numbers the chosen documents 0..n-1 here and logs their own index
                 doc_id = chosen[doc_id]
@@ -984,9 +986,10 @@ def _truncation_markdown(truncation: dict[str, dict[str, dict]], names: list[str
         return []
     lines = ["Examples whose longest request (end-of-text + k examples + context + answer) exceeds the model's "
              "window, so that its context was cut from the left: truncated / examples (longest request in "
-             "tokens). The means above include them as the harness scored them; the stratified report leaves "
-             "them out.", "", "| task | k | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
-    for (task, k), cols in sorted(hit.items()):
+             "tokens; loglikelihood requests only). The means above include them as the harness scored them; "
+             "the stratified report leaves them out.", "",
+             "| task | k | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
+    for (task, k), cols in sorted(hit.items(), key=lambda kv: (kv[0][0], int(kv[0][1]) if kv[0][1].isdigit() else -1)):
         cells = [f"{cols[n]['truncated']} / {cols[n]['examples']} ({cols[n]['max_tokens']})" if n in cols else "n/a"
                  for n in names]
         lines.append(f"| {task} | {k} | " + " | ".join(cells) + " |")

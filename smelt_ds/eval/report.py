@@ -171,16 +171,18 @@ def details_markdown(result: dict) -> list[str]:
     return out
 
 
-def _interval_text(iv: dict) -> str:
+def _interval_text(iv: dict, sign: str = "+") -> str:
+    f = f"{sign}.4f"
     if iv.get("low") is None:
-        return f"{iv['difference']:+.4f} (no interval: {iv['interval']})"
-    return f"{iv['difference']:+.4f} [{iv['low']:+.4f}, {iv['high']:+.4f}]"
+        return f"{iv['difference']:{f}} (no interval: {iv['interval']})"
+    return f"{iv['difference']:{f}} [{iv['low']:{f}}, {iv['high']:{f}}]"
 
 
 def _visit_intervals(a: dict) -> list[str]:
     """Per looped layer: last minus first visit's first-token mass and the routing divergence
     between visits, each with its bootstrap 95% interval over validation windows."""
-    div = {d["layer"]: d for d in a["routing"]["divergence"] if d.get("divergence_interval")}
+    # the first pair of visits (0 -> 1) of each layer; later pairs (3 or more repeats) are in the per-visit table
+    div = {d["layer"]: d for d in a["routing"]["divergence"] if d.get("divergence_interval") and d["visits"][0] == 0}
     rows = [c for c in a["attention_visits"] if c.get("delta_first_mass_interval")]
     if not rows:
         return []
@@ -188,13 +190,13 @@ def _visit_intervals(a: dict) -> list[str]:
     out = ["", f"Looped layers, last visit vs first, over {n} validation windows (mean of the per-window values, "
                "bootstrap 95% interval, BCa; the sink difference is paired by window):", "",
            "| layer | first-token mass, first visit | last visit | Δ [95% interval] | "
-           "routing divergence [95% interval] |",
+           "routing divergence, visit 0 to 1 [95% interval] |",
            "|---|---|---|---|---|"]
     for c in rows:
         dv = div.get(c["layer"])
         out.append(f"| {c['layer']} | {c['first_mass'][0]:.4f} | {c['first_mass'][-1]:.4f} | "
                    f"{_interval_text(c['delta_first_mass_interval'])} | "
-                   + (_interval_text(dv["divergence_interval"]).lstrip("+") if dv else "–") + " |")
+                   + (_interval_text(dv["divergence_interval"], sign="") if dv else "–") + " |")
     return out
 
 

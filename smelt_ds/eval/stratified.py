@@ -112,7 +112,7 @@ def pool_tasks(records, groups: dict[str, list[str]], metric: str) -> list[dict]
                 continue
             if r["doc_id"] >= POOL_STRIDE:
                 raise ConfigError(f"doc_id {r['doc_id']} of task {r['task']!r} is >= {POOL_STRIDE:,}: pooled ids "
-                                  "would collide; pool fewer documents")
+                                  "would collide; raise smelt_ds.eval.stratified.POOL_STRIDE above the largest doc_id")
             out.append({**r, "task": name, "doc_id": index[r["task"]] * POOL_STRIDE + r["doc_id"]})
     return out
 

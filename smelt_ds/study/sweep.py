@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import fnmatch
 import json
 import os
@@ -83,9 +84,9 @@ from smelt_ds.train.loop import launcher_command, train
 from smelt_ds.train.metrics import PEAK_TFLOPS, device_peak_tflops
 
 __all__ = ["SweepConfig", "SweepSize", "SweepBudget", "SweepArchitecture", "SweepLaunch", "load_sweep",
-           "PlannedRun", "SweepPlan", "plan_sweep", "materialize", "run_status", "run_local", "render_slurm",
-           "render_k8s", "plan_table", "RunEstimate", "measured_tokens_per_s", "estimate_runs", "estimate_summary",
-           "format_duration", "ASSUMED_MFU", "CPU_FLOPS_PER_CORE"]
+           "PlannedRun", "SweepPlan", "plan_sweep", "materialize", "run_status", "select_runs", "run_local",
+           "render_slurm", "render_k8s", "plan_table", "RunEstimate", "measured_tokens_per_s", "estimate_runs",
+           "estimate_summary", "format_duration", "ASSUMED_MFU", "CPU_FLOPS_PER_CORE"]
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"
 LABEL_FILE = "sweep_run.json"
@@ -270,6 +271,8 @@ class SweepPlan:
     output_dir: Path
     runs: list[PlannedRun]
     notes: list[str] = field(default_factory=list)
+    #: every run of the sweep when ``runs`` is a selection (:func:`select_runs`), else None
+    all_runs: list[PlannedRun] | None = None
 
 
 def _size_baseline(sweep: SweepConfig, source: Path, i: int, overrides: list[str]) -> dict[str, Any]:
@@ -683,7 +686,8 @@ def estimate_summary(plan: SweepPlan, estimates: list[RunEstimate], mfu: float =
 def materialize(plan: SweepPlan) -> None:
     """Write every run's recipe (``<output_dir>/recipes/<run>.yaml``), its label
     (``<run_dir>/sweep_run.json``: architecture, size, budget, planned steps and tokens) and
-    ``<output_dir>/sweep_plan.json``. Raises ConfigError when a run directory holds another run."""
+    ``<output_dir>/sweep_plan.json`` (every run of the sweep, also for a selection). Raises
+    ConfigError when a run directory holds another run."""
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     (plan.output_dir / "recipes").mkdir(exist_ok=True)
     for r in plan.runs:
@@ -698,7 +702,7 @@ def materialize(plan: SweepPlan) -> None:
     (plan.output_dir / "sweep_plan.json").write_text(json.dumps(
         {"sweep": plan.sweep.model_dump(mode="json"), "source": str(plan.source),
          "runs": [{**r.label(plan.sweep.name), "run_dir": str(r.run_dir), "recipe": str(r.recipe_path)}
-                  for r in plan.runs], "notes": plan.notes}, indent=1))
+                  for r in plan.all_runs or plan.runs], "notes": plan.notes}, indent=1))
 
 
 # fields that do not change what a run computes: the cluster layouts, this invocation's stop step
@@ -779,11 +783,26 @@ def _train_inprocess(r: PlannedRun, resume: str) -> tuple[int, bool]:
     return 0, res.stopped_early
 
 
+def select_runs(plan: SweepPlan, only: list[str] | None) -> SweepPlan:
+    """The plan with only the runs whose name matches one of the shell patterns ``only`` (all runs
+    for None or []), in plan order. Raises ConfigError naming a pattern that matches no run."""
+    if not only:
+        return plan
+    names = [r.name for r in plan.runs]
+    for pattern in only:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ConfigError(f"--only {pattern!r} matches no run of sweep {plan.sweep.name}: the runs are "
+                              f"named <architecture>-<size>-<budget>[-s<seed>], e.g. {names[0]!r} "
+                              "(`--dry-run` lists them)")
+    return dataclasses.replace(plan, runs=[r for r in plan.runs if any(fnmatch.fnmatchcase(r.name, p) for p in only)],
+                               all_runs=plan.all_runs or plan.runs)
+
+
 def run_local(plan: SweepPlan, limit: int | None = None, executor: str = "subprocess", nproc: int = 1,
               log: Callable[[str], None] = print, only: list[str] | None = None) -> list[RunOutcome]:
     """Train the plan's runs one after another: finished runs are skipped, interrupted ones resume
     from their newest complete checkpoint. ``limit``: train at most this many runs now. ``only``:
-    shell patterns of run names (e.g. ``*-h80-c3.2e13-*``); the runs matching none are left for later
+    shell patterns of run names (e.g. ``*-h80-c3.2e13``); the runs matching none are left for later
     (not trained, not listed as outcomes); ConfigError when a pattern matches no run.
     ``executor``: ``subprocess`` (``python -m smelt_ds.train`` per run, output to
     ``<run_dir>/train.log``; ``deepspeed`` launcher with ``nproc`` > 1) or ``inprocess``
@@ -792,15 +811,7 @@ def run_local(plan: SweepPlan, limit: int | None = None, executor: str = "subpro
 
     if executor not in ("subprocess", "inprocess"):
         raise ConfigError(f"--executor {executor!r} is unknown: use 'subprocess' or 'inprocess'")
-    runs = plan.runs
-    if only:
-        names = [r.name for r in plan.runs]
-        for pattern in only:
-            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                raise ConfigError(f"--only {pattern!r} matches no run of sweep {plan.sweep.name}: the runs are "
-                                  f"named <architecture>-<size>-<budget>[-s<seed>], e.g. {names[0]!r} "
-                                  "(`--dry-run` lists them)")
-        runs = [r for r in plan.runs if any(fnmatch.fnmatchcase(r.name, p) for p in only)]
+    runs = select_runs(plan, only).runs
     materialize(plan)
     check_data_passes(plan, prepare=True)
     outcomes: list[RunOutcome] = []
@@ -968,8 +979,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--limit", type=int, default=None,
                    help="train at most this many unfinished runs now (default: all)")
     s.add_argument("--only", action="append", default=None, metavar="PATTERN",
-                   help="train only the runs whose name matches this shell pattern (repeatable), e.g. "
-                        "--only 'smelt-h80-*'; the others stay for a later call (default: every run)")
+                   help="only the runs whose name matches this shell pattern (repeatable), e.g. --only 'smelt-h80-*': "
+                        "trained, listed by --dry-run, rendered by --render; the others stay for a later call "
+                        "(default: every run)")
     s.add_argument("--steps-scale", type=float, default=1.0,
                    help="multiply every run's steps and warmup (quick checks; writes to <output_dir>-x<F> "
                         "unless --output-dir is given; default 1)")
@@ -1011,18 +1023,19 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 0:
         raise ConfigError(f"--limit ({args.limit}) must be >= 0")
     plan = _plan(args)
-    print(plan_table(plan, estimate_runs(plan, nproc=args.nproc, mfu=args.mfu), args.mfu))
+    shown = select_runs(plan, args.only)  # --only: the table, the estimate and the rendered jobs of those runs
+    print(plan_table(shown, estimate_runs(shown, nproc=args.nproc, mfu=args.mfu), args.mfu))
     if args.dry_run or args.render:
-        for note in check_data_passes(plan):
+        for note in check_data_passes(shown):
             print(f"note: {note}")
     if args.dry_run:
         return 0
     if args.render:
         written = []
         if args.render in ("slurm", "all"):
-            written += render_slurm(plan)
+            written += render_slurm(shown)
         if args.render in ("k8s", "all"):
-            written += render_k8s(plan)
+            written += render_k8s(shown)
         for p in written:
             print(f"wrote {p}")
         if args.render in ("slurm", "all"):

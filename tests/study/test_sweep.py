@@ -151,6 +151,23 @@ def test_only_trains_the_runs_it_names_and_a_pattern_matching_none_is_refused(tm
     assert len(expected) == 5  # smelt-h128 at 3 budgets, both architectures of h64 at d1
     with pytest.raises(ConfigError, match=r"--only 'smelt-h96-\*' matches no run .*--dry-run"):
         run_local(plan, only=["smelt-h96-*"], log=lambda s: None)
+    assert len(json.loads((plan.output_dir / "sweep_plan.json").read_text())["runs"]) == 12  # the whole sweep
+
+
+def test_only_selects_the_runs_of_dry_run_and_render(tmp_path, capsys):
+    """``--only`` with ``--dry-run`` lists only the matching runs, with ``--render`` writes only
+    their jobs; a pattern that matches nothing fails there too."""
+    from smelt_ds.cli import main
+
+    path = _sweep(tmp_path)
+    assert main(["sweep", str(path), "--dry-run", "--only", "smelt-h128-*"]) == 0
+    out = capsys.readouterr().out
+    assert "smelt-h128-d1" in out and "baseline-h128-d1" not in out and "smelt-h64-d1" not in out
+    assert main(["sweep", str(path), "--render", "k8s", "--only", "*-h64-d1"]) == 0
+    jobs = sorted(p.name for p in (tmp_path / "out" / "launch" / "k8s").rglob("*.yaml"))
+    assert len(jobs) == 2 and all("h64-d1" in j for j in jobs), jobs
+    assert main(["sweep", str(path), "--dry-run", "--only", "nothing"]) == 2
+    assert "--only 'nothing' matches no run" in capsys.readouterr().err
 
 
 def test_cli_dry_run_and_steps_scale(tmp_path, capsys):
