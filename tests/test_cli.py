@@ -154,6 +154,7 @@ _TWICE: dict[tuple[tuple[str, ...], str], tuple[str, str, object]] = {
     (("memory",), "--options"): ("zero1", "zero3", "zero1,zero3"),
     (("memory",), "--policies"): ("none", "full,looped", "none,full,looped"),
     (("scaling", "fit"), "--c-range"): ("1.5 2.5", "3.5 4.5", None),
+    (("sweep",), "--only"): ("smelt-*", "*-h64-*", ["smelt-*", "*-h64-*"]),
     (("render-job",), "--env"): ("A=1", "B=2", ["A=1", "B=2"]),
     (("render-job",), "--sbatch"): ("--qos=high", "--mem=0", ["--qos=high", "--mem=0"]),
 }

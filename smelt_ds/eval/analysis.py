@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from smelt_ds.eval.stratified import paired_difference
 from smelt_ds.model.looping import Visit
 
 __all__ = ["AttentionStats", "RoutingStats", "LogitLens", "loop_boundaries", "analyze_model"]
@@ -108,7 +109,6 @@ def compare_visits(attn: dict, plan: list[Visit], window_first: dict | None = No
     differences, which equals ``delta_first_mass`` since every window has the same rows, and its
     paired bootstrap 95% interval, BCa, seeded with ``seed``): whether the second visit's
     sink differs from the first's by more than window-to-window noise."""
-    from smelt_ds.eval.stratified import paired_difference
 
     by_layer: dict[int, list[Visit]] = defaultdict(list)
     for v in plan:
@@ -184,8 +184,6 @@ class RoutingStats:
         """The mean over windows of the per-window divergence (= ``divergence``: windows have equal
         tokens) with its bootstrap 95% interval (BCa; :func:`smelt_ds.eval.stratified.paired_difference`
         against 0)."""
-        from smelt_ds.eval.stratified import paired_difference
-
         values = torch.cat(self.window_changed[pair]).tolist()
         return paired_difference(values, [0.0] * len(values))
 
