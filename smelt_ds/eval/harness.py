@@ -709,8 +709,7 @@ def run_harness(lm: SmeltHarnessLM, tasks: list[str], include_path: str | None =
         raise ConfigError(f"`--limit` ({limit}) must be >= 1 examples per task")
     if limit is not None and samples is not None:
         raise ConfigError("`--limit` and `--samples-per-task` both choose the documents: pass one of them")
-    if samples is not None:  # lm-eval maps its 0..n-1 enumeration through the list: sorted, each document once
-        samples = {t: sorted(set(map(int, v))) for t, v in samples.items()}
+    samples = _sorted_samples(samples)
     tm = task_manager(names, include_path)
     lm.seed = seed
     with _in_process_bootstrap():
@@ -748,16 +747,16 @@ def own_lengths(lm: SmeltHarnessLM, tasks: list[str], include_path: str | None =
     :meth:`SmeltHarnessLM.tok_encode`). ``limit`` / ``samples``: the documents, as :func:`run_harness`."""
     tm = task_manager(_check_tasks(tasks), include_path)
     loaded = tm.load(_check_tasks(tasks))
+    samples = _sorted_samples(samples)
     out: dict[tuple[str, int], int] = {}
     for name, task in loaded["tasks"].items():
         task.set_config(key="num_fewshot", value=0)
-        task.build_all_requests(limit=limit, samples=None if samples is None or samples.get(name) is None
-                                else sorted(set(map(int, samples[name]))), rank=0, world_size=1)
+        chosen = None if samples is None else samples.get(name)
+        task.build_all_requests(limit=limit, samples=chosen, rank=0, world_size=1)
         first: dict[int, Any] = {}
         for inst in task.instances:
             if inst.doc_id not in first or inst.idx < first[inst.doc_id].idx:
                 first[inst.doc_id] = inst
-        chosen = None if samples is None or samples.get(name) is None else sorted(set(map(int, samples[name])))
         for doc_id, inst in first.items():
             if chosen:  # lm-eval numbers the chosen documents 0..n-1 here and logs their own index
                 doc_id = chosen[doc_id]
@@ -767,6 +766,11 @@ def own_lengths(lm: SmeltHarnessLM, tasks: list[str], include_path: str | None =
                 text = inst.args[0]
             out[(name, int(doc_id))] = len(lm.tok_encode(text))
     return out
+
+
+def _sorted_samples(samples: dict[str, list[int]] | None) -> dict[str, list[int]] | None:
+    """lm-eval maps its 0..n-1 enumeration through each list: sorted, each document once."""
+    return None if samples is None else {t: sorted(set(map(int, v))) for t, v in samples.items()}
 
 
 def spread_samples(tasks: list[str], n: int, include_path: str | None = None) -> dict[str, list[int]]:
