@@ -267,6 +267,9 @@ def run_fit(args: argparse.Namespace) -> int:
             ci = f" [{pr['ci95'][0]:+.4f}, {pr['ci95'][1]:+.4f}], p={pr['p_value']:.3g}" if pr["ci95"] else ""
             line += (f"; paired runs vs {res['baseline']}: mean loss delta {pr['mean_delta']:+.4f}{ci} "
                      f"over {pr['n_pairs']} pairs")
+        ident = a.get("identification")
+        if ident:
+            line += "; identified" if ident["identified"] else "; NOT identified: " + "; ".join(ident["shortfalls"])
         print(line)
     for path in written.values():
         print(f"wrote {path}")

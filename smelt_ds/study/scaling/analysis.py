@@ -20,6 +20,7 @@ from smelt_ds.study.scaling.frontier import (
     envelope_savings,
     isoflop_profiles,
 )
+from smelt_ds.study.scaling.identify import identification
 from smelt_ds.study.scaling.law import PARAM_NAMES, FlopsModel, fit_flops_model
 
 __all__ = ["analyse", "paired_comparison", "replicate_spread"]
@@ -90,11 +91,13 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
         opt = compute_optimal(fit.law, fms[arch], C_grid)
         flo, fhi = percentile_interval(b.get("frontier"))
         pred = fit.law([p.N for p in pts], [p.D for p in pts])
+        params_ci95 = ({n: [float(plo[i]), float(phi[i])] for i, n in enumerate(PARAM_NAMES)}
+                       if plo is not None and phi is not None else None)
+        isoflop = isoflop_profiles(pts)
+        params_boot = b.get("params")
         archs[arch] = {
             "n_runs": len(pts), "params": fit.law.as_dict(), "objective": fit.objective,
-            "at_bound": fit.at_bound, "converged": fit.converged,
-            "params_ci95": ({n: [float(plo[i]), float(phi[i])] for i, n in enumerate(PARAM_NAMES)}
-                            if plo is not None and phi is not None else None),
+            "at_bound": fit.at_bound, "converged": fit.converged, "params_ci95": params_ci95,
             "rmse_log_loss": float(np.sqrt(np.mean((np.log(pred) - np.log([p.loss for p in pts])) ** 2))),
             "flops_per_token": {"f0": fms[arch].f0, "fh": fms[arch].fh, "f1": fms[arch].f1,
                                 "max_rel_residual": fms[arch].max_rel_residual},
@@ -102,7 +105,9 @@ def analyse(points: list[RunPoint], excluded: list[Exclusion] | None = None, bas
             "frontier_ci95": [flo.tolist(), fhi.tolist()] if flo is not None and fhi is not None else None,
             "bootstrap_samples": int(len(b.get("params", []))), "bootstrap_failed": int(b.get("failed", 0)),
             "envelope": [_point_dict(p) for p in envelope(pts)],
-            "isoflop": isoflop_profiles(pts),
+            "isoflop": isoflop,
+            "identification": identification(fit, fms[arch], pts, params_ci95, isoflop, e_samples=(
+                params_boot[:, PARAM_NAMES.index("E")] if params_boot is not None and len(params_boot) else None)),
             "replicates": replicate_spread(runs_by_arch[arch]),
         }
         if arch != base and base is not None:

@@ -111,6 +111,49 @@ def _markdown_fits(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _markdown_identification(res: dict[str, Any]) -> list[str]:
+    """## Identification: the three checks of :func:`~smelt_ds.study.scaling.identify.identification`
+    per architecture, N_opt per IsoFLOP budget by Approach 3 (the law) and Approach 2 (the parabola),
+    and what each unidentified fit lacks."""
+    archs = {a: v["identification"] for a, v in res["architectures"].items() if v.get("identification")}
+    if not archs:
+        return []
+    one = next(iter(archs.values()))
+    lines = ["", "## Identification", "",
+             f"A law counts as identified when `E` is off the optimiser's bound, each exponent's 95% bootstrap "
+             f"interval lies within +-{one['rel']:.0%} of its estimate, and the frontier's `N_opt` lies inside the "
+             f"sizes run at {one['min_budgets']} or more of the sweep's IsoFLOP budgets "
+             "(`smelt_ds/study/scaling/identify.py`).", "",
+             "| architecture | identified | E off bound (resamples on bound) | alpha: 95% interval vs estimate "
+             "| beta: 95% interval vs estimate | budgets with N_opt inside the sizes |",
+             "|---|---|---|---|---|---|"]
+    for arch, ident in archs.items():
+        share = "" if ident["E_bound_share"] is None else f" ({ident['E_bound_share']:.0%})"
+        cells = []
+        for name in ("alpha", "beta"):
+            e = ident["exponents"][name]
+            cells.append("n/a" if e["ci95_rel"] is None else
+                         f"{e['estimate']:.3g}: {e['ci95_rel'][0]:+.0%} / {e['ci95_rel'][1]:+.0%}"
+                         + ("" if e["within"] else " (too wide)"))
+        lines.append(f"| {arch} | {'yes' if ident['identified'] else '**no**'} | "
+                     f"{'yes' if ident['E_off_bound'] else 'no'}{share} | {cells[0]} | {cells[1]} | "
+                     f"{ident['budgets_inside']} of {len(ident['budgets'])} |")
+    rows = [(arch, b) for arch, ident in archs.items() for b in ident["budgets"]]
+    if rows:
+        lines += ["", "N_opt (non-embedding parameters) at each IsoFLOP budget: Approach 3 (the fitted law's "
+                  "frontier) vs Approach 2 (the parabola in log N through the budget's runs; n/a: no interior "
+                  "minimum).", "", "| architecture | C (FLOPs) | N_opt, law | N_opt, IsoFLOP parabola | sizes run "
+                  "| law's N_opt inside |", "|---|---:|---:|---:|---|---|"]
+        for arch, b in rows:
+            lo, hi = archs[arch]["N_range"]
+            lines.append(f"| {arch} | {b['C']:.3g} | {_number_text(b['N_opt'])} | {_number_text(b['N_opt_isoflop'])} "
+                         f"| {lo:.3g}-{hi:.3g} | {'yes' if b['inside'] else 'no'} |")
+    short = [(arch, ident["shortfalls"]) for arch, ident in archs.items() if ident["shortfalls"]]
+    if short:
+        lines += [""] + [f"- {arch}, not identified: " + "; ".join(s) for arch, s in short]
+    return lines
+
+
 def _table_rows(C: list[float]) -> list[int]:
     """Indices of the (at most 7, evenly spread) compute levels shown in the tables."""
     return sorted(set(np.linspace(0, len(C) - 1, min(len(C), 7)).round().astype(int).tolist()))
@@ -215,7 +258,8 @@ def _markdown_figures(figures: dict[str, str]) -> list[str]:
 
 def report_markdown(res: dict[str, Any], figures: dict[str, str]) -> str:
     """The markdown report of :func:`analyse`'s result, one section after another."""
-    sections = [_markdown_header(res), _markdown_runs(res), _markdown_fits(res), _markdown_frontier(res),
+    sections = [_markdown_header(res), _markdown_runs(res), _markdown_fits(res),
+                _markdown_identification(res), _markdown_frontier(res),
                 _markdown_savings(res),
                 _markdown_paired(res), _markdown_envelope(res), _markdown_figures(figures)]
     return "\n".join(line for lines in sections for line in lines) + "\n"

@@ -20,7 +20,8 @@ def test_markdown_report_has_every_section_heading_in_order():
     res = analyse(pts, n_bootstrap=0, n_starts=4)
     md = report_markdown(res, {"loss vs training FLOPs": "scaling_loss_vs_flops.png"})
     headings = [line for line in md.splitlines() if line.startswith("#")]
-    assert headings == ["# Scaling laws per architecture", "## Runs", "## Fits", "## Compute-optimal frontier",
+    assert headings == ["# Scaling laws per architecture", "## Runs", "## Fits", "## Identification",
+                        "## Compute-optimal frontier",
                         "## Training FLOPs saved vs baseline",
                         "## Paired runs: each architecture vs baseline at the same size and budget (no fit)",
                         "## Envelope and IsoFLOP profiles", "## Figures"]
@@ -28,5 +29,5 @@ def test_markdown_report_has_every_section_heading_in_order():
     # one architecture, no figures: the savings, paired and figure sections are left out, the rest stay in order
     md1 = report_markdown(analyse(pts[:9], n_bootstrap=0, n_starts=4), {})
     assert [line for line in md1.splitlines() if line.startswith("#")] == [
-        "# Scaling laws per architecture", "## Runs", "## Fits", "## Compute-optimal frontier",
+        "# Scaling laws per architecture", "## Runs", "## Fits", "## Identification", "## Compute-optimal frontier",
         "## Envelope and IsoFLOP profiles"]
