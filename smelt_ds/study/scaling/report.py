@@ -122,19 +122,24 @@ def _markdown_identification(res: dict[str, Any]) -> list[str]:
     lines = ["", "## Identification", "",
              f"A law counts as identified when `E` is off the optimiser's bound, each exponent's 95% bootstrap "
              f"interval lies within +-{one['rel']:.0%} of its estimate, and the frontier's `N_opt` lies inside the "
-             f"sizes run at {one['min_budgets']} or more of the sweep's IsoFLOP budgets "
+             f"sizes run at that budget for {one['min_budgets']} or more of the sweep's IsoFLOP budgets "
              "(`smelt_ds/study/scaling/identify.py`).", "",
-             "| architecture | identified | E off bound (resamples on bound) | alpha: 95% interval vs estimate "
-             "| beta: 95% interval vs estimate | budgets with N_opt inside the sizes |",
+             "| architecture | identified | E off bound (share of resamples on a bound) "
+             "| alpha: 95% interval vs estimate | beta: 95% interval vs estimate "
+             "| budgets with N_opt inside their sizes |",
              "|---|---|---|---|---|---|"]
     for arch, ident in archs.items():
         share = "" if ident["E_bound_share"] is None else f" ({ident['E_bound_share']:.0%})"
         cells = []
         for name in ("alpha", "beta"):
             e = ident["exponents"][name]
-            cells.append("n/a" if e["ci95_rel"] is None else
-                         f"{e['estimate']:.3g}: {e['ci95_rel'][0]:+.0%} / {e['ci95_rel'][1]:+.0%}"
-                         + ("" if e["within"] else " (too wide)"))
+            if e["on_bound"]:
+                cells.append(f"{e['estimate']:.3g}: on the optimiser's bound")
+            elif e["ci95_rel"] is None:
+                cells.append(f"{e['estimate']:.3g}: n/a (no bootstrap)")
+            else:
+                cells.append(f"{e['estimate']:.3g}: {e['ci95_rel'][0]:+.0%} / {e['ci95_rel'][1]:+.0%}"
+                             + ("" if e["within"] else " (too wide)"))
         lines.append(f"| {arch} | {'yes' if ident['identified'] else '**no**'} | "
                      f"{'yes' if ident['E_off_bound'] else 'no'}{share} | {cells[0]} | {cells[1]} | "
                      f"{ident['budgets_inside']} of {len(ident['budgets'])} |")
@@ -143,9 +148,9 @@ def _markdown_identification(res: dict[str, Any]) -> list[str]:
         lines += ["", "N_opt (non-embedding parameters) at each IsoFLOP budget: Approach 3 (the fitted law's "
                   "frontier) vs Approach 2 (the parabola in log N through the budget's runs; n/a: no interior "
                   "minimum).", "", "| architecture | C (FLOPs) | N_opt, law | N_opt, IsoFLOP parabola | sizes run "
-                  "| law's N_opt inside |", "|---|---:|---:|---:|---|---|"]
+                  "| law's N_opt inside them |", "|---|---:|---:|---:|---|---|"]
         for arch, b in rows:
-            lo, hi = archs[arch]["N_range"]
+            lo, hi = b["N_range"]
             lines.append(f"| {arch} | {b['C']:.3g} | {_number_text(b['N_opt'])} | {_number_text(b['N_opt_isoflop'])} "
                          f"| {lo:.3g}-{hi:.3g} | {'yes' if b['inside'] else 'no'} |")
     short = [(arch, ident["shortfalls"]) for arch, ident in archs.items() if ident["shortfalls"]]

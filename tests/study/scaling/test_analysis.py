@@ -83,6 +83,11 @@ def test_fit_cli_on_synthetic_runs_reproduces_the_closed_form_saving(tmp_path, c
     assert (out / "scaling_paired.png").is_file()
     assert f"paired runs vs baseline: mean loss delta {pr['mean_delta']:+.4f} [" in printed
     assert "over 25 pairs" in printed
+    for arch, a in res["architectures"].items():  # the summary line ends with the identification verdict
+        line = next(x for x in printed.splitlines() if x.startswith(f"{arch}: "))
+        ident = a["identification"]
+        assert line.endswith("; identified") if ident["identified"] else \
+            line.endswith("; NOT identified: " + "; ".join(ident["shortfalls"]))
     assert (out / "scaling_savings.png").is_file() and (out / "scaling_loss_vs_flops.png").is_file()
 
 
