@@ -254,16 +254,26 @@ class TrainLoader:
         return {"version": _STATE_VERSION, "epoch": self.epoch,
                 "consumed_samples": self.step * self.global_batch, "seed": self.seed, "seq_len": self.seq_len,
                 "num_windows": self.num_windows, "prepared_key": self.prepared.key,
+                "train_digest": self.prepared.train_digest,
                 "dp_world_size": self.dp_world_size, "micro_batch_size": self.micro_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state``. Raises ConfigError if the seed, seq_len or data differ, or if the
-        consumed samples are not a whole number of this loader's global micro-batches."""
+        """Resume at ``state``. Raises ConfigError if the seed, seq_len or data differ (the preparation
+        key, or the train split's content: :attr:`PreparedData.train_digest`), or if the consumed
+        samples are not a whole number of this loader's global micro-batches."""
         for name, mine in (("seed", self.seed), ("seq_len", self.seq_len), ("num_windows", self.num_windows),
                            ("prepared_key", self.prepared.key)):
             if state.get(name) != mine:
                 raise ConfigError(f"loader state: {name} {state.get(name)!r} (checkpoint) != {mine!r} (this run): "
                                   f"resume with the same {name}, or start the data order afresh")
+        recorded = state.get("train_digest")  # absent in checkpoints written before it was recorded
+        if recorded is not None and recorded != self.prepared.train_digest:
+            raise ConfigError(f"loader state: the train split of {str(self.prepared.root)!r} changed since the "
+                              f"checkpoint (train data digest {recorded} (checkpoint) != {self.prepared.train_digest} "
+                              "(now): it was prepared again under the same key, e.g. after a token file changed in "
+                              "place), so the resumed run would read other documents at the same positions: restore "
+                              "the files it was prepared from, or start a new run from this checkpoint's weights "
+                              "(train.init_from)")
         consumed = int(state["consumed_samples"])
         if consumed % self.global_batch:
             raise ConfigError(f"loader state: {consumed} samples consumed is not a multiple of the global "

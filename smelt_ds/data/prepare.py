@@ -468,6 +468,16 @@ class PreparedData:
         return self.meta["tokenizer"]["sha256"]
 
     @property
+    def train_digest(self) -> str:
+        """SHA-256 (hex, 16 characters) of what the train split holds: each train shard's file,
+        token count and sha256, and the user token files it reads (``token_files``: path, size,
+        modification time, sampled sha256). A preparation rebuilt under the same key (a token file
+        changed in place) has another digest; the creation time and library versions are not in it."""
+        shards = [[s["file"], s["tokens"], s.get("sha256"), s.get("stream"), s.get("offset")]
+                  for s in self.meta["shards"] if s["split"] == "train"]
+        return sha256_json([shards, self.meta.get("token_files", [])])[:16]
+
+    @property
     def vocab_size(self) -> int:
         """Vocabulary size of the tokenizer (tokens)."""
         return self.meta["tokenizer"]["vocab_size"]

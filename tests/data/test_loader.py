@@ -131,6 +131,34 @@ def test_resume_refuses_other_seed_or_data(two_domains, builtin_prepared):
         TrainLoader(two_domains, S, B, seed=1, dp_rank=0, dp_world_size=2).load_state_dict(state)
 
 
+def test_train_digest_changes_with_the_train_split_only(two_domains):
+    """What a resume checks (loader state ``train_digest``): a train shard's sha256 or a user token
+    file's sampled sha256 changes it; a validation shard, the creation record or the library
+    versions do not (a rebuild of the same data resumes)."""
+
+    def digest(edit) -> str:
+        meta = copy.deepcopy(two_domains.meta)
+        edit(meta)
+        return PreparedData(two_domains.root, meta).train_digest
+
+    base = two_domains.train_digest
+    train = next(i for i, sh in enumerate(two_domains.meta["shards"]) if sh["split"] == "train")
+    val = next(i for i, sh in enumerate(two_domains.meta["shards"]) if sh["split"] == "validation")
+    assert digest(lambda m: m["shards"][train].update(sha256="0" * 64)) != base
+    assert digest(lambda m: m.update(token_files=[{"path": "/d/m.bin", "sample_sha256": "a"}])) != \
+        digest(lambda m: m.update(token_files=[{"path": "/d/m.bin", "sample_sha256": "b"}]))
+    assert digest(lambda m: m["shards"][val].update(sha256="0" * 64)) == base
+    assert digest(lambda m: m.update(created={"time": "later"}, versions={})) == base
+    state = TrainLoader(two_domains, S, B, seed=1, dp_rank=0, dp_world_size=1).state_dict()
+    meta = copy.deepcopy(two_domains.meta)
+    meta["shards"][train]["sha256"] = "0" * 64
+    with pytest.raises(ConfigError, match="changed since the checkpoint"):
+        TrainLoader(PreparedData(two_domains.root, meta), S, B, seed=1, dp_rank=0,
+                    dp_world_size=1).load_state_dict(state)
+    del state["train_digest"]  # a checkpoint from before the digest was recorded: resumes as before
+    TrainLoader(PreparedData(two_domains.root, meta), S, B, seed=1, dp_rank=0, dp_world_size=1).load_state_dict(state)
+
+
 def test_mixture_weights_set_windows_per_epoch(two_domains):
     meta = copy.deepcopy(two_domains.meta)
     meta["sources"][1]["weight"] = 2.0   # shakespeare twice

@@ -244,6 +244,9 @@ def test_changed_files_are_detected_when_opened(tmp_path, small_tok, capsys):
     prepared = prepare_from_config(cfg)
     assert main(["data", "verify", str(prepared.root)]) == 0
     assert "; 1 token files match their sizes and sampled sha256" in capsys.readouterr().out
+    checkpointed = TrainLoader(prepared, 32, 2, seed=1, dp_rank=0, dp_world_size=1)
+    next(checkpointed)
+    loader_state = checkpointed.state_dict()  # as a checkpoint saved before the file changed holds it
     bin_, data = tmp_path / "m.bin", (tmp_path / "m.bin").read_bytes()
     kept = bin_.stat()
     ids = np.frombuffer(data, dtype=np.uint16).copy()
@@ -265,6 +268,11 @@ def test_changed_files_are_detected_when_opened(tmp_path, small_tok, capsys):
     assert "prepared now" in out and f"m.bin changed since {prepared.root} was prepared" in err
     again = prepare_from_config(cfg)  # what training opens now: verified, the same key and directory
     assert (again.key, again.root) == (prepared.key, prepared.root)
+    resumed = TrainLoader(again, 32, 2, seed=1, dp_rank=0, dp_world_size=1)
+    with pytest.raises(ConfigError, match=rf"train split of '{again.root}' changed since the checkpoint.*"
+                                          r"restore the files.*train\.init_from"):
+        resumed.load_state_dict(loader_state)  # a resume would read other documents at the same positions
+    TrainLoader(prepared, 32, 2, seed=1, dp_rank=0, dp_world_size=1).load_state_dict(loader_state)
     docs[0][0] ^= 1
     _check_read_back(again, packed(docs))
     assert [p.name for p in prepared.root.parent.iterdir()] == [prepared.root.name]
