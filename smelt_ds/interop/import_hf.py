@@ -34,7 +34,7 @@ from smelt_ds.files import staged_directory, write_text_atomic
 from smelt_ds.interop import known_archs, smelt_format
 from smelt_ds.interop.configuration_smelt import SmeltConfig
 from smelt_ds.model import SmeltLM
-from smelt_ds.runs.export import EXPORT_FILES, HF_MARKER
+from smelt_ds.runs.export import EXPORT_FILES, HF_MARKER, save_weights
 from smelt_ds.runs.provenance import RUN_TOKENIZER
 from smelt_ds.runs.tokenizer_file import load_tokenizer
 
@@ -221,7 +221,7 @@ def import_hf(path: str | Path, recipe_path: str | Path, weights_dir: str | Path
     raw = _recipe(raw_model, name or recipe.stem, weights / RUN_TOKENIZER, eot, pad, weights)
     cfg = config_from_dict(raw)  # validates the whole recipe before anything is written
     with staged_directory(weights) as tmp:
-        torch.save(state, tmp / "model.pt")
+        save_weights(state, tmp)
         shutil.copyfile(src / "tokenizer.json", tmp / RUN_TOKENIZER)
         dump_config(cfg, tmp / "config.yaml")
         (tmp / "SOURCE").write_text(str(src.resolve()) + "\n")

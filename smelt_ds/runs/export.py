@@ -24,8 +24,8 @@ from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.runs.provenance import RUN_TOKENIZER
 from smelt_ds.runs.reference_weights import has_reference_shards, merge_reference_shards
 
-__all__ = ["REFERENCE_OVERRIDES", "consolidated_state_dict", "export_checkpoint", "load_exported",
-           "load_initial_weights"]
+__all__ = ["REFERENCE_OVERRIDES", "WEIGHTS_DIGEST", "consolidated_state_dict", "export_checkpoint", "load_exported",
+           "load_initial_weights", "save_weights"]
 
 
 #: ``--set`` overrides under which an export's recipe loads as one CPU reference-backend model, whatever
@@ -104,7 +104,9 @@ def _no_reference_weights(ckpt_dir: Path, meta: dict, backend: str) -> ConfigErr
                        "by 1) and export the new checkpoint")
 
 
-EXPORT_FILES = frozenset({"model.pt", "config.yaml", "SOURCE", "tokenizer.json"})
+#: ``sha256sum`` line of model.pt, written with it and checked whenever an export is loaded
+WEIGHTS_DIGEST = "model.pt.sha256"
+EXPORT_FILES = frozenset({"model.pt", WEIGHTS_DIGEST, "config.yaml", "SOURCE", "tokenizer.json"})
 #: the file `smelt-ds export --format hf` writes last (smelt_ds.interop.export): a directory holding
 #: it is an earlier export, which an export may replace
 HF_MARKER = "smelt_ds_export.json"
@@ -122,7 +124,31 @@ def _check_output(out: Path) -> None:
                               "pass a new or empty directory, or an earlier export to overwrite")
 
 
+def save_weights(state: dict[str, torch.Tensor], export_dir: Path) -> None:
+    """Write ``export_dir/model.pt`` and its digest ``model.pt.sha256`` (one ``sha256sum`` line:
+    ``sha256sum -c model.pt.sha256`` checks it by hand), which every load of the export checks."""
+    torch.save(state, export_dir / "model.pt")
+    digest = ckpt.file_digest(export_dir / "model.pt")["sha256"]
+    (export_dir / WEIGHTS_DIGEST).write_text(f"{digest}  model.pt\n")
+
+
+def _check_weights_digest(path: Path, field: str) -> None:
+    """Compare ``path`` (a model.pt) with the digest written beside it; exports written before the
+    digest existed have none and are not checked. Raises ConfigError naming both digests."""
+    recorded = path.with_name(WEIGHTS_DIGEST)
+    if not recorded.is_file():
+        return
+    want = recorded.read_text().split()[0] if recorded.read_text().split() else ""
+    have = ckpt.file_digest(path)["sha256"]
+    if have != want:
+        raise ConfigError(f"{field}{path} is damaged: its sha256 {have[:16]} is not the {want[:16] or 'empty'} "
+                          f"recorded in {recorded} when it was written: export it again from its checkpoint "
+                          "(a run's cached export: delete that exports/ directory and the next command "
+                          "re-exports it)")
+
+
 def _load_weights(path: Path, field: str) -> dict[str, torch.Tensor]:
+    _check_weights_digest(path, field)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, ValueError) as e:
@@ -143,7 +169,7 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
     _check_output(out)
     state = consolidated_state_dict(ckpt_dir, cfg)
     with staged_directory(out) as tmp:
-        torch.save(state, tmp / "model.pt")
+        save_weights(state, tmp)
         dump_config(cfg, tmp / "config.yaml")
         if (run_dir / RUN_TOKENIZER).is_file():  # the tokenizer the model was trained with (provenance)
             shutil.copyfile(run_dir / RUN_TOKENIZER, tmp / RUN_TOKENIZER)

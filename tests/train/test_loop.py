@@ -271,6 +271,39 @@ def test_init_from_rejects_other_shapes(tmp_path):
         load_initial_weights(model, tmp_path / "exp")
 
 
+def test_a_damaged_export_is_refused_not_scored(tmp_path):
+    """An export's model.pt whose bytes changed after it was written (same size: a flipped bit in a
+    float, which torch.load reads without complaint and which changed every loss a helper measured)
+    is refused by every reader, naming the file, both digests and the fix; the digest file is a
+    ``sha256sum`` line; an export without one (written before digests) still loads."""
+    import hashlib
+
+    from smelt_ds.config.loading import dump_config
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.model import SmeltLM
+    from smelt_ds.runs.export import WEIGHTS_DIGEST, load_exported, load_initial_weights, save_weights
+
+    cfg = config_from_dict(_raw(tmp_path, tmp_path))
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    save_weights(SmeltLM(cfg.model, cfg.moe, cfg.loop).state_dict(), exp)
+    dump_config(cfg, exp / "config.yaml")
+    data = (exp / "model.pt").read_bytes()
+    assert (exp / WEIGHTS_DIGEST).read_text() == f"{hashlib.sha256(data).hexdigest()}  model.pt\n"
+    load_exported(exp)
+    damaged = bytearray(data)
+    damaged[len(data) // 2] ^= 0x40  # inside the tensor data: torch.load reads it as another number
+    (exp / "model.pt").write_bytes(bytes(damaged))
+    match = rf"model.pt is damaged: its sha256 {hashlib.sha256(damaged).hexdigest()[:16]} is not the " \
+            rf"{hashlib.sha256(data).hexdigest()[:16]} recorded in .*{WEIGHTS_DIGEST}.*export it again"
+    with pytest.raises(ConfigError, match=match):
+        load_exported(exp)
+    with pytest.raises(ConfigError, match="`train.init_from`: .*" + match):
+        load_initial_weights(SmeltLM(cfg.model, cfg.moe, cfg.loop), exp)
+    (exp / WEIGHTS_DIGEST).unlink()  # an export from before digests: loaded as it is
+    load_exported(exp)
+
+
 @pytest.mark.distributed
 def test_resume_equals_uninterrupted_autoep_zero3(tmp_path, cache):
     """AutoEP with ZeRO-3 and autoep_size 2: each rank holds its own experts, so a resume that
