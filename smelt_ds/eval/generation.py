@@ -45,6 +45,9 @@ def generate_text(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, 
     0, else sampled with ``top_p``), stopping at ``eos_id``. Raises ConfigError when prompt plus new
     tokens exceed ``model.max_seq_len``."""
     limit = model.model_cfg.max_seq_len
+    if len(prompt_ids) >= limit:
+        raise ConfigError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in `model.max_seq_len` ({limit}): "
+                          f"shorten it to at most {limit - 1} tokens, keeping room for --max-new-tokens")
     if len(prompt_ids) + max_new_tokens > limit:
         raise ConfigError(f"`--max-new-tokens` ({max_new_tokens}) + prompt ({len(prompt_ids)} tokens) exceeds "
                           f"`model.max_seq_len` ({limit}): pass --max-new-tokens <= {limit - len(prompt_ids)} "

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from smelt_ds.errors import ConfigError
 from tests.eval.eval_test_utils import png_not_blank, png_size
 
 
@@ -126,6 +127,11 @@ def test_generate_greedy_matches_full_recompute(trained_run, capsys):
             want.append(int(run.model(torch.tensor([want])).logits[0, -1].argmax()))
     assert got.ids == want and got.new_tokens == 8 and got.tokens_per_s > 0
     assert f"def main({got.text}" in text
+    limit = run.cfg.model.max_seq_len
+    with pytest.raises(ConfigError, match=rf"--max-new-tokens <= {limit - 10} or shorten"):
+        generate_text(run.model, data.tokenizer, ids[:1] * 10, limit)
+    with pytest.raises(ConfigError, match=rf"prompt \({limit + 5} tokens\) leaves no room .*at most {limit - 1}"):
+        generate_text(run.model, data.tokenizer, ids[:1] * (limit + 5), 8)  # not "--max-new-tokens <= -5"
 
 
 def test_generate_with_a_test_time_loop_count(random_exports, capsys):
