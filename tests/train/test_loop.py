@@ -155,7 +155,8 @@ def test_run_directory_summary_export_and_init_from(tmp_path, cache):
     assert "router/L1/divergence_v0v1" in train_rows[-1]
     # export and reload on one CPU process: same validation loss as the trained engine
     out = export_checkpoint(run_dir, tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == ["SOURCE", "config.yaml", "model.pt", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["SOURCE", "config.yaml", "model.pt", "model.pt.sha256",
+                                                     "tokenizer.json"]
     assert export_checkpoint(run_dir, out) == out                   # an earlier export may be replaced
     from smelt_ds.errors import ConfigError
 
