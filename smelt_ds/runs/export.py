@@ -138,13 +138,13 @@ def _check_weights_digest(path: Path, field: str) -> None:
     recorded = path.with_name(WEIGHTS_DIGEST)
     if not recorded.is_file():
         return
-    want = recorded.read_text().split()[0] if recorded.read_text().split() else ""
+    want = (recorded.read_text().split() or [""])[0]
     have = ckpt.file_digest(path)["sha256"]
     if have != want:
         raise ConfigError(f"{field}{path} is damaged: its sha256 {have[:16]} is not the {want[:16] or 'empty'} "
-                          f"recorded in {recorded} when it was written: export it again from its checkpoint "
-                          "(a run's cached export: delete that exports/ directory and the next command "
-                          "re-exports it)")
+                          f"recorded in {recorded} when it was written: write it again (`smelt-ds export` from "
+                          "its checkpoint, or `smelt-ds import-hf` for imported weights; a run's cached export: "
+                          "delete that exports/ directory and the next command re-exports it)")
 
 
 def _load_weights(path: Path, field: str) -> dict[str, torch.Tensor]:

@@ -296,7 +296,7 @@ def test_a_damaged_export_is_refused_not_scored(tmp_path):
     damaged[len(data) // 2] ^= 0x40  # inside the tensor data: torch.load reads it as another number
     (exp / "model.pt").write_bytes(bytes(damaged))
     match = rf"model.pt is damaged: its sha256 {hashlib.sha256(damaged).hexdigest()[:16]} is not the " \
-            rf"{hashlib.sha256(data).hexdigest()[:16]} recorded in .*{WEIGHTS_DIGEST}.*export it again"
+            rf"{hashlib.sha256(data).hexdigest()[:16]} recorded in .*{WEIGHTS_DIGEST}.*smelt-ds export"
     with pytest.raises(ConfigError, match=match):
         load_exported(exp)
     with pytest.raises(ConfigError, match="`train.init_from`: .*" + match):
