@@ -6,7 +6,7 @@ inspect token files made elsewhere.
     smelt-ds data tokenizer --input PATH|builtin[:DOMAIN] ... --vocab-size N -o tokenizer.json
     smelt-ds data prepare [--recipe R.yaml] [--set data.KEY=VALUE ...] [--source SPEC ...] [-o DIR]
     smelt-ds data verify DIR
-    smelt-ds data inspect PATH ... [--eot-id N] [--token-dtype uint16|uint32] [--tokenizer T]
+    smelt-ds data inspect PATH ... [--eot-id N] [--token-dtype uint16|uint32] [--tokenizer T] [--recipe R.yaml]
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import yaml
 from smelt_ds.config.loading import apply_overrides, config_from_dict, load_config
 from smelt_ds.data.builtin import build_builtin_corpus
 from smelt_ds.data.ladder import PINNED, build_ladder_corpus, fetch_packages, ladder_corpus_dir, packages_dir
-from smelt_ds.data.prepare import PreparedData, build_tokenizer, prepare_from_config
+from smelt_ds.data.prepare import PreparedData, build_tokenizer, check_compatible, prepare_from_config
 from smelt_ds.data.token_files import ScanStats, TokenFile
-from smelt_ds.data.token_sources import check_ids, inspect_file, open_any
+from smelt_ds.data.token_sources import check_ids, check_token_file_ids, inspect_file, open_any
 from smelt_ds.data.tokenizer import tokenizer_id_space
 from smelt_ds.errors import ConfigError
 from smelt_ds.runs.tokenizer_file import load_tokenizer, tokenizer_hash
@@ -103,7 +103,11 @@ def _cmd_builtin(args: argparse.Namespace) -> int:
 
 
 def _data_config(args: argparse.Namespace, sources: list[dict] | None = None):
+    return _run_config(args, sources).data
 
+
+def _run_config(args: argparse.Namespace, sources: list[dict] | None = None):
+    """The recipe (``--recipe``, else the defaults) with ``--set`` and the command's data flags applied."""
     sets = list(getattr(args, "set", None) or [])
     if getattr(args, "recipe", None):
         cfg = load_config(args.recipe, sets)
@@ -123,7 +127,7 @@ def _data_config(args: argparse.Namespace, sources: list[dict] | None = None):
     for flag, field in (("tokenizer", "path"), ("vocab_size", "vocab_size"), ("min_frequency", "min_frequency")):
         if getattr(args, flag, None) is not None:
             tok[field] = getattr(args, flag)
-    return config_from_dict(raw, source=args.recipe or "command line").data
+    return config_from_dict(raw, source=args.recipe or "command line")
 
 
 def _cmd_tokenizer(args: argparse.Namespace) -> int:
@@ -143,10 +147,16 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
 def _cmd_prepare(args: argparse.Namespace) -> int:
 
     sources = [parse_source_spec(s) for s in args.source] if args.source else None
-    cfg = _data_config(args, sources)
-    prepared = prepare_from_config(cfg, args.cache_dir, reprepare_changed=True)
+    cfg = _run_config(args, sources)
+    prepared = prepare_from_config(cfg.data, args.cache_dir, reprepare_changed=True)
     print(("prepared now" if prepared.created else "reused prepared output") + f" (key {prepared.key[:16]})")
     print(prepared.summary())
+    if args.recipe:  # what training checks first: every id has a row in the recipe's model
+        try:
+            check_compatible(prepared, cfg.model.vocab_size)
+        except ConfigError as e:
+            raise ConfigError(f"--recipe {args.recipe}: {e} (the data are prepared and cached; training the recipe "
+                              "would stop here)") from None
     return 0
 
 
@@ -177,6 +187,7 @@ def _describe(tf: TokenFile, st: ScanStats, eot_id: int | None) -> list[str]:
 def _cmd_inspect(args: argparse.Namespace) -> int:
 
     tok = load_tokenizer(args.tokenizer, "--tokenizer") if args.tokenizer else None
+    vocab = load_config(args.recipe).model.vocab_size if args.recipe else None
     failed = 0
     for path in args.paths:
         try:
@@ -186,6 +197,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             if tok is not None:
                 check_ids(tf, st, "--tokenizer", tokenizer_id_space(tok), f"--tokenizer {args.tokenizer!r}")
                 lines.append(f"  tokenizer    fits: {args.tokenizer} has ids 0..{tokenizer_id_space(tok) - 1:,}")
+            if vocab is not None:
+                check_token_file_ids(tf.name, "data inspect", st.max_id, vocab, args.recipe)
+                lines.append(f"  model        fits: model.vocab_size {vocab:,} in {args.recipe}")
             print("\n".join(lines))
         except ConfigError as e:
             failed += 1
@@ -266,4 +280,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                               "that end with it")
     p.add_argument("--token-dtype", choices=("uint16", "uint32"), help="dtype of raw flat files (they have no header)")
     p.add_argument("--tokenizer", help="a tokenizer.json or transformers directory: check that every id is one of its")
+    p.add_argument("--recipe", help="a recipe: check that every id is below its model.vocab_size (as training does)")
     p.set_defaults(func=_cmd_inspect)

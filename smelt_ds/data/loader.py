@@ -26,53 +26,13 @@ import numpy as np
 import torch
 
 from smelt_ds.data.distributed import rank_info
-from smelt_ds.data.prepare import PreparedData
+from smelt_ds.data.prepare import PreparedData, check_compatible
 from smelt_ds.data.token_sources import PackedTokens
 from smelt_ds.errors import ConfigError
 
 __all__ = ["check_compatible", "windows_in", "TrainLoader", "ValidationLoader", "validation_loaders"]
 
 _STATE_VERSION = 1
-
-
-def check_compatible(prepared: PreparedData, model_vocab_size: int, tokenizer_hash: str | None = None) -> None:
-    """Check that shards, tokenizer and model agree. Raises ConfigError naming both values.
-
-    - the tokenizer's vocabulary (tokens) is at most ``model_vocab_size`` (``model.vocab_size``; a
-      larger model vocabulary is a padded one, as Megatron-LM pads to a multiple of 128 and
-      Qwen3-MoE's 151,936 rows hold a 151,669-token tokenizer); the fix named is a larger
-      ``model.vocab_size`` when the tokenizer was given (``data.tokenizer.path``), else also a
-      smaller trained tokenizer;
-    - every token id in the shards is below ``model_vocab_size`` (for token sources, the largest id
-      of each file, from the manifest, naming the file; checked first);
-    - when given, ``tokenizer_hash`` (e.g. from a checkpoint) equals the shards' tokenizer hash.
-    """
-    for f in prepared.meta.get("token_files", []):  # token sources: name the user's file
-        if f["max_token_id"] >= model_vocab_size:
-            raise ConfigError(f"{f['name']!r} (data.sources[{f['source']}]) holds token id {f['max_token_id']}, "
-                              "not below "
-                              f"`model.vocab_size` ({model_vocab_size}): the model has no row for it; set "
-                              f"model.vocab_size to at least {f['max_token_id'] + 1} (a multiple of 128 is usual), or "
-                              "drop the file from the source")
-    if prepared.vocab_size > model_vocab_size:
-        given = prepared.meta.get("config", {}).get("tokenizer", {}).get("path")
-        padded = -(-prepared.vocab_size // 128) * 128
-        fix = (f"set model.vocab_size to at least {prepared.vocab_size} (e.g. {padded}, padded to a multiple of 128 "
-               f"as Megatron-LM does): the tokenizer is the one given in data.tokenizer.path ({given!r}), so its size "
-               "is fixed" if given else
-               f"set model.vocab_size to {prepared.vocab_size}, or prepare the data with "
-               f"data.tokenizer.vocab_size={model_vocab_size}")
-        raise ConfigError(f"`model.vocab_size` ({model_vocab_size}) is smaller than the tokenizer of the prepared "
-                          f"data ({prepared.vocab_size} tokens, tokenizer {prepared.tokenizer_hash[:12]}, "
-                          f"{prepared.root}): {fix}")
-    top = max((s["max_token_id"] for s in prepared.meta["shards"]), default=-1)
-    if top >= model_vocab_size:
-        raise ConfigError(f"prepared shards hold token id {top}, not below `model.vocab_size` ({model_vocab_size}): "
-                          "the shards were made with another tokenizer; prepare the data again")
-    if tokenizer_hash is not None and tokenizer_hash != prepared.tokenizer_hash:
-        raise ConfigError(f"tokenizer hash {tokenizer_hash[:12]} (expected, e.g. from the checkpoint) does not "
-                          f"match the prepared data's tokenizer {prepared.tokenizer_hash[:12]} ({prepared.root}): "
-                          "prepare the data with the checkpoint's tokenizer (data.tokenizer.path)")
 
 
 def windows_in(num_tokens: int, seq_len: int) -> int:

@@ -56,7 +56,7 @@ from smelt_ds.errors import ConfigError
 
 __all__ = ["TOKEN_SPLIT_SCHEME", "resolve_token_paths", "token_source_files", "open_token_path", "scan_source",
            "SourceScan", "write_source", "PackedStream", "PackedTokens", "TokenFileChanged", "verify_token_files",
-           "open_any", "inspect_file", "check_ids", "check_eot"]
+           "open_any", "inspect_file", "check_ids", "check_token_file_ids", "check_eot"]
 
 TOKEN_SPLIT_SCHEME = "token-key-v1"  # in the preparation key of recipes with token sources
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -157,6 +157,18 @@ def check_ids(tf: TokenFile, st: ScanStats, where: str, id_space: int | None = N
             problem += ", or its token dtype is not the one it was written with"
         raise ConfigError(f"{tf.name!r} ({where}): holds token id {st.max_id}, but the tokenizer ({tokenizer}) has ids "
                           f"0..{id_space - 1}: {problem}: {fix}")
+
+
+def check_token_file_ids(name: str, where: str, max_id: int, model_vocab_size: int, recipe: str | None = None) -> None:
+    """Refuse a token file whose largest id ``max_id`` is not below ``model_vocab_size``
+    (``model.vocab_size``, of ``recipe`` when given): the model has no embedding row for it.
+    ``where`` names the source (``data.sources[i]``) or the command. Raises ConfigError naming the
+    file, the id, the field and its value, and the fix."""
+    if max_id >= model_vocab_size:
+        of = f" in {recipe}" if recipe else ""
+        raise ConfigError(f"{name!r} ({where}) holds token id {max_id}, not below `model.vocab_size` "
+                          f"({model_vocab_size}{of}): the model has no row for it; set model.vocab_size{of} to at "
+                          f"least {max_id + 1} (a multiple of 128 is usual), or drop the file from the source")
 
 
 def check_eot(tf: TokenFile, st: ScanStats, eot_id: int | None, field_name: str) -> None:

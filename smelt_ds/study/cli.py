@@ -235,6 +235,9 @@ def _add_scaling_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--baseline", default=None, help="architecture the savings are measured against "
                                                     "(default: 'baseline', or the only unlooped one)")
     f.add_argument("--loss-key", default="all", help="validation domain of summary.json (default: all)")
+    f.add_argument("--skip-unreadable", action="store_true",
+                   help="leave out (and list as excluded) a run whose summary.json, sweep_run.json or config.yaml "
+                        "cannot be read, instead of stopping with an error naming the file")
     f.add_argument("--bootstrap", type=int, default=200,
                    help="bootstrap resamples for the 95%% CIs (0: none; default 200)")
     f.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
@@ -247,7 +250,7 @@ def run_fit(args: argparse.Namespace) -> int:
 
     if args.bootstrap < 0:
         raise ConfigError(f"--bootstrap ({args.bootstrap}) must be >= 0")
-    points, excluded = collect_runs(args.run_dirs, loss_key=args.loss_key)
+    points, excluded = collect_runs(args.run_dirs, loss_key=args.loss_key, skip_unreadable=args.skip_unreadable)
     for line in summarize_exclusions(excluded):
         print(f"excluded: {line}", file=sys.stderr)
     res = analyse(points, excluded, baseline=args.baseline, n_bootstrap=args.bootstrap, seed=args.seed,

@@ -314,3 +314,39 @@ def test_a_model_vocabulary_below_a_given_tokenizer_names_model_vocab_size(tmp_p
     with pytest.raises(ConfigError, match=r"set model.vocab_size to 1000, or prepare the data with "
                                           r"data.tokenizer.vocab_size=950"):
         check_compatible(PreparedData(prepared.root, meta), 950)
+
+
+def test_ids_beyond_the_recipes_model_vocabulary_are_refused_by_prepare_and_inspect(tmp_path, tok, capsys):
+    """An id at or above the recipe's model.vocab_size used to be found only when training started;
+    `data prepare --recipe` and `data inspect --recipe` now refuse it with training's message (the file,
+    the id, the field and its value, the fix). An id just below it passes."""
+    import yaml
+
+    f = write_flat(tmp_path / "f.npy", DOCS, np.uint16, header=True)
+    top = max(int(d.max()) for d in DOCS)
+    assert top < 1000
+
+    def recipe(vocab: int) -> Path:
+        path = tmp_path / f"r{vocab}.yaml"
+        path.write_text(yaml.safe_dump({"name": "r", "model": {"vocab_size": vocab},
+                                        "data": {"sources": [{"tokens": str(f), "eot_id": EOT}],
+                                                 "tokenizer": {"path": str(tok)}}}))
+        return path
+
+    low = recipe(top)                                           # id `top` has no row
+    capsys.readouterr()
+    assert main(["data", "prepare", "--recipe", str(low), "--cache-dir", str(tmp_path / "c")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (   # after the progress lines
+        f"smelt-ds data: error: --recipe {low}: {str(f)!r} (data.sources[0]) holds token id {top}, not below "
+        f"`model.vocab_size` ({top}): the model has no row for it; set model.vocab_size to at least {top + 1} (a "
+        "multiple of 128 is usual), or drop the file from the source (the data are prepared and cached; training "
+        "the recipe would stop here)")
+    assert main(["data", "inspect", str(f), "--eot-id", str(EOT), "--recipe", str(low)]) == 2
+    assert capsys.readouterr().err == (
+        f"smelt-ds data inspect: {f}: {str(f)!r} (data inspect) holds token id {top}, not below `model.vocab_size` "
+        f"({top} in {low}): the model has no row for it; set model.vocab_size in {low} to at least {top + 1} (a "
+        "multiple of 128 is usual), or drop the file from the source\n")
+    fits = recipe(top + 1)                                      # a row for every id
+    assert main(["data", "inspect", str(f), "--eot-id", str(EOT), "--recipe", str(fits)]) == 0
+    assert f"model        fits: model.vocab_size {top + 1:,} in {fits}" in capsys.readouterr().out
+    assert main(["data", "prepare", "--recipe", str(recipe(1024)), "--cache-dir", str(tmp_path / "c")]) == 0

@@ -206,6 +206,46 @@ def test_an_earlier_export_is_replaced_and_nothing_else(make_export, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_an_export_of_the_other_format_is_not_replaced(make_export, tmp_path, capsys):
+    """`smelt-ds export RUN -o DIR` over a Hugging Face export (and `--format hf` over a smelt-ds export)
+    used to replace it without a word; now it is refused naming DIR, the format it holds and the fix.
+    An export of the same format is still replaced."""
+    from smelt_ds.config.loading import load_config
+    from tests.runs.fake_run import write_checkpoint
+
+    src = make_export("tiny-smelt-formats")
+    run = tmp_path / "run"
+    write_checkpoint(run, load_config(src / "config.yaml"), 2, torch.load(src / "model.pt", weights_only=True))
+    hf, native = tmp_path / "hf", tmp_path / "native"
+    assert _cli("export", src, "--format", "hf", "-o", hf, "--no-check") == 0
+    assert _cli("export", run, "-o", native) == 0
+    capsys.readouterr()
+
+    def contents(d: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in d.iterdir()}
+
+    before = {d: contents(d) for d in (hf, native)}
+    assert _cli("export", run, "-o", hf) == 2
+    assert capsys.readouterr().err == (
+        f"smelt-ds export: error: export output {str(hf)!r} holds a Hugging Face export (`smelt-ds export --format "
+        f"hf`, {HF_MARKER}): refusing to replace it with a smelt-ds export (model.pt + config.yaml); pass another -o "
+        "DIR, or remove that directory first to replace it\n")
+    assert _cli("export", src, "--format", "hf", "-o", native, "--no-check") == 2
+    assert capsys.readouterr().err == (
+        f"smelt-ds export: error: export output {str(native)!r} holds a smelt-ds export (model.pt + config.yaml, "
+        "`smelt-ds export` without --format hf): refusing to replace it with a Hugging Face export; pass another -o "
+        "DIR, or remove that directory first to replace it\n")
+    assert {d: contents(d) for d in (hf, native)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "native", "run"]   # no staging directory left
+    # the same format over itself: replaced (an earlier export)
+    (native / "model.pt.sha256").write_text("0" * 64 + "  model.pt\n")
+    assert _cli("export", run, "-o", native) == 0
+    assert contents(native) == before[native]
+    (hf / "README.md").write_text("edited")
+    assert _cli("export", src, "--format", "hf", "-o", hf, "--no-check") == 0
+    assert contents(hf)["README.md"] == before[hf]["README.md"]
+
+
 def test_parse_shard_size():
     from smelt_ds.interop.export import parse_shard_size
 

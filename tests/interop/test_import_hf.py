@@ -167,6 +167,56 @@ def test_bad_checkpoints_and_targets_are_refused(make_export, tmp_path):
         resolve_export(hf)  # what eval, generate and export read
 
 
+def test_an_export_missing_a_buffer_or_a_parameter_is_refused_naming_them(make_export, tmp_path):
+    """A model.pt without the aux-loss-free router bias (a persistent buffer the recipe uses) used to
+    load with the bias left at its initial zeros, in eval, generate and train.init_from, without a
+    word; now a missing buffer or parameter is refused naming it, the file and the fix. An export of a
+    run without the bias still starts a recipe with it at zero (as a new run starts)."""
+    import shutil
+
+    from smelt_ds.runs.export import load_exported, save_weights
+
+    src = make_export("bias-gone", moe={"score_func": "sigmoid", "aux_loss_free_bias": True})
+    state = torch.load(src / "model.pt", weights_only=True)
+    bias = "layers.1.mlp.gate.expert_bias"
+    state[bias] = torch.linspace(-1, 1, state[bias].numel())     # a learned bias, not the initial zeros
+    save_weights(state, src)
+    assert torch.equal(load_exported(src).state_dict()[bias], state[bias])
+    part = tmp_path / "partial"
+    shutil.copytree(src, part)
+    param = "layers.2.self_attn.q_proj.weight"
+    assert param in state
+    save_weights({k: v for k, v in state.items() if k not in (bias, param)}, part)  # digest re-written: it verifies
+    with pytest.raises(ConfigError) as e:
+        load_exported(part)
+    assert str(e.value) == (f"{part / 'model.pt'} does not fit the recipe in {part / 'config.yaml'} (missing 2: "
+                            f"{bias}, {param}): the export is partial or config.yaml was edited; export the "
+                            f"checkpoint again (`smelt-ds export RUN_DIR -o {part}`)")
+    save_weights({k: v for k, v in state.items() if k != bias}, part)           # the buffer alone
+    with pytest.raises(ConfigError, match=rf"\(missing 1: {bias}\): the export is partial"):
+        load_exported(part)
+    save_weights({k: v for k, v in state.items() if k not in (bias, param)}, part)
+    cfg = load_config(src / "config.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_initial_weights(SmeltLM(cfg.model, cfg.moe, cfg.loop), part)
+    assert str(e.value).startswith(f"`train.init_from`: {part / 'model.pt'} does not fit this recipe's model "
+                                   f"(missing 2: {bias}, {param}): ")
+    extra = tmp_path / "extra"
+    shutil.copytree(src, extra)
+    save_weights({**state, "layers.9.self_attn.q_proj.weight": state[param]}, extra)
+    with pytest.raises(ConfigError, match=r"\(unexpected 1: layers\.9\.self_attn\.q_proj\.weight\)"):
+        load_exported(extra)
+    no_bias = make_export("no-bias", moe={"score_func": "sigmoid"})       # a run without the bias
+    model = SmeltLM(cfg.model, cfg.moe, cfg.loop)
+    with torch.no_grad():
+        model.layers[1].mlp.gate.expert_bias.fill_(3.0)
+    load_initial_weights(model, no_bias)
+    own = torch.load(no_bias / "model.pt", weights_only=True)
+    got = model.state_dict()
+    assert torch.equal(got[bias], torch.full_like(got[bias], 3.0))  # left as the new run initialised it
+    assert all(torch.equal(got[k], v) for k, v in own.items())
+
+
 def test_smelt_format_config_the_recipe_cannot_express_is_refused(make_export, tmp_path):
     hf = export_hf(make_export("rt-smelt-bad"), tmp_path / "hf").out
     for key, value, match in (("hidden_act", "gelu", "hidden_act"),

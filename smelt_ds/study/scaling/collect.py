@@ -80,15 +80,42 @@ def _find_run_dirs(path: Path) -> list[Path]:
     return [p for p in found if not any(q != p and q in p.parents for q in found)]
 
 
-def _read_point(run_dir: Path, loss_key: str) -> RunPoint | Exclusion:
-    label = json.loads((run_dir / "sweep_run.json").read_text()) if (run_dir / "sweep_run.json").is_file() else {}
+class _Unreadable(Exception):
+    """A run's file that cannot be read (the message names it and what is wrong)."""
+
+
+def _read_file(path: Path, parse) -> dict[str, Any]:
+    """``parse(text)`` of ``path``, which must give a mapping; raises :class:`_Unreadable`."""
+    try:
+        data = parse(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:  # JSONDecodeError is a ValueError
+        raise _Unreadable(f"{path} is not readable ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+    if data is None and path.suffix == ".yaml":
+        return {}
+    if not isinstance(data, dict):
+        raise _Unreadable(f"{path} is not readable (holds a {type(data).__name__}, not a mapping)")
+    return data
+
+
+def _read_point(run_dir: Path, loss_key: str, skip_unreadable: bool = False) -> RunPoint | Exclusion:
+    """The run's point, or why it is left out. Raises ConfigError naming the file when its
+    summary.json, sweep_run.json or config.yaml cannot be read, unless ``skip_unreadable``."""
+    try:
+        return _read_files(run_dir, loss_key)
+    except _Unreadable as e:
+        if skip_unreadable:
+            return Exclusion(str(run_dir), f"unreadable: {e} (--skip-unreadable)")
+        raise ConfigError(f"{e}: the run's results cannot be read, and fitting without them would change the fit "
+                          "without a word; restore the file (or rerun the run), remove the run directory, or "
+                          "pass --skip-unreadable to fit without it (it is then listed as excluded)") from None
+
+
+def _read_files(run_dir: Path, loss_key: str) -> RunPoint | Exclusion:
+    label = _read_file(run_dir / "sweep_run.json", json.loads) if (run_dir / "sweep_run.json").is_file() else {}
     if not (run_dir / "summary.json").is_file():
         return Exclusion(str(run_dir), "unfinished: no summary.json (missing or interrupted run; "
                                        "`smelt-ds sweep` resumes it)")
-    try:
-        s = json.loads((run_dir / "summary.json").read_text())
-    except json.JSONDecodeError as e:
-        return Exclusion(str(run_dir), f"summary.json is not valid JSON ({e})")
+    s = _read_file(run_dir / "summary.json", json.loads)
     val = s.get("validation_loss") or {}
     if loss_key not in val:
         return Exclusion(str(run_dir), f"summary.json has no validation_loss[{loss_key!r}] "
@@ -102,19 +129,23 @@ def _read_point(run_dir: Path, loss_key: str) -> RunPoint | Exclusion:
                                        "budget.train_flops_per_token or tokens")
     loop: dict[str, Any] = {}
     if (run_dir / "config.yaml").is_file():
-        loop = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("loop") or {}
+        loop = _read_file(run_dir / "config.yaml", yaml.safe_load).get("loop") or {}
     arch = label.get("architecture") or architecture_label(loop)
     return RunPoint(str(run_dir), arch, float(loss), float(b["non_embedding_params"]), float(s["tokens"]),
                     float(b["train_flops_per_token"]), position=label.get("position", loop.get("position", "none")),
                     size=label.get("size"), budget=label.get("budget"), seed=label.get("seed"))
 
 
-def collect_runs(paths: Sequence[str | Path], loss_key: str = "all") -> tuple[list[RunPoint], list[Exclusion]]:
+def collect_runs(paths: Sequence[str | Path], loss_key: str = "all",
+                 skip_unreadable: bool = False) -> tuple[list[RunPoint], list[Exclusion]]:
     """Read runs from run directories or directories holding run directories (a sweep's
     ``output_dir``). Returns the usable runs and the runs left out with reasons (unfinished,
-    non-finite loss, missing fields).
+    non-finite loss, missing fields; with ``skip_unreadable``, a run whose summary.json,
+    sweep_run.json or config.yaml cannot be read).
 
-    Raises ConfigError for a path that does not exist or holds no run directory.
+    Raises ConfigError for a path that does not exist or holds no run directory, and for a run
+    whose summary.json, sweep_run.json or config.yaml cannot be read (corrupt or truncated),
+    naming the file, unless ``skip_unreadable``.
     """
     points: list[RunPoint] = []
     excluded: list[Exclusion] = []
@@ -132,7 +163,7 @@ def collect_runs(paths: Sequence[str | Path], loss_key: str = "all") -> tuple[li
             if d.resolve() in seen:
                 continue
             seen.add(d.resolve())
-            r = _read_point(d, loss_key)
+            r = _read_point(d, loss_key, skip_unreadable)
             if isinstance(r, RunPoint):
                 points.append(r)
             else:
