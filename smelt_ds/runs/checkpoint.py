@@ -31,6 +31,7 @@ import os
 import random
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -75,6 +76,37 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (e.g. no space left on device); names the file."""
+
+
+#: what the message of :func:`_write_error` says the user can do, by errno
+_FIXES = {errno.ENOSPC: "free space or point train.run_dir elsewhere",
+          errno.EDQUOT: "free space, raise the quota or point train.run_dir elsewhere",
+          errno.EACCES: "make the run directory writable by this user or point train.run_dir elsewhere",
+          errno.EPERM: "make the run directory writable by this user or point train.run_dir elsewhere",
+          errno.EROFS: "the file system is read-only: remount it read-write or point train.run_dir elsewhere"}
+_KEPT = "the previous complete checkpoint is untouched and --resume auto continues from it"
+
+
+def _write_error(e: OSError, path: str | Path, nbytes: int | None = None,
+                 kept: str = _KEPT) -> CheckpointWriteError:
+    """The :class:`CheckpointWriteError` for ``e`` raised writing ``path`` (``e.filename`` when it
+    names one): the errno's name and text, the file, the fix; for a full device (ENOSPC, EDQUOT)
+    also the bytes it needs (``nbytes``, when known) and the bytes free; then ``kept`` (what is
+    left to resume from)."""
+    code = e.errno if isinstance(e.errno, int) else None
+    name = errno.errorcode.get(code, f"errno {code}") if code is not None else type(e).__name__
+    text = e.strerror or (os.strerror(code) if code is not None else str(e)) or "no message"
+    where = Path(os.fsdecode(e.filename)) if e.filename else Path(path)
+    space = ""
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f"free {shutil.disk_usage(where.parent).free:,}"
+        except OSError:
+            free = "free unknown"
+        space = f" ({'needs about ' + format(nbytes, ',') + ' bytes; ' if nbytes is not None else ''}{free})"
+    fix = _FIXES.get(code if code is not None else -1, "check the device and the file system (dmesg, df, mount); "
+                     "point train.run_dir elsewhere if it keeps failing")
+    return CheckpointWriteError(f"{name}: {text} writing {where}{space}: {fix}; {kept}")
 
 
 class _HashingWriter(io.RawIOBase):
@@ -126,8 +158,10 @@ def _fsync_dir(path: Path) -> None:
 def write_hashed(obj: Any, path: str | Path, zipfile: bool = True) -> dict[str, Any]:
     """``torch.save(obj, path)`` through a SHA-256 computed while writing, then fsync.
 
-    Returns ``{"sha256", "bytes"}`` of the file. Raises :class:`CheckpointWriteError` naming the
-    file, the bytes it needs and the bytes free when the device is full (ENOSPC, EDQUOT)."""
+    Returns ``{"sha256", "bytes"}`` of the file. Raises :class:`CheckpointWriteError` for any
+    OSError (opening, writing, fsync, closing; also inside torch's zip writer, which reports it as
+    a RuntimeError) naming the errno, the file and the fix (:func:`_write_error`); for a full
+    device (ENOSPC, EDQUOT) also the bytes it needs and the bytes free."""
     path = Path(path)
     w: _HashingWriter | None = None
     try:
@@ -138,12 +172,9 @@ def write_hashed(obj: Any, path: str | Path, zipfile: bool = True) -> dict[str, 
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:  # torch's zip writer turns a failed write into a RuntimeError
         cause = e if isinstance(e, OSError) else (w.error if w is not None else None)
-        if cause is None or cause.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if cause is None:
             raise
-        free = shutil.disk_usage(path.parent).free
-        raise CheckpointWriteError(f"No space left on device writing {path} (needs about {_nbytes(obj):,} bytes; "
-                                   f"free {free:,}): free space or point train.run_dir elsewhere; the previous "
-                                   "complete checkpoint is untouched and --resume auto continues from it") from None
+        raise _write_error(cause, path, _nbytes(obj)) from None
     assert w is not None  # set before torch.save ran
     return {"sha256": w.sha.hexdigest(), "bytes": w.n}
 
@@ -161,13 +192,28 @@ def file_digest(path: str | Path) -> dict[str, Any]:
 class _HashingCheckpointEngine:
     """Wraps DeepSpeed's ``TorchCheckpointEngine`` so that every file DeepSpeed writes goes through
     :func:`write_hashed` (digest while writing, fsync, a clear error on a full disk); the digests
-    of this rank's files are collected in ``written`` (path -> digest)."""
+    of this rank's files are collected in ``written`` (path -> digest).
 
-    def __init__(self, inner):
-        self.inner, self.written = inner, {}
+    With ``defer`` (set by :func:`_write_rank_files` around ``engine.save_checkpoint``), a failed
+    write is kept in ``error`` instead of raised and the later files of the save are skipped:
+    DeepSpeed's save goes on to its collectives (its closing barrier), so a rank that failed alone
+    does not leave the others waiting there while it waits in a different collective."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.written: dict[str, dict[str, Any]] = {}
+        self.defer = False
+        self.error: CheckpointWriteError | None = None
 
     def save(self, state_dict, path: str):
-        self.written[str(Path(path).resolve())] = write_hashed(state_dict, path, self.inner.zipfile_serialization)
+        if self.defer and self.error is not None:
+            return  # this rank's save already failed: nothing more is written
+        try:
+            self.written[str(Path(path).resolve())] = write_hashed(state_dict, path, self.inner.zipfile_serialization)
+        except CheckpointWriteError as e:
+            if not self.defer:
+                raise
+            self.error = e
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -226,33 +272,63 @@ def writes_reference(choice: str, layout: dict[str, Any], final: bool) -> bool:
 
 
 def _write_rank_files(engine, root: Path, tag: str, rank: int, client: dict[str, Any], backend: str,
-                      reference: bool) -> dict:
-    """DeepSpeed's files, the client state and (``reference``) the reference shard of this rank;
-    their digests."""
+                      reference: bool) -> tuple[dict, CheckpointWriteError | None]:
+    """DeepSpeed's files, the client state and (``reference``) the reference shard of this rank:
+    ``(their digests, None)``, or ``(..., the first CheckpointWriteError)`` when a write failed
+    (any OSError: :func:`_write_error`). After a failure this rank writes nothing more but still
+    takes part in the save's collectives (DeepSpeed's barriers, the reference shard's gathers),
+    so that every rank reaches :func:`save`'s exchange of errors."""
 
     if not reference and rank == 0:  # no shard of an abandoned earlier attempt may enter the marker
         shutil.rmtree(root / tag / REFERENCE_DIR, ignore_errors=True)
     hashing = _hashing_engine(engine)
+    error: CheckpointWriteError | None = None
     if hashing is not None:
-        hashing.written = {}
-    engine.save_checkpoint(str(root), tag=tag, client_state={"step": client["step"],
-                                                            "tokens_seen": client["tokens_seen"]})
+        hashing.written, hashing.error, hashing.defer = {}, None, True
+    try:  # `latest` is written by _prune once the checkpoint is complete, never before
+        engine.save_checkpoint(str(root), tag=tag, client_state={"step": client["step"],
+                                                                "tokens_seen": client["tokens_seen"]},
+                               save_latest=False)
+    except CheckpointWriteError as e:  # not deferred (no hashing engine installed)
+        error = e
+    except OSError as e:  # DeepSpeed's own writes (another checkpoint engine, a directory)
+        error = _write_error(e, root / tag)
+    finally:
+        if hashing is not None:
+            hashing.defer = False
+    error = error or (hashing.error if hashing is not None else None)
     ckpt = (root / tag).resolve()
     written = {str(Path(p).relative_to(ckpt)): d for p, d in (hashing.written if hashing else {}).items()
                if Path(p).is_relative_to(ckpt)}
-    written[f"client_rank{rank}.pt"] = _atomic_save(client, root / tag / f"client_rank{rank}.pt")
+
+    def attempt(name: str, write: Callable[[], dict[str, Any]]) -> None:
+        nonlocal error
+        if error is not None:
+            return
+        try:
+            written[name] = write()
+        except CheckpointWriteError as e:
+            error = e
+        except OSError as e:  # a rename, a directory
+            error = _write_error(e, root / tag / name)
+
+    attempt(f"client_rank{rank}.pt", lambda: _atomic_save(client, root / tag / f"client_rank{rank}.pt"))
     if not reference:
-        return written
-    shard = gather_reference_shard(engine, backend)
+        return written, error
+    shard = gather_reference_shard(engine, backend)  # collective: also after a failure
     path = shard_path(root / tag, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    written[str(path.relative_to(root / tag))] = _atomic_save(shard, path)
-    return written
+
+    def write_shard() -> dict[str, Any]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return _atomic_save(shard, path)
+
+    attempt(str(path.relative_to(root / tag)), write_shard)
+    return written, error
 
 
 def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state: dict[str, Any],
          keep_last: int, layout: dict[str, Any] | None = None, reference_weights: str = "every_save",
-         final: bool = False, reference: bool | None = None) -> Path:
+         final: bool = False, reference: bool | None = None, client_extra: dict[str, Any] | None = None) -> Path:
     """Save a checkpoint on every rank (collective). Returns the checkpoint directory.
 
     Writes DeepSpeed's files, this rank's client state and, when :func:`writes_reference` says
@@ -266,10 +342,14 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     writing rank). Then it prunes to the newest ``keep_last`` complete checkpoints and, unless
     ``every_save``, removes the reference shards of the older ones (:func:`_drop_reference`).
     ``reference`` True/False writes the shards or not whatever the choice says (bench/checkpoint_cost.py
-    measures both); None follows the choice.
+    measures both); None follows the choice. ``client_extra``: more entries of this rank's client
+    state (e.g. the step guard's, :mod:`smelt_ds.train.step_guard`), returned by :func:`load`.
 
-    Raises :class:`CheckpointWriteError` on every rank when any rank could not write (e.g. a
-    full disk); no marker is written, so the previous complete checkpoint stays the newest.
+    Raises :class:`CheckpointWriteError` on every rank when any rank could not write (any
+    OSError: a full disk, a permission error, a failing device; the message names the rank, the
+    file, the errno and the fix), or when rank 0 could not write the marker: no marker is
+    written (the partial directory is removed), nothing is pruned, so the previous complete
+    checkpoints stay and the newest of them is what ``--resume auto`` continues from.
     """
     import torch.distributed as dist
 
@@ -278,32 +358,57 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = {"world_size": world, **(layout or {})}
-    client = {"step": step, "tokens_seen": tokens_seen, "loader": loader_state, "rng": rng_state()}
+    client = {**(client_extra or {}), "step": step, "tokens_seen": tokens_seen, "loader": loader_state,
+              "rng": rng_state()}
     if reference is None:
         reference = writes_reference(reference_weights, layout, final)
-    try:
-        written, error = _write_rank_files(engine, root, tag, rank, client, layout.get("moe_backend", "reference"),
-                                           reference), None
-    except CheckpointWriteError as e:
-        written, error = {}, str(e)
+    written, failed = _write_rank_files(engine, root, tag, rank, client, layout.get("moe_backend", "reference"),
+                                        reference)
+    error = None if failed is None else (f"rank {rank} could not write checkpoint {root / tag}: {failed}"
+                                         if world > 1 else f"could not write checkpoint {root / tag}: {failed}")
     gathered = _gather_objects((written, error))
     errors = [e for _, e in gathered if e]
     if errors:
         if rank == 0:  # no marker was written: the partial directory is no checkpoint, only used space
             shutil.rmtree(root / tag, ignore_errors=True)
-        raise CheckpointWriteError(errors[0])
+        more = f" (and {len(errors) - 1} more rank(s) failed)" if len(errors) > 1 else ""
+        raise CheckpointWriteError(errors[0] + more)
+    error = None
     if rank == 0:
+        error = _complete(root, tag, gathered, {"step": step, "tokens_seen": tokens_seen, **layout}, keep_last,
+                          reference_weights != "every_save")
+    if dist.is_initialized() and world > 1:  # also the barrier: no rank goes on before the marker is written
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise CheckpointWriteError(error)
+    return root / tag
+
+
+def _complete(root: Path, tag: str, gathered: list[Any], meta: dict[str, Any], keep_last: int,
+              drop_reference: bool) -> str | None:
+    """Rank 0, once every rank wrote its files: the digests of the small files no rank hashed, the
+    directory fsynced, the ``COMPLETE`` marker, then the pruning (only now: the older complete
+    checkpoints stay until this one is complete). The message of a failure (any OSError), else
+    None; a failure before the marker is written removes the partial directory."""
+    try:
         files = {name: {**d, "rank": r} for r, (w, _) in enumerate(gathered) for name, d in w.items()}
         for p in sorted((root / tag).rglob("*")):  # files no rank hashed while writing (small ones)
             name = str(p.relative_to(root / tag))
             if p.is_file() and name not in files and name != MARKER and not name.endswith(".tmp"):
                 files[name] = {**file_digest(p), "rank": 0}
         _fsync_dir(root / tag)
-        _write_marker(root / tag, {"step": step, "tokens_seen": tokens_seen, **layout, "files": files})
-        _prune(root, keep_last, drop_reference=reference_weights != "every_save")
-    if dist.is_initialized():
-        dist.barrier()
-    return root / tag
+        _write_marker(root / tag, {**meta, "files": files})
+    except OSError as e:
+        shutil.rmtree(root / tag, ignore_errors=True)  # a marker not known to be durable is none
+        return f"could not complete checkpoint {root / tag}: {_write_error(e, root / tag / MARKER)}"
+    try:
+        _prune(root, keep_last, drop_reference=drop_reference)
+    except OSError as e:
+        return (f"checkpoint {root / tag} is complete, but removing the older ones failed: "
+                f"{_write_error(e, root, kept=f'--resume auto continues from {tag}')}")
+    return None
 
 
 def verify(path: str | Path, rank: int | None = None, names: list[str] | None = None) -> list[str]:

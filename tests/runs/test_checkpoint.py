@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,12 +132,17 @@ def test_damaged_newest_checkpoint_is_named_kept_and_skipped(trained, tmp_path):
     with pytest.raises(DistributedTestError, match=r"--resume .*step00000004: the checkpoint is damaged \(.*"
                                                    r"mp_rank_00_model_states.pt has another SHA-256"):
         run_distributed(_train, 1, args=(raw, str(step4)), timeout=300)
-    # export and eval of the run refuse a damaged reference shard, naming it
+    # export and eval of the run read step 2 past a damaged reference shard of step 4 (naming it, moving
+    # nothing); an export of step 4 itself is refused, naming the shard and step 2
     shard = step4 / "reference" / "rank00000.pt"
     good_shard = shard.read_bytes()
     shard.write_bytes(good_shard[: len(good_shard) // 2])   # truncated
-    with pytest.raises(ConfigError, match=r"step00000004 is damaged \(.*rank00000.pt has [\d,]+ bytes, [\d,]+ when"):
-        export_checkpoint(run_dir, tmp_path / "export")
+    out = export_checkpoint(run_dir, tmp_path / "export")
+    assert (out / "SOURCE").read_text().strip() == str((run_dir / "checkpoints" / "step00000002").resolve())
+    with pytest.raises(ConfigError, match=r"step00000004 is damaged \(.*rank00000.pt has [\d,]+ bytes, [\d,]+ when"
+                                          r".*: use .*step00000002 instead"):
+        export_checkpoint(step4, tmp_path / "export4")
+    assert (step4 / "reference").is_dir()
     shard.write_bytes(good_shard)
     # --resume auto falls back to step 2, says so, and keeps the damaged checkpoint
     r = run_distributed(_train, 1, args=(raw, "auto"), timeout=300)[0]
@@ -304,6 +310,58 @@ def test_all_checkpoints_damaged_never_restarts_from_step_zero(trained, tmp_path
 
     with pytest.raises(ConfigError, match=r"was moved aside as damaged \(.*mp_rank_00_model_states.pt has another"):
         export_checkpoint(run_dir / "checkpoints" / "damaged-step00000004", tmp_path / "export")
+
+
+def test_readers_of_a_run_take_the_newest_checkpoint_that_verifies(tmp_path, capsys):
+    """eval, generate and export of a run whose newest checkpoint has one flipped byte read the newest
+    one that verifies, as --resume auto does, and say so naming both (they used to refuse with a
+    'stepNNNNNNNN' placeholder); they move nothing. A damaged checkpoint directory passed explicitly
+    is refused naming the intact one; a run none of whose checkpoints verifies is refused naming each."""
+    from smelt_ds.cli import main
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.runs.export import export_checkpoint
+    from smelt_ds.runs.load import resolve_export
+    from tests.runs.fake_run import fake_run
+
+    cfg = config_from_dict(_raw(tmp_path / "run", tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    states = fake_run(run_dir, cfg, steps=(2, 4))
+    step2, step4 = run_dir / "checkpoints" / "step00000002", run_dir / "checkpoints" / "step00000004"
+    model_file = step4 / "mp_rank_00_model_states.pt"
+    _flip(model_file, 1)
+    listing = sorted(str(p.relative_to(run_dir)) for p in (run_dir / "checkpoints").rglob("*"))
+    export = resolve_export(run_dir)                          # what eval and generate read
+    assert export == run_dir / "exports" / "step00000002"
+    assert (export / "SOURCE").read_text().strip() == str(step2.resolve())
+    err = capsys.readouterr().err
+    assert f"checkpoint {step4} is damaged ({model_file} has another SHA-256 than when written (damaged))" in err
+    assert f"using {step2} instead, the newest checkpoint of {run_dir} whose files verify" in err
+    got = torch.load(export / "model.pt", weights_only=True)
+    assert sorted(got) == sorted(states[2]) and all(torch.equal(got[k], v.float()) for k, v in states[2].items())
+    assert not all(torch.equal(got[k], v.float()) for k, v in states[4].items())
+    assert main(["export", str(run_dir), "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "SOURCE").read_text().strip() == str(step2.resolve())
+    assert f"using {step2} instead" in capsys.readouterr().err
+    for read in (lambda: export_checkpoint(step4, tmp_path / "o1"), lambda: resolve_export(step4)):
+        with pytest.raises(ConfigError) as e:
+            read()
+        assert str(e.value) == (f"checkpoint {step4} is damaged ({model_file} has another SHA-256 than when written "
+                                f"(damaged)): use {step2} instead, the newest checkpoint of {run_dir} whose files "
+                                f"verify (or pass the run directory {run_dir}, which takes it)")
+    assert not (tmp_path / "o1").exists()
+    assert sorted(str(p.relative_to(run_dir)) for p in (run_dir / "checkpoints").rglob("*")) == listing
+    _flip(step2 / "mp_rank_00_model_states.pt", 1)
+    with pytest.raises(ConfigError) as e:
+        export_checkpoint(run_dir, tmp_path / "o2")
+    assert str(e.value).startswith(f"no checkpoint of {run_dir} verifies (checkpoint {step4} is damaged ({model_file} "
+                                   f"has another SHA-256 than when written (damaged)); checkpoint {step2} is damaged "
+                                   f"({step2}/mp_rank_00_model_states.pt has another SHA-256"), str(e.value)
+    assert str(e.value).endswith("nothing to read the weights from; restore a checkpoint from a copy, or train the "
+                                 "run again")
+    with pytest.raises(ConfigError, match=re.escape(f"and no other checkpoint of {run_dir} verifies: restore the "
+                                                    "checkpoint from a copy")):
+        export_checkpoint(step4, tmp_path / "o3")
+    assert sorted(str(p.relative_to(run_dir)) for p in (run_dir / "checkpoints").rglob("*")) == listing
 
 
 def _train_in_dir(rank, world, raw, run_dir, resume):
