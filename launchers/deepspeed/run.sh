@@ -10,12 +10,20 @@
 # and PYTHON* variables to the other hosts by itself; the others listed below go through a
 # DS_ENV_FILE. Stopped or crashed? Run the script again: `--resume auto` continues from the newest
 # complete checkpoint.
+#
+# Stopping: the launcher does not pass SIGTERM on to the ranks of one host, and on several hosts
+# it SIGKILLs them 30 s after SIGTERM, which can cut a checkpoint short. So this script runs the
+# launcher in the background and, on SIGTERM, SIGINT or SIGHUP, creates RUN_DIR/STOP: the ranks on
+# every host finish their step, save a checkpoint together and exit 143; the script waits for the
+# launcher and exits with its status. `touch RUN_DIR/STOP` does the same from anywhere. The ranks
+# on this host also stop (and save) when this script dies (SMELT_LAUNCHER_PID).
 set -euo pipefail
 
 # ---- filled in by smelt-ds render-job ------------------------------------------------------------
 # the repository checkout (the same path on every host); the recipe, relative to it; the hostfile
 # (empty: this machine only); the layout; the first host of the hostfile and the rendezvous port;
-# more smelt_ds.train arguments (the layout's overrides and --set), shell-quoted
+# more smelt_ds.train arguments (the layout's overrides and --set), shell-quoted; the run directory
+# (train.run_dir or --run-dir, relative to the checkout unless absolute)
 SMELT_WORKDIR={{WORKDIR}}
 SMELT_RECIPE={{RECIPE}}
 SMELT_HOSTFILE={{HOSTFILE}}
@@ -24,21 +32,31 @@ SMELT_GPUS_PER_NODE={{GPUS_PER_NODE}}
 SMELT_MASTER_ADDR={{MASTER_ADDR}}
 SMELT_MASTER_PORT={{MASTER_PORT}}
 SMELT_TRAIN_ARGS={{TRAIN_ARGS}}
+SMELT_RUN_DIR={{RUN_DIR}}
 
 # ---- network and runtime knobs: defaults here; export your own before running to override ----------
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# faults and hangs (docs/cluster.md): a failed collective ends the ranks instead of hanging; on a
+# collective timeout each rank dumps its last collectives (the flight recorder) into RUN_DIR/nccl_trace/
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$SMELT_RUN_DIR/nccl_trace/rank_}"
+export TORCH_NCCL_ENABLE_MONITORING=${TORCH_NCCL_ENABLE_MONITORING:-1}
+export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-600}
 # Set when your fabric needs them: NCCL_SOCKET_IFNAME (e.g. ib0), NCCL_IB_HCA (e.g. mlx5_0,mlx5_1),
 # NCCL_IB_DISABLE=1 (TCP only), NCCL_NET_GDR_LEVEL; SMELT_DS_CACHE (token cache, on a shared filesystem).
 {{ENV_EXPORTS}}
 
 cd "$SMELT_WORKDIR"
+mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")"  # the flight recorder writes into an existing directory
 DS_ENV_FILE=$(mktemp)
 export DS_ENV_FILE
 trap 'rm -f "$DS_ENV_FILE"' EXIT
-for var in TORCH_NCCL_ASYNC_ERROR_HANDLING OMP_NUM_THREADS SMELT_DS_CACHE HF_HOME HF_HUB_OFFLINE FI_PROVIDER \
-    FI_EFA_USE_DEVICE_RDMA {{ENV_NAMES}}; do
+for var in TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_NCCL_DUMP_ON_TIMEOUT TORCH_NCCL_TRACE_BUFFER_SIZE \
+    TORCH_NCCL_DEBUG_INFO_TEMP_FILE TORCH_NCCL_ENABLE_MONITORING TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC \
+    OMP_NUM_THREADS SMELT_DS_CACHE HF_HOME HF_HUB_OFFLINE FI_PROVIDER FI_EFA_USE_DEVICE_RDMA {{ENV_NAMES}}; do
   if [[ -n "${!var:-}" ]]; then echo "$var=${!var}" >> "$DS_ENV_FILE"; fi
 done
 launcher=(deepspeed --num_nodes "$SMELT_NNODES" --num_gpus "$SMELT_GPUS_PER_NODE"
@@ -46,4 +64,27 @@ launcher=(deepspeed --num_nodes "$SMELT_NNODES" --num_gpus "$SMELT_GPUS_PER_NODE
 if [[ -n "$SMELT_HOSTFILE" ]]; then launcher+=(--hostfile "$SMELT_HOSTFILE"); fi
 eval "train_args=($SMELT_TRAIN_ARGS)"
 echo "smelt-ds: ${launcher[*]} --module smelt_ds.train $SMELT_RECIPE --resume auto ${train_args[*]}" >&2
-"${launcher[@]}" --module smelt_ds.train "$SMELT_RECIPE" --resume auto "${train_args[@]}"
+
+# ---- stop: SIGTERM / SIGINT / SIGHUP -> RUN_DIR/STOP -> every rank saves a checkpoint and exits 143 ----
+got_signal=0
+stop_ranks() {
+  got_signal=1
+  mkdir -p "$SMELT_RUN_DIR" && touch "$SMELT_RUN_DIR/STOP"
+  echo "smelt-ds: $1: created $SMELT_RUN_DIR/STOP: the ranks finish their step, save a checkpoint and exit;" \
+    "waiting for the launcher" >&2
+}
+trap 'stop_ranks SIGTERM' TERM
+trap 'stop_ranks SIGINT' INT
+trap 'stop_ranks SIGHUP' HUP
+export SMELT_LAUNCHER_PID=$$  # the ranks on this host stop (and save) when this script dies
+"${launcher[@]}" --module smelt_ds.train "$SMELT_RECIPE" --resume auto "${train_args[@]}" &
+launcher_pid=$!
+rc=
+while :; do  # a trapped signal ends `wait` early (status > 128): wait again until the launcher has exited
+  got_signal=0
+  wait "$launcher_pid" && status=0 || status=$?
+  if (( status == 127 )) && [[ -n "$rc" ]]; then break; fi  # the launcher's status was already collected
+  rc=$status
+  (( got_signal )) || break
+done
+exit "$rc"

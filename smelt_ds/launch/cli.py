@@ -44,6 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="environment variable for every rank, e.g. --env NCCL_SOCKET_IFNAME=ib0 (repeatable)")
     p.add_argument("--shutdown-timeout", type=int, default=d.shutdown_s, dest="shutdown_s",
                    help=f"seconds the ranks get to save a checkpoint after SIGTERM (default {d.shutdown_s})")
+    p.add_argument("--run-dir", default=None,
+                   help="run directory, passed on to smelt_ds.train (default: the recipe's train.run_dir; relative to "
+                        "--workdir); the job writes NCCL flight-recorder dumps to RUN_DIR/nccl_trace/ and the "
+                        "deepspeed script stops its ranks through RUN_DIR/STOP")
     g = p.add_argument_group("deepspeed launcher")
     g.add_argument("--hostfile", default=None,
                    help="hostfile (HOST slots=N lines); required for several nodes "
@@ -60,6 +64,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--signal-lead", type=int, default=d.signal_lead_s, dest="signal_lead_s",
                    help=f"seconds before the time limit at which the job checkpoints and requeues (default "
                         f"{d.signal_lead_s})")
+    g.add_argument("--max-requeues", type=int, default=d.max_requeues,
+                   help=f"times a job whose ranks failed (srun exit status other than 0, 2, 3) requeues itself, "
+                        f"counted by SLURM_RESTART_COUNT; 0 = never (default {d.max_requeues})")
     g = p.add_argument_group("Kubernetes")
     g.add_argument("--image", default=d.image, help=f"container image with smelt-ds (default {d.image}; "
                                                     "launchers/k8s/Dockerfile)")
@@ -84,6 +91,7 @@ def options_from_args(args: argparse.Namespace):
                       master_port=args.master_port, workdir=args.workdir, job_name=args.job_name, env=list(args.env),
                       time=args.time, partition=args.partition, account=args.account, sbatch=list(args.sbatch),
                       log_dir=args.log_dir, signal_lead_s=args.signal_lead_s, shutdown_s=args.shutdown_s,
+                      run_dir=args.run_dir, max_requeues=args.max_requeues,
                       image=args.image, namespace=args.namespace, runs_pvc=args.runs_pvc, data_pvc=args.data_pvc,
                       backoff_limit=args.backoff_limit, shm_size=args.shm_size, cpu_per_gpu=args.cpu_per_gpu,
                       memory_per_gpu_gib=args.memory_per_gpu_gib)

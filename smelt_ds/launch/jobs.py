@@ -7,7 +7,8 @@ estimates memory per GPU; :func:`render` fills one of the templates in ``launche
 
 * ``deepspeed``: ``launchers/deepspeed/run.sh``, the deepspeed launcher over a hostfile;
 * ``slurm``: ``launchers/slurm/smelt.sbatch``, one ``srun`` task per node running torchrun,
-  rendezvous at the first host of ``SLURM_JOB_NODELIST``, ``--requeue`` + ``--resume auto``;
+  rendezvous at the first host of ``SLURM_JOB_NODELIST``, ``--requeue`` + ``--resume auto``; a
+  job whose ranks fail requeues itself, at most ``--max-requeues`` times;
 * ``k8s``: ``launchers/k8s/pytorchjob.yaml``, a Kubeflow PyTorchJob with one pod per node.
 
 Templates hold ``{{NAME}}`` fields; values are quoted for the file's language here (shell words
@@ -16,6 +17,11 @@ submitted by the user (``sbatch``, ``kubectl apply``, ``bash``). ``python -m sme
 hostnames NODELIST`` expands a Slurm node list (``gpu[001-004,010]``), ``... hostfile NODELIST
 --slots 8`` writes a DeepSpeed hostfile from it.
 
+Every job sets the NCCL fault-handling variables of :data:`NCCL_FAULT_ENV` (defaults the user's
+environment or ``--env`` overrides) and knows the run directory (``train.run_dir`` or
+``--run-dir``, as the job sees it): the flight-recorder dumps go to ``<run_dir>/nccl_trace/``, and
+the deepspeed script stops its ranks on SIGTERM / SIGINT / SIGHUP by creating ``<run_dir>/STOP``.
+
 Units: counts of nodes, GPUs (ranks) and tokens; seconds; memory in bytes (GiB = 2**30).
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import sys
@@ -36,8 +43,9 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.launch.placement import MIN_HEADROOM, memory_report, place, zero3_decision
 from smelt_ds.resources import DATA_ROOT
 
-__all__ = ["SCHEDULERS", "LAUNCHERS_DIR", "TEMPLATES", "Host", "parse_hostfile", "expand_nodelist", "JobOptions",
-           "JobPlan", "plan_job", "render", "fill_template", "per_node_command", "summary", "main"]
+__all__ = ["SCHEDULERS", "LAUNCHERS_DIR", "TEMPLATES", "NCCL_FAULT_ENV", "Host", "parse_hostfile", "expand_nodelist",
+           "JobOptions", "JobPlan", "plan_job", "render", "fill_template", "per_node_command", "k8s_pod_command",
+           "summary", "main"]
 
 SCHEDULERS = ("deepspeed", "slurm", "k8s")
 LAUNCHERS_DIR = DATA_ROOT / "launchers"
@@ -47,6 +55,13 @@ TEMPLATES = {"deepspeed": LAUNCHERS_DIR / "deepspeed" / "run.sh",
 #: where the repository lives in the image of launchers/k8s/Dockerfile
 K8S_WORKDIR = "/workspace/smelt-ds"
 _FIELD = re.compile(r"\{\{([A-Z0-9_]+)\}\}")
+#: NCCL fault handling in every rendered job (docs/cluster.md, "Faults and hangs on a cluster"):
+#: name -> default; ``{run_dir}`` is the run directory as the job sees it. The bash scripts export
+#: them unless already set, the Kubernetes pods list them; ``--env NAME=VALUE`` overrides any.
+NCCL_FAULT_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                  "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                  "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{run_dir}/nccl_trace/rank_",
+                  "TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "600"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +210,8 @@ class JobOptions:
     log_dir: str | None = None
     signal_lead_s: int = 600
     shutdown_s: int = 300
+    run_dir: str | None = None
+    max_requeues: int = 3
     image: str = "smelt-ds:latest"
     namespace: str = "default"
     runs_pvc: str = "smelt-runs"
@@ -208,7 +225,9 @@ class JobOptions:
 @dataclass
 class JobPlan:
     """A recipe resolved for a cluster: sizes, parallel layout, memory verdict, and what the job
-    passes to ``smelt_ds.train`` (``train_args``: the layout's and the user's ``--set``)."""
+    passes to ``smelt_ds.train`` (``train_args``: the layout's and the user's ``--set``, then
+    ``--run-dir`` when given). ``run_dir``: the run directory as the job sees it (absolute when
+    the working directory is, else relative to it)."""
 
     options: JobOptions
     recipe_path: Path
@@ -229,6 +248,7 @@ class JobPlan:
     memory: Any
     zero3: Any
     notes: list[str]
+    run_dir: str = ""
 
     @property
     def world_size(self) -> int:
@@ -324,10 +344,23 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
                      "ZeRO stage / checkpointing policy that fits")
     workdir = o.workdir or (K8S_WORKDIR if o.scheduler == "k8s" else str(Path.cwd().resolve()))
     train_args = [x for s in res.overrides for x in ("--set", s)]
+    if o.run_dir is not None:
+        if not o.run_dir.strip():
+            raise ConfigError("--run-dir '' is empty: name the run directory, e.g. --run-dir runs/m-smelt-pile")
+        train_args += ["--run-dir", o.run_dir]
     master = hosts[0].name if hosts else ("127.0.0.1" if nodes == 1 else "")
     return JobPlan(o, res.path, _recipe_arg(res.path, workdir), workdir, cfg, res.layout_name, layout, nodes, gpus,
                    train_args, pl.accumulation, pl.global_batch_tokens, hosts, master, _parse_env(o.env),
-                   _job_name(cfg, o.job_name), mem, zero3_decision(cfg, layout, nodes * gpus), notes)
+                   _job_name(cfg, o.job_name), mem, zero3_decision(cfg, layout, nodes * gpus), notes,
+                   _run_dir_in_job(cfg, o.run_dir, workdir))
+
+
+def _run_dir_in_job(cfg: RunConfig, given: str | None, workdir: str) -> str:
+    """The run directory as the job's ranks resolve it (``--run-dir`` as given, else
+    ``train.run_dir`` with ``{name}``; relative paths are relative to the working directory), made
+    absolute with ``workdir`` when that is absolute."""
+    run_dir = given if given is not None else cfg.train.run_dir.format(name=cfg.name)
+    return os.path.join(workdir, run_dir) if os.path.isabs(workdir) else run_dir
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,7 +383,7 @@ def _shell_common(plan: JobPlan) -> dict[str, str]:
     return {"WORKDIR": q(plan.workdir), "RECIPE": q(plan.recipe_arg), "NODES": str(plan.nodes),
             "GPUS_PER_NODE": str(plan.gpus_per_node), "TRAIN_ARGS": q(shlex.join(plan.train_args)),
             "ENV_EXPORTS": "\n".join(f"export {k}={q(v)}" for k, v in plan.env.items()),
-            "SHUTDOWN_S": str(plan.options.shutdown_s)}
+            "SHUTDOWN_S": str(plan.options.shutdown_s), "RUN_DIR": q(plan.run_dir)}
 
 
 def per_node_command(plan: JobPlan) -> str:
@@ -361,6 +394,13 @@ def per_node_command(plan: JobPlan) -> str:
     return (f"python -m torch.distributed.run --nnodes={plan.nodes} --nproc-per-node={plan.gpus_per_node} "
             f"--node-rank={rank} --master-addr={master} --master-port={port} "
             f"-m smelt_ds.train {shlex.join([plan.recipe_arg, '--resume', 'auto', *plan.train_args])}")
+
+
+def k8s_pod_command(plan: JobPlan) -> str:
+    """What a Kubernetes pod runs (``bash -c``): creates the flight recorder's dump directory (it
+    writes into an existing directory only), then becomes torchrun (:func:`per_node_command`)."""
+    return ('[[ -z "${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ]] || '
+            'mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")"; exec ' + per_node_command(plan))
 
 
 def _render_slurm(plan: JobPlan) -> dict[str, str]:
@@ -380,8 +420,11 @@ def _render_slurm(plan: JobPlan) -> dict[str, str]:
     log_dir = o.log_dir or str(Path(plan.workdir) / "runs" / "slurm-logs")
     if re.search(r"\s", log_dir):
         raise ConfigError(f"--log-dir {log_dir!r}: #SBATCH --output cannot hold spaces; choose another directory")
+    if not isinstance(o.max_requeues, int) or isinstance(o.max_requeues, bool) or o.max_requeues < 0:
+        raise ConfigError(f"`--max-requeues` ({o.max_requeues!r}) must be 0 (never requeue a failed job) or a "
+                          "positive integer, e.g. --max-requeues 3")
     return {**_shell_common(plan), "JOB_NAME": plan.job_name, "TIME": o.time, "SIGNAL_LEAD_S": str(o.signal_lead_s),
-            "LOG_DIR": log_dir, "EXTRA_SBATCH": "\n".join(extra)}
+            "LOG_DIR": log_dir, "EXTRA_SBATCH": "\n".join(extra), "MAX_REQUEUES": str(o.max_requeues)}
 
 
 def _render_deepspeed(plan: JobPlan) -> dict[str, str]:
@@ -401,9 +444,10 @@ def _render_k8s(plan: JobPlan) -> dict[str, str]:
     _positive("--cpus-per-gpu", o.cpu_per_gpu)
     _positive("--memory-per-gpu", o.memory_per_gpu_gib)
     _positive("--backoff-limit", o.backoff_limit)
-    cmd = "exec " + per_node_command(plan)
+    cmd = k8s_pod_command(plan)
     label = re.sub(r"[^A-Za-z0-9_.-]", "_", plan.recipe_arg)[-63:].strip("_.-") or "recipe"
-    items = [f"                - {{name: {k}, value: {j(v)}}}" for k, v in plan.env.items()]
+    env = {**{k: v.format(run_dir=plan.run_dir) for k, v in NCCL_FAULT_ENV.items()}, **plan.env}  # --env wins
+    items = [f"                - {{name: {k}, value: {j(v)}}}" for k, v in env.items()]
     return {"JOB_NAME": j(plan.job_name), "NAMESPACE": j(o.namespace), "RECIPE_LABEL": j(label),
             "BACKOFF_LIMIT": str(o.backoff_limit), "GRACE_S": str(o.shutdown_s + 60), "IMAGE": j(o.image),
             "WORKDIR": j(plan.workdir), "NODE_CMD": j(cmd), "NODES": str(plan.nodes),
@@ -424,6 +468,9 @@ def render(plan: JobPlan) -> str:
     values = {"slurm": _render_slurm, "deepspeed": _render_deepspeed, "k8s": _render_k8s}[s](plan)
     if s == "k8s" and plan.nodes == 1:  # a single pod: the Master alone
         template = re.sub(r"\n    Worker:.*?template: \*pod\n", "\n", template, flags=re.S)
+    if s == "k8s":  # --env replaces a variable the template sets (a container lists each name once)
+        for k in plan.env:
+            template = re.sub(rf"\n *- \{{name: {re.escape(k)}, value: [^\n]*", "", template)
     return fill_template(template, values, str(TEMPLATES[s].relative_to(DATA_ROOT)))
 
 
@@ -489,9 +536,11 @@ def summary(plan: JobPlan, output: str | None = None) -> str:
              f"{lay.device_memory_gib:g} GiB per GPU",
              f"scheduler     {plan.options.scheduler}",
              f"world size    {plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world_size} ranks"]
-    lines += _launch_lines(plan, output) + _parallel_lines(plan) + [_memory_line(plan)]
-    if plan.train_args:
-        lines.append(f"overrides     {' '.join(plan.train_args[1::2])}")
+    lines += _launch_lines(plan, output) + [f"run dir       {plan.run_dir}"] + _parallel_lines(plan)
+    lines.append(_memory_line(plan))
+    sets = [v for k, v in zip(plan.train_args[::2], plan.train_args[1::2], strict=True) if k == "--set"]
+    if sets:
+        lines.append(f"overrides     {' '.join(sets)}")
     return "\n".join(lines + [f"note          {n}" for n in plan.notes])
 
 

@@ -75,7 +75,7 @@ from smelt_ds.data.cache import is_complete
 from smelt_ds.data.loader import TrainLoader
 from smelt_ds.data.prepare import PreparedData, prepare_from_config, prepared_path
 from smelt_ds.errors import ConfigError
-from smelt_ds.launch.jobs import LAUNCHERS_DIR, JobOptions, JobPlan, fill_template, per_node_command, plan_job, render
+from smelt_ds.launch.jobs import LAUNCHERS_DIR, JobOptions, JobPlan, fill_template, k8s_pod_command, plan_job, render
 from smelt_ds.launch.placement import load_raw
 from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.study.recipes import REPO_ROOT
@@ -948,10 +948,11 @@ def render_k8s(plan: SweepPlan) -> list[Path]:
         job = plan_job(r.recipe_path, _job_options(plan, r, "k8s"))
         text = render(job)
         run_dir = _path_in_job(r.run_dir, job.workdir)
-        cmd = "exec " + per_node_command(job)
+        cmd = k8s_pod_command(job)
         guarded = f"test -f {shlex.quote(run_dir + '/summary.json')} && exit 0; {cmd}"
-        if json.dumps(cmd) in text:
-            text = text.replace(json.dumps(cmd), json.dumps(guarded))
+        if json.dumps(cmd) not in text:  # the template changed: never write a job that retrains a finished run
+            raise RuntimeError(f"render_k8s: the pod command of {r.name} is not in the rendered manifest")
+        text = text.replace(json.dumps(cmd), json.dumps(guarded))
         path = root / f"{r.index:03d}-{r.name}.yaml"
         path.write_text(text)
         out.append(path)

@@ -244,7 +244,8 @@ def test_slurm_script_checkpoints_on_signal_and_requeues_near_the_time_limit(tmp
         (bindir / name).write_text(body)
         (bindir / name).chmod(0o755)
     job = tmp_path / "job.sbatch"
-    job.write_text(render(_plan(ROOT / "recipes/m/smelt.yaml", "slurm", log_dir=str(tmp_path / "logs"))))
+    job.write_text(render(_plan(ROOT / "recipes/m/smelt.yaml", "slurm", log_dir=str(tmp_path / "logs"),
+                                run_dir=str(tmp_path / "run"))))
     log = tmp_path / "fake.log"
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
            "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "777", "SLURM_CPUS_ON_NODE": "32"}
@@ -262,6 +263,68 @@ def test_slurm_script_checkpoints_on_signal_and_requeues_near_the_time_limit(tmp
     srun = next(line for line in lines if line.startswith("srun "))
     assert "--ntasks-per-node=1" in srun and "--cpus-per-task=32" in srun
     assert "--master-addr=node-a --master-port=20777" in srun and "--nnodes=4" in srun
+
+
+FAKE_SRUN_EXITS = """#!/bin/bash
+echo "srun $*" >> "$FAKE_LOG"
+exit "$FAKE_SRUN_RC"
+"""
+
+
+def _run_slurm_job(tmp_path: Path, srun_rc: int, env: dict[str, str], **kw) -> tuple[int, str, list[str]]:
+    """Run the rendered Slurm job with a fake srun that exits ``srun_rc`` (as when the ranks end by
+    themselves) and a fake scontrol: (the job's status, its output, the fakes' log lines)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, body in (("srun", FAKE_SRUN_EXITS), ("scontrol", FAKE_SCONTROL)):
+        (bindir / name).write_text(body)
+        (bindir / name).chmod(0o755)
+    job = tmp_path / "job.sbatch"
+    job.write_text(render(_plan(ROOT / "recipes/m/smelt.yaml", "slurm", log_dir=str(tmp_path / "logs"),
+                                run_dir=str(tmp_path / "run"), **kw)))
+    log = tmp_path / "fake.log"
+    base = {k: v for k, v in os.environ.items() if k not in ("SLURM_RESTART_COUNT", "SMELT_MAX_REQUEUES")}
+    r = subprocess.run(["bash", str(job)], env={**base, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+                                               "FAKE_SRUN_RC": str(srun_rc), "SLURM_JOB_NODELIST": "node-[a-b]",
+                                               "SLURM_JOB_ID": "777", **env},
+                       capture_output=True, text=True, timeout=60)
+    return r.returncode, r.stdout + r.stderr, log.read_text().splitlines()
+
+
+@pytest.mark.parametrize("srun_rc,requeue", [
+    (1, True),     # torchrun: some rank failed (a dead peer, a hang, or an unexpected error)
+    (75, True),    # a collective failed: a peer was lost
+    (124, True),   # the hang watchdog fired
+    (137, True),   # srun or its step killed (SIGKILL, node failure)
+    (0, False),    # done
+    (2, False),    # bad configuration: failing again is certain
+    (3, False),    # stopped after non-finite steps: a restart would diverge again
+])
+def test_slurm_job_whose_ranks_fail_requeues_itself(tmp_path, srun_rc, requeue):
+    rc, out, lines = _run_slurm_job(tmp_path, srun_rc, {"SLURM_RESTART_COUNT": "1"})
+    assert rc == srun_rc, out
+    assert any(line.startswith("srun ") for line in lines)
+    assert ("scontrol requeue 777" in lines) == requeue, out
+    if requeue:
+        assert f"smelt-ds: srun exited {srun_rc} (a rank failed, hung or lost a peer) at restart count 1: " \
+               "requeueing (2 of at most 3)" in out
+    elif srun_rc:
+        assert f"smelt-ds: srun exited {srun_rc} (" in out and "not requeueing" in out
+
+
+@pytest.mark.parametrize("env,kw,limit", [
+    ({"SLURM_RESTART_COUNT": "3", "SMELT_MAX_REQUEUES": "3"}, {}, 3),  # exported
+    ({"SLURM_RESTART_COUNT": "3"}, {}, 3),                             # render-job's default
+    ({"SLURM_RESTART_COUNT": "2"}, {"max_requeues": 2}, 2),            # --max-requeues 2
+    ({}, {"max_requeues": 0}, 0),                                      # --max-requeues 0: never
+])
+def test_slurm_job_requeues_a_failure_at_most_max_requeues_times(tmp_path, env, kw, limit):
+    rc, out, lines = _run_slurm_job(tmp_path, 1, env, **kw)
+    assert rc == 1
+    assert not any(line.startswith("scontrol requeue") for line in lines), out
+    assert f"not requeueing: requeue limit reached ({limit}; render-job --max-requeues)" in out
+    with pytest.raises(ConfigError, match=r"`--max-requeues` \(-1\) must be 0"):
+        render(_plan(ROOT / "recipes/m/smelt.yaml", "slurm", max_requeues=-1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,7 +420,8 @@ def test_deepspeed_script_calls_the_launcher_with_hostfile_and_overrides(tmp_pat
     hf = tmp_path / "hostfile"
     hf.write_text(HOSTFILE)
     plan = _plan(ROOT / "recipes/m/smelt.yaml", "deepspeed", hostfile=str(hf), nodes=2, layout="h200",
-                 overrides=["train.log_every=5"], env=["NCCL_IB_HCA=mlx5_0", "MY_FLAG=a b"], workdir=str(ROOT))
+                 overrides=["train.log_every=5", f"train.run_dir={tmp_path / 'run'}"],
+                 env=["NCCL_IB_HCA=mlx5_0", "MY_FLAG=a b"], workdir=str(ROOT))
     (tmp_path / "run.sh").write_text(render(plan))
     env = {**_fake_bin(tmp_path, "deepspeed"), "OMP_NUM_THREADS": "4"}
     r = subprocess.run(["bash", str(tmp_path / "run.sh")], env=env, capture_output=True, text=True, timeout=60)
@@ -366,9 +430,147 @@ def test_deepspeed_script_calls_the_launcher_with_hostfile_and_overrides(tmp_pat
     assert argv == ["--num_nodes", "2", "--num_gpus", "8", "--master_addr", "gpu-node-001.cluster.example.org",
                     "--master_port", "29500", "--hostfile", str(hf.resolve()), "--module", "smelt_ds.train",
                     "recipes/m/smelt.yaml", "--resume", "auto", "--set", "train.micro_batch_size=4",
-                    "--set", "train.log_every=5"]
+                    "--set", "train.log_every=5", "--set", f"train.run_dir={tmp_path / 'run'}"]
     shipped = (tmp_path / "argv.env").read_text().splitlines()  # variables the other hosts receive
     assert "OMP_NUM_THREADS=4" in shipped and "MY_FLAG=a b" in shipped
+    assert f"TORCH_NCCL_DEBUG_INFO_TEMP_FILE={tmp_path / 'run'}/nccl_trace/rank_" in shipped
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1" in shipped and "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=600" in shipped
+
+
+FAKE_DEEPSPEED_WAITS = """#!/bin/bash
+# a launcher whose ranks stop on RUN_DIR/STOP: save (FAKE_SAVE_S), then exit FAKE_RC; 99 when no
+# STOP came within 20 s
+printf '%s\\n' "$0" "$@" > "$FAKE_LOG"
+env > "$FAKE_LOG.environ"
+for (( i = 0; i < 1000; i++ )); do [[ -e "$FAKE_STOP" ]] && break; sleep 0.02; done
+[[ -e "$FAKE_STOP" ]] || exit 99
+echo stopping > "$FAKE_LOG.stopping"
+sleep "$FAKE_SAVE_S"
+echo saved > "$FAKE_LOG.saved"
+exit "$FAKE_RC"
+"""
+
+
+@pytest.mark.parametrize("launcher_rc", [143, 1])
+def test_deepspeed_script_stops_the_ranks_through_the_stop_file_on_sigterm(tmp_path, launcher_rc):
+    """SIGTERM to the rendered script creates RUN_DIR/STOP; a second signal (SIGINT) during the
+    ranks' save does not end the script: it waits for the launcher and exits with its status
+    (143: the ranks stopped after saving; 1: a rank failed while saving)."""
+    run_dir = tmp_path / "run dir"  # a space: quoted everywhere
+    plan = _plan(ROOT / "recipes/s/smelt.yaml", "deepspeed", workdir=str(ROOT), run_dir=str(run_dir))
+    (tmp_path / "run.sh").write_text(render(plan))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "deepspeed").write_text(FAKE_DEEPSPEED_WAITS)
+    (bindir / "deepspeed").chmod(0o755)
+    log = tmp_path / "argv"
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+           "FAKE_STOP": str(run_dir / "STOP"), "FAKE_SAVE_S": "1", "FAKE_RC": str(launcher_rc)}
+    env.pop("SMELT_LAUNCHER_PID", None)
+    out_file = tmp_path / "out"
+    with out_file.open("w") as out_f:  # a file, not a pipe: a launcher left behind cannot block the test
+        proc = subprocess.Popen(["bash", str(tmp_path / "run.sh")], env=env, stdout=out_f, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.time()
+        while not Path(f"{log}.environ").is_file() or not Path(f"{log}.environ").read_text().endswith("\n"):
+            assert time.time() - t0 < 30 and proc.poll() is None, out_file.read_text()
+            time.sleep(0.02)
+        time.sleep(0.1)
+        assert not (run_dir / "STOP").exists()
+        proc.send_signal(signal.SIGTERM)
+        while not Path(f"{log}.stopping").is_file():
+            assert time.time() - t0 < 30 and proc.poll() is None, f"the script exited {proc.poll()}: no STOP\n" \
+                + out_file.read_text()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)  # while the ranks save
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = out_file.read_text()
+    assert (run_dir / "STOP").is_file()
+    assert proc.returncode == launcher_rc, out
+    assert Path(f"{log}.saved").is_file(), "the script exited before the launcher"
+    assert f"smelt-ds: SIGTERM: created {run_dir}/STOP: the ranks finish their step, save a checkpoint" in out
+    assert f"smelt-ds: SIGINT: created {run_dir}/STOP" in out
+    seen = dict(line.split("=", 1) for line in Path(f"{log}.environ").read_text().splitlines() if "=" in line)
+    assert seen["SMELT_LAUNCHER_PID"] == str(proc.pid)
+    assert not Path(seen["DS_ENV_FILE"]).exists()  # removed on exit
+    argv = log.read_text().splitlines()[1:]
+    assert argv[-2:] == ["--run-dir", str(run_dir)]  # the ranks use the directory the script watches
+
+
+FAKE_ENV = """#!/bin/bash
+env > "$FAKE_LOG.environ"
+"""
+
+#: NCCL fault handling every job sets ({run_dir}: the run directory as the job sees it)
+NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                 "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                 "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{run_dir}/nccl_trace/rank_",
+                 "TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "600"}
+
+
+def _rank_env(scheduler: str, tmp_path: Path, mine: dict[str, str]) -> tuple[dict[str, str], str]:
+    """The environment the ranks' launcher (deepspeed, torchrun) starts with in the rendered job,
+    with ``mine`` exported before the bash scripts run (Kubernetes: passed with --env), and the
+    run directory the job resolved. Each scheduler resolves the run directory another way:
+    --run-dir (deepspeed), train.run_dir relative to the workdir (slurm), a --set with {name} (k8s)."""
+    tmp_path.mkdir()
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = "deepspeed" if scheduler == "deepspeed" else "python"
+    (bindir / fake).write_text(FAKE_ENV)
+    (bindir / fake).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in NCCL_DEFAULTS}
+    env.update(PATH=f"{bindir}:{os.environ['PATH']}", FAKE_LOG=str(tmp_path / "fake"))
+    recipe = ROOT / "recipes/s/smelt.yaml"
+    if scheduler == "deepspeed":
+        plan = _plan(recipe, scheduler, workdir=str(wd), run_dir=str(tmp_path / "run"))
+        run_dir = str(tmp_path / "run")
+        argv = ["bash", str(tmp_path / "job")]
+    elif scheduler == "slurm":
+        plan = _plan(recipe, scheduler, workdir=str(wd), log_dir=str(tmp_path / "logs"))
+        run_dir = f"{wd}/runs/{plan.config.name}"
+        argv = ["bash", str(tmp_path / "job"), "--per-node"]
+        env.update(SMELT_PYTHON="python", SLURM_JOB_NODELIST="node-a", SLURM_JOB_ID="777", SLURM_NODEID="0",
+                   SMELT_MASTER_ADDR="node-a", SMELT_MASTER_PORT="20777")
+    else:
+        plan = _plan(recipe, scheduler, workdir=str(wd), overrides=["train.run_dir=runs/{name}-k8s"],
+                     env=[f"{k}={v}" for k, v in mine.items()])
+        run_dir = f"{wd}/runs/{plan.config.name}-k8s"
+    assert plan.run_dir == run_dir
+    text = render(plan)
+    if scheduler == "k8s":
+        job = yaml.safe_load(text)
+        (c,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+        names = [e["name"] for e in c["env"]]
+        assert len(names) == len(set(names)), names  # --env replaces a default, no second entry
+        env.update({e["name"]: str(e["value"]) for e in c["env"]}, RANK="0", MASTER_ADDR="m", MASTER_PORT="1")
+        argv = ["bash", "-c", c["args"][0]]
+    else:
+        (tmp_path / "job").write_text(text)
+        env.update(mine)
+    r = subprocess.run(argv, env=env, cwd=wd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = (tmp_path / "fake.environ").read_text().splitlines()
+    return dict(line.split("=", 1) for line in seen if "=" in line), run_dir
+
+
+@pytest.mark.parametrize("scheduler", ["deepspeed", "slurm", "k8s"])
+def test_every_job_sets_the_nccl_fault_variables_as_overridable_defaults(scheduler, tmp_path):
+    seen, run_dir = _rank_env(scheduler, tmp_path / "defaults", {})
+    assert {k: seen.get(k) for k in NCCL_DEFAULTS} == {k: v.format(run_dir=run_dir) for k, v in NCCL_DEFAULTS.items()}
+    assert Path(run_dir, "nccl_trace").is_dir()  # the flight recorder needs the directory
+    mine = {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "1200", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "fr dumps" / "trace_")}
+    seen, run_dir = _rank_env(scheduler, tmp_path / "overridden", {**mine, "NCCL_DEBUG": "INFO"})
+    assert {k: seen.get(k) for k in NCCL_DEFAULTS} == {**{k: v.format(run_dir=run_dir)
+                                                          for k, v in NCCL_DEFAULTS.items()}, **mine}
+    assert seen["NCCL_DEBUG"] == "INFO"  # a variable the template itself sets (default WARN)
+    assert (tmp_path / "fr dumps").is_dir() and not Path(run_dir, "nccl_trace").exists()
 
 
 def test_k8s_pod_command_uses_the_pod_rank_and_master_from_the_operator(tmp_path):
