@@ -12,7 +12,7 @@ from pydantic import Field
 from smelt_ds.config.schema import StrictModel
 from smelt_ds.errors import fail
 
-__all__ = ["ActivationCheckpointing", "TrainConfig", "check_train", "resolve_batch"]
+__all__ = ["ActivationCheckpointing", "StepGuard", "TrainConfig", "Watchdog", "check_train", "resolve_batch"]
 
 
 class ActivationCheckpointing(StrictModel):
@@ -27,6 +27,47 @@ class ActivationCheckpointing(StrictModel):
         False, description="deepspeed impl: shard checkpoints across model-parallel ranks")
     cpu_checkpointing: bool = Field(False, description="deepspeed impl: keep checkpoints in CPU memory")
     contiguous_memory_optimization: bool = Field(False, description="deepspeed impl: contiguous checkpoint buffers")
+
+
+class StepGuard(StrictModel):
+    """What a step with a non-finite loss or gradient norm, or a loss spike, does: the update is
+    skipped on every rank together (the weights, optimizer moments and LR schedule stay as they
+    were; the batch is consumed), and a run that skips too many steps in a row stops with its
+    last good state saved (docs/faults.md)."""
+
+    max_consecutive_skips: int = Field(
+        5, gt=0, description="stop (exit status 3, after saving the last good state) once this many consecutive "
+                             "steps were skipped")
+    loss_spike_factor: float | None = Field(
+        None, gt=1, description="also skip a step whose loss (mean over the ranks) exceeds this factor times the "
+                                "median of the last loss_spike_window kept steps' losses; null: off")
+    loss_spike_window: int = Field(
+        100, ge=10, description="steps of loss history for loss_spike_factor (the check starts once 10 are kept)")
+
+
+class Watchdog(StrictModel):
+    """Hang detection: a rank that finishes no step within the timeout dumps every thread's Python
+    stack into ``<run_dir>/hangs/`` (and asks the other ranks on its host to dump theirs) and
+    exits with status 124, so the job ends and a scheduler can requeue it; and the process
+    group's collective timeouts (torch.distributed), set explicitly rather than left at the
+    backends' defaults (gloo 30 min, NCCL 10 min)."""
+
+    enabled: bool = Field(True, description="run the hang watchdog")
+    timeout_s: float | None = Field(
+        None, gt=0, description="seconds a step may take before the watchdog fires; null: derived, "
+                                "max(min_timeout_s, step_time_factor x the slowest step so far)")
+    step_time_factor: float = Field(10.0, gt=1, description="derived timeout: this many times the slowest step")
+    min_timeout_s: float = Field(300.0, gt=0, description="derived timeout: never below this many seconds")
+    startup_timeout_s: float = Field(
+        1800.0, gt=0, description="timeout of the first startup_steps steps (compilation, first collectives) and "
+                                  "of every checkpoint save, validation and harness evaluation")
+    startup_steps: int = Field(2, ge=1, description="steps measured before the derived timeout applies")
+    init_timeout_s: float = Field(
+        1800.0, gt=0, description="collective timeout (seconds) while the process group starts and until the "
+                                  "first steps are done (torch.distributed init_process_group timeout)")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="collective timeout (seconds) after the first startup_steps steps: a collective "
+                                 "that waits longer for a peer fails (exit status 75)")
 
 
 class TrainConfig(StrictModel):
@@ -89,6 +130,8 @@ class TrainConfig(StrictModel):
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         "inductor", description="torch.compile backend for train.compile: inductor generates kernels; aot_eager and "
                                 "eager only trace (debugging a graph break or a numerical difference)")
+    step_guard: StepGuard = Field(default_factory=StepGuard)
+    watchdog: Watchdog = Field(default_factory=Watchdog)
     deterministic: bool = Field(
         False, description="bit-identical reruns on CPU: torch.use_deterministic_algorithms and one intra-op thread "
                            "per rank (overrides the thread choice; slower); see docs/training.md 'Reproducibility'")

@@ -23,9 +23,12 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> tuple[int, int, int]:
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int, int]:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA) when launched
-    with several ranks, or as a world of one. Returns ``(rank, local_rank, world_size)``."""
+    with several ranks, or as a world of one. ``timeout_s``: the process group's collective
+    timeout in seconds (None: DeepSpeed's default, 30 minutes). Returns ``(rank, local_rank, world_size)``."""
+    from datetime import timedelta
+
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -36,7 +39,10 @@ def init_distributed() -> tuple[int, int, int]:
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(find_free_port())
     backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
-    deepspeed.init_distributed(dist_backend=backend)
+    if timeout_s is None:
+        deepspeed.init_distributed(dist_backend=backend)
+    else:
+        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
     import torch.distributed as dist
 
     local_rank = int(os.environ["LOCAL_RANK"])

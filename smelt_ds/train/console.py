@@ -124,7 +124,9 @@ def step_line(step: int, max_steps: int, row: dict[str, Any], cuda: bool = False
     memory is peak allocated CUDA memory (``mem``, ``cuda``) or this process's resident set
     (``rss``, CPU). ``eta_s``: estimated seconds to ``max_steps``."""
     width = len(str(max_steps))
-    parts = [f"step {step:>{width}}/{max_steps}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}"]
+    parts = [f"step {step:>{width}}/{max_steps}", f"loss {row.get('loss', float('nan')):.4f}", f"lr {row['lr']:.2e}"]
+    if row.get("skipped_steps"):
+        parts.append(f"skipped {row['skipped_steps']}")
     if row.get("grad_norm") is not None:
         parts.append(f"grad_norm {row['grad_norm']:.3f}")
     parts += [f"{row['tokens_per_s']:,.0f} tok/s", f"{_three_digits(row['tflops_per_device'])} TFLOP/s"]

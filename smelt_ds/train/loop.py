@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +34,9 @@ from smelt_ds.cost.zero_config import write_zero3_tuning
 from smelt_ds.errors import ConfigError
 from smelt_ds.model.router import TopKRouter
 from smelt_ds.parallel.build_lock import check_build_lock
-from smelt_ds.parallel.distributed import find_free_port, init_distributed, on_rank0, sync_flag
+from smelt_ds.parallel.distributed import find_free_port, init_distributed, on_rank0
 from smelt_ds.parallel.grad_norm import clip_before_step, logged_grad_norm
+from smelt_ds.parallel.skip import skipping_update
 from smelt_ds.parallel.threads import ThreadChoice, apply_threads, thread_choice
 from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.runs.checkpoint import CheckpointWriteError
@@ -55,8 +58,19 @@ from smelt_ds.train.metrics import (
 )
 from smelt_ds.train.objective import total_loss
 from smelt_ds.train.profiler import StepProfiler, check_profile
+from smelt_ds.train.step_guard import SKIP_EXIT, StepGuardState, Verdict
+from smelt_ds.train.stop import StopSources, agree
 from smelt_ds.train.trackers import check_trackers, start_trackers
 from smelt_ds.train.validation import evaluate
+from smelt_ds.train.watchdog import (
+    PEER_EXIT,
+    CollectiveFailure,
+    HangWatchdog,
+    describe_peers,
+    gather_peers,
+    is_collective_failure,
+    set_collective_timeout,
+)
 
 __all__ = ["main", "train", "build", "Built", "parse_args", "RunResult", "evaluate"]
 
@@ -106,33 +120,6 @@ def launcher_command(args: argparse.Namespace) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Terminator:
-    """SIGTERM/SIGINT -> finish the current step, save a checkpoint, exit cleanly."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._old: dict[signal.Signals, Any] = {}
-
-    def __enter__(self):
-        if threading_is_main():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-
-    def __exit__(self, *exc) -> None:
-        for sig, h in self._old.items():
-            signal.signal(sig, h)
-
-
-def threading_is_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> RunResult:
     """Train ``cfg`` and return a :class:`RunResult`. Initialises torch.distributed if needed.
 
@@ -156,7 +143,7 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
         if not dist.is_initialized():
             if os.environ.get("RANK", "0") == "0":
                 _print_lines(_deepspeed_op_notices(("ShareMemCommBuilder",)))
-            init_distributed()
+            init_distributed(timeout_s=cfg.train.watchdog.init_timeout_s)
         return _train(cfg, resume, run_dir, threads)
     finally:
         torch.set_num_threads(threads_before)
@@ -255,7 +242,8 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
               "under $TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>)", file=sys.stderr)
     if rank == 0 and built.ds_config.get("zero_optimization", {}).get("stage") == 3:  # loop-aware ZeRO-3
         write_zero3_tuning(out_dir, cfg, world, built.ds_config)
-    step, tokens_seen = _restore(built, data, out_dir, resume)
+    guard = StepGuardState(cfg.train.step_guard)
+    step, tokens_seen = _restore(built, data, out_dir, resume, guard)
     if step >= cfg.train.max_steps:  # a resume of a finished run: nothing to train, nothing rewritten
         if rank == 0:
             print(f"run {out_dir} already finished: its checkpoint is at step {step}, train.max_steps is "
@@ -265,31 +253,27 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
         dump_config(cfg, out_dir / "config.yaml")
         (out_dir / "ds_config.json").write_text(json.dumps(built.ds_config, indent=2))
     fit = _Fit(cfg, out_dir, rank, world, data, built, step, tokens_seen)
+    fit.guard = guard
     fit.result.threads = {"torch_threads": torch.get_num_threads(), "reason": threads.reason}
     fit.console.line(banner(cfg, run_dir=out_dir, world=world, accum=fit.accum, budget=fit.budget,
                             precision=fit.precision, device=_device(), threads=threads, start_step=step))
     fit.console.start_bar()
+    peers = gather_peers()
     fit.t_last = time.perf_counter()  # the first window starts at step 1
-    with _Terminator() as term:
-        while fit.step < cfg.train.max_steps:
-            fit.profiler.before_step(fit.step + 1)
-            lr, ids, grad_norm, means = _train_step(fit)
-            fit.result.losses.append(means["loss"])
-            fit.result.lrs.append(lr)
-            fit.result.sample_ids.append(ids)
-            _log_step(fit, lr, grad_norm, means)
-            t_eval = time.perf_counter()  # evaluations are left out of the logged throughput
-            if fit.step % cfg.train.eval_every == 0 or fit.step == cfg.train.max_steps:
-                fit.result.val = evaluate(built.engine, data, cfg)
-                fit.writer.write(fit.step, {f"val/{k}": v for k, v in fit.result.val.items()})
-                fit.console.line(val_line(fit.step, fit.result.val))
-            if harness_due(cfg, fit.step):  # lm-eval tasks on rank 0's gathered copy of the model
-                run_harness_eval(built.engine, cfg, data.prepared, fit.step, fit.tokens_seen, fit.writer)
-            fit.eval_s += time.perf_counter() - t_eval
-            stop = _save_or_stop(fit, sync_flag(term.requested))
-            fit.profiler.after_step(fit.step)  # the profiled step spans the whole iteration
-            if stop:
-                break
+    with StopSources(out_dir, check_file=rank == 0) as stops, \
+            HangWatchdog(cfg.train.watchdog, out_dir, rank, peers) as watchdog:
+        try:
+            _steps(fit, stops, watchdog)
+        except Exception as e:
+            if not is_collective_failure(e):
+                raise
+            why = (f"a collective failed at step {fit.step + 1} ({type(e).__name__}: "
+                   f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else 'no message'})")
+            watchdog.dump_on_failure(why)
+            raise CollectiveFailure(
+                f"rank {rank}: {why}. Peers: {describe_peers(peers, rank)}. A rank that died or stopped answering "
+                f"ends the job; every thread's stack is in {watchdog.dir}. The newest complete checkpoint is kept: "
+                "--resume auto continues from it (docs/faults.md)") from e
     fit.profiler.close()
     fit.console.close()
     fit.writer.close()
@@ -301,9 +285,49 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
     return result
 
 
-def _restore(built: Built, data, out_dir: Path, resume: str) -> tuple[int, int]:
+def _steps(fit: _Fit, stops: StopSources, watchdog: HangWatchdog) -> None:
+    """Train until ``train.max_steps`` or a stop: each optimizer step under the hang watchdog
+    (:class:`~smelt_ds.train.watchdog.HangWatchdog`: the step's timeout, then the startup timeout
+    for validation, harness evaluation and the save), the collective timeout switched to its
+    steady value once the first steps are done, and one all-reduce per step on whether to stop
+    (:func:`~smelt_ds.train.stop.agree`)."""
+    cfg, built, data = fit.cfg, fit.built, fit.data
+    slow = cfg.train.watchdog.startup_timeout_s
+    while fit.step < cfg.train.max_steps:
+        watchdog.arm(watchdog.step_timeout(), f"step {fit.step + 1}")
+        t_step = time.perf_counter()
+        fit.profiler.before_step(fit.step + 1)
+        lr, ids, grad_norm, means = _train_step(fit)
+        if fit.verdict.skip is None:
+            fit.result.losses.append(means["loss"])
+            fit.result.lrs.append(lr)
+        fit.result.sample_ids.append(ids)
+        _log_step(fit, lr, grad_norm, means)
+        if watchdog.step_done(time.perf_counter() - t_step):
+            set_collective_timeout(cfg.train.watchdog.collective_timeout_s)
+        t_eval = time.perf_counter()  # evaluations are left out of the logged throughput
+        if fit.step % cfg.train.eval_every == 0 or fit.step == cfg.train.max_steps:
+            watchdog.arm(slow, f"validation at step {fit.step}")
+            fit.result.val = evaluate(built.engine, data, cfg)
+            fit.writer.write(fit.step, {f"val/{k}": v for k, v in fit.result.val.items()})
+            fit.console.line(val_line(fit.step, fit.result.val))
+        if harness_due(cfg, fit.step):  # lm-eval tasks on rank 0's gathered copy of the model
+            watchdog.arm(slow, f"harness evaluation at step {fit.step}")
+            run_harness_eval(built.engine, cfg, data.prepared, fit.step, fit.tokens_seen, fit.writer)
+        fit.eval_s += time.perf_counter() - t_eval
+        watchdog.arm(watchdog.step_timeout(), f"step {fit.step} (the ranks' stop check)")
+        reason = agree(stops.poll())
+        watchdog.arm(slow, f"the end of step {fit.step} (checkpoint save)")
+        stop = _save_or_stop(fit, stops, reason)
+        fit.profiler.after_step(fit.step)  # the profiled step spans the whole iteration
+        if stop:
+            break
+    watchdog.disarm()
+
+
+def _restore(built: Built, data, out_dir: Path, resume: str, guard: StepGuardState) -> tuple[int, int]:
     """``(step, tokens_seen)`` of the checkpoint ``--resume`` names, with the engine, the loader
-    position, the RNG and the LR schedule restored; ``(0, 0)`` for a new run."""
+    position, the RNG, the LR schedule and the step guard's state restored; ``(0, 0)`` for a new run."""
     if resume == "none":
         return 0, 0
     state = ckpt.load(built.engine, out_dir, resume, built.layout)
@@ -312,6 +336,7 @@ def _restore(built: Built, data, out_dir: Path, resume: str) -> tuple[int, int]:
     data.train.load_state_dict(state["loader"])
     ckpt.restore_rng(state["rng"])
     resync_lr(built.scheduler)
+    guard.load_state_dict(state.get("step_guard", {}))  # checkpoints before the step guard have none
     return state["step"], state["tokens_seen"]
 
 
@@ -336,29 +361,75 @@ class _Fit:
         self.console = Console(rank == 0, step, cfg.train.max_steps)
         self.t_last, self.tok_last = time.perf_counter(), tokens_seen
         self.eval_s = 0.0  # seconds of validation / harness evaluation since the last log row
+        self.guard = StepGuardState(cfg.train.step_guard)
+        self.verdict = Verdict(math.nan, False, None)  # the last step's
+        self.skipped_since_log = 0
 
 
 def _train_step(fit: _Fit) -> tuple[float, list[int], float | None, dict[str, float]]:
     """One optimizer step over ``accum`` micro-batches. Returns ``(lr, sample ids, the true global
-    gradient norm before clipping, the step's means)``."""
+    gradient norm before clipping, the step's means)``.
+
+    Before the accumulation boundary's ``engine.step()`` the ranks agree on whether to keep the
+    update (:meth:`~smelt_ds.train.step_guard.StepGuardState.decide`: a non-finite loss or
+    gradient norm on any rank, or a loss spike, skips it on every rank through DeepSpeed's overflow
+    path; the verdict is ``fit.verdict``)."""
     engine, cfg = fit.built.engine, fit.cfg
     ids: list[int] = []
     grad_norm = None
     lr = step_lr(engine)  # the LR this optimizer step uses (the scheduler moves on in engine.step)
+    loss_sum, nonfinite = 0.0, 0
     for m in range(fit.accum):
         batch = fit.data.train.next_batch()
         ids.extend(int(i) for i in batch.sample_ids)
         out = engine(batch.input_ids, labels=batch.labels)
         loss = total_loss(out, cfg.train)  # lm + aux_coef * aux + z_coef * z
+        value = float(loss.detach())
+        loss_sum += value if math.isfinite(value) else 0.0
+        nonfinite += not math.isfinite(value)
         engine.backward(loss)
-        if m == fit.accum - 1:
-            grad_norm = _grad_norm_before_step(engine, cfg)
-        engine.step()
+        if m < fit.accum - 1:
+            engine.step()
+            fit.micro.add(out, loss)
+            continue
+        grad_norm = _grad_norm_before_step(engine, cfg)
+        fit.verdict = fit.guard.decide(loss_sum, nonfinite, fit.accum, grad_norm)
+        if fit.verdict.skip is None:
+            engine.step()
+        else:
+            with skipping_update(engine):
+                engine.step()
         fit.micro.add(out, loss)
     fit.step += 1
     fit.tokens_seen += fit.tokens_per_step
-    _after_step(fit.built.model, cfg)
+    if fit.verdict.skip is None:
+        _after_step(fit.built.model, cfg)
+    else:
+        _report_skip(fit, ids)
     return lr, ids, grad_norm, fit.micro.means()
+
+
+def _report_skip(fit: _Fit, ids: list[int]) -> None:
+    """A skipped step: the routers' load counts of the step are dropped (no bias update), and rank 0
+    writes a ``metrics.jsonl`` row (``skipped``, ``skip_reason``, ``skipped_total`` and every rank's
+    ``sample_ids``) and a console line naming the step, the reason and the samples."""
+    import torch.distributed as dist
+
+    for m in fit.built.model.modules():
+        if isinstance(m, TopKRouter):
+            m.tokens_per_expert.zero_()
+    every: list[Any] = [ids]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, ids)
+    fit.skipped_since_log += 1
+    samples = [i for rank_ids in every for i in rank_ids]
+    fit.writer.write(fit.step, {"skipped": 1, "skip_reason": fit.verdict.skip, "skipped_total": fit.guard.skipped,
+                                "consecutive_skips": fit.guard.consecutive, "sample_ids": samples})
+    shown = ", ".join(map(str, samples[:16])) + (f", ... ({len(samples)} in all)" if len(samples) > 16 else "")
+    fit.console.line(f"step {fit.step}: update skipped on every rank: {fit.verdict.skip} (mean loss "
+                     f"{fit.verdict.mean_loss:.4f}); samples {shown}; {fit.guard.consecutive} in a row of at most "
+                     f"{fit.cfg.train.step_guard.max_consecutive_skips} (train.step_guard), {fit.guard.skipped} in all")
 
 
 def _log_step(fit: _Fit, lr: float, grad_norm: float | None, means: dict[str, float]) -> None:
@@ -370,45 +441,66 @@ def _log_step(fit: _Fit, lr: float, grad_norm: float | None, means: dict[str, fl
     ``tokens_per_s`` is the interval's tokens over its wall-clock seconds less the validation and
     harness evaluations run in it (checkpoint saves count)."""
     cfg, step = fit.cfg, fit.step
-    fit.interval.add(means)
+    if fit.verdict.skip is None:  # a skipped step's loss is not the model's: left out of the means
+        fit.interval.add(means)
     if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
         now = time.perf_counter()
         seconds = max(now - fit.t_last - fit.eval_s, 1e-9)
         tps = (fit.tokens_seen - fit.tok_last) / seconds
         fit.result.windows.append((fit.tokens_seen - fit.tok_last, seconds))
         fit.t_last, fit.tok_last, fit.eval_s = now, fit.tokens_seen, 0.0
-        row = {**fit.interval.pop(), "lr": lr, "grad_norm": _grad_norm(fit.built.engine, grad_norm),
+        losses = fit.interval.pop() if fit.interval.n else {"loss_steps": 0}
+        norm = grad_norm if fit.verdict.skip is not None else _grad_norm(fit.built.engine, grad_norm)
+        row: dict[str, Any] = {**losses, "lr": lr, "grad_norm": norm, "skipped_steps": fit.skipped_since_log,
                "tokens": fit.tokens_seen,
                "tokens_per_s": tps, "tflops_per_device": fit.budget.train_flops_per_token * tps / fit.world / 1e12,
                "memory_bytes": memory_bytes(), **routing_metrics(fit.built.model)}
         peak = device_peak_tflops()
         if peak and fit.precision == "bf16":
             row["mfu"] = row["tflops_per_device"] / peak
+        fit.skipped_since_log = 0
         fit.writer.write(step, row)
-        eta = (cfg.train.max_steps - step) * seconds / max(1, row["loss_steps"])
+        eta = (cfg.train.max_steps - step) * seconds / max(1, row["loss_steps"] + row["skipped_steps"])
         fit.console.line(step_line(step, cfg.train.max_steps, row, cuda=torch.cuda.is_available(), eta_s=eta))
     fit.console.advance(means["loss"])
 
 
-def _save_or_stop(fit: _Fit, signalled: bool) -> bool:
+def _save_or_stop(fit: _Fit, stops: StopSources, reason: str | None) -> bool:
     """Save a checkpoint every ``train.save_every`` steps, at the last step and before a stop.
-    Returns True when training stops here (a signal on any rank, or ``train.exit_after_steps``)."""
+    Returns True when training stops here: ``reason`` (what :func:`~smelt_ds.train.stop.agree`
+    returned: a signal, the stop file or the launcher's death on any rank), ``train.exit_after_steps``,
+    or ``train.step_guard.max_consecutive_skips`` skipped steps in a row (the saved state is the
+    last good one: a skipped step changes no weight)."""
     cfg, step, result = fit.cfg, fit.step, fit.result
-    stop = signalled or (cfg.train.exit_after_steps is not None and step - fit.start >= cfg.train.exit_after_steps)
+    if reason is None and fit.guard.exhausted():
+        reason = "skips"
+    if reason is None and cfg.train.exit_after_steps is not None and step - fit.start >= cfg.train.exit_after_steps:
+        reason = "exit_after_steps"
+    stop = reason is not None
     if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop:
         ckpt.save(fit.built.engine, fit.out_dir, step, fit.tokens_seen, fit.data.train.state_dict(),
                   cfg.train.keep_last, fit.built.layout, reference_weights=cfg.train.reference_weights,
-                  final=stop or step == cfg.train.max_steps)
+                  final=stop or step == cfg.train.max_steps, client_extra={"step_guard": fit.guard.state_dict()})
     if not stop:
         return False
-    result.stopped_early = step < cfg.train.max_steps
-    if result.stopped_early:
-        result.stop_reason = "signal" if signalled else "exit_after_steps"
-        if fit.rank == 0:
-            why = ("stop signal (SIGTERM/SIGINT)" if result.stop_reason == "signal"
-                   else f"train.exit_after_steps ({cfg.train.exit_after_steps})")
-            print(f"\nstopped at step {step} of {cfg.train.max_steps} by {why}; checkpoint "
-                  f"step{step:08d} saved in {fit.out_dir}: continue with --resume auto", file=sys.stderr)
+    result.stopped_early = step < cfg.train.max_steps or reason == "skips"
+    if not result.stopped_early:
+        return True
+    result.stop_reason = reason
+    if reason in ("signal", "stop_file", "launcher"):
+        stops.consume()
+    if fit.rank == 0:
+        if reason == "skips":
+            why = (f"{fit.guard.consecutive} consecutive skipped steps (train.step_guard.max_consecutive_skips "
+                   f"{cfg.train.step_guard.max_consecutive_skips}; the last: {fit.verdict.skip})")
+            after = ("it holds the last good weights (skipped steps change none): look at the skipped samples in "
+                     "metrics.jsonl, lower train.lr or raise the limit, then --resume auto")
+        else:
+            why = (f"train.exit_after_steps ({cfg.train.exit_after_steps})" if reason == "exit_after_steps"
+                   else stops.describe(str(reason)))
+            after = "continue with --resume auto"
+        print(f"\nstopped at step {step} of {cfg.train.max_steps} by {why}; checkpoint step{step:08d} saved in "
+              f"{fit.out_dir}: {after}", file=sys.stderr)
     return True
 
 
@@ -470,11 +562,20 @@ def _device() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 trained to ``train.max_steps`` (or stopped by ``train.exit_after_steps``,
-    or already finished), 2 bad configuration, 143 stopped by SIGTERM/SIGINT after saving a
-    checkpoint (128 + SIGTERM, so ``train && next`` does not go on), 130 Ctrl-C before training
-    started (nothing saved), 1 a checkpoint could not be written (e.g. a full disk; the previous
-    complete checkpoint stays usable)."""
+    """Exit status (docs/faults.md):
+
+    * 0: trained to ``train.max_steps`` (or stopped by ``train.exit_after_steps``, or already finished);
+    * 1: a checkpoint could not be written (e.g. a full disk; the previous complete checkpoint
+      stays usable), or an unexpected error (its traceback, prefixed with the rank);
+    * 2: bad configuration;
+    * 3: stopped after ``train.step_guard.max_consecutive_skips`` skipped steps in a row, the last
+      good state saved (:data:`~smelt_ds.train.step_guard.SKIP_EXIT`);
+    * 75: a collective failed: a peer rank died or stopped answering
+      (:data:`~smelt_ds.train.watchdog.PEER_EXIT`; no new checkpoint);
+    * 124: the hang watchdog fired, stacks in ``<run_dir>/hangs/`` (:data:`~smelt_ds.train.watchdog.HANG_EXIT`);
+    * 130: Ctrl-C before training started (nothing saved);
+    * 143: stopped by a signal, the stop file or the launcher's death, after saving a checkpoint
+      (128 + SIGTERM, so ``train && next`` does not go on)."""
     args = parse_args(argv)
     return run_and_report(args, "smelt_ds.train")
 
@@ -489,14 +590,34 @@ def run_and_report(args: argparse.Namespace, prog: str) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except CheckpointWriteError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        if _rank() == 0:  # every rank raises the same error
+            print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
+    except CollectiveFailure as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return PEER_EXIT
     except KeyboardInterrupt:
         print(f"{prog}: interrupted before training started; nothing was saved", file=sys.stderr)
         return 130
+    except Exception:  # noqa: BLE001 - named with its rank, so that a job's log says which rank failed
+        print(f"{prog}: rank {_rank()}: unexpected error (the other ranks end when their next collective fails):\n"
+              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return 1
     return exit_status(result)
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+#: exit status by stop reason (:func:`main`); other reasons (exit_after_steps) and none: 0
+_STOP_STATUS = {"signal": 128 + signal.SIGTERM, "stop_file": 128 + signal.SIGTERM, "launcher": 128 + signal.SIGTERM,
+                "skips": SKIP_EXIT}
+
+
 def exit_status(result: RunResult) -> int:
-    """143 (128 + SIGTERM) for a run stopped by a signal, else 0 (see :func:`main`)."""
-    return 128 + signal.SIGTERM if result.stop_reason == "signal" else 0
+    """The exit status of a finished or stopped run (see :func:`main`): 143 (128 + SIGTERM) for a
+    stop by a signal, the stop file or the launcher's death, 3 after too many skipped steps, else 0."""
+    return _STOP_STATUS.get(result.stop_reason or "", 0)

@@ -225,7 +225,9 @@ class RunResult:
     val: dict[str, float]
     sample_ids: list[list[int]]  # per optimizer step, this rank's sample ids (data order checks)
     stopped_early: bool = False
-    stop_reason: str | None = None  # "signal" (SIGTERM/SIGINT on any rank) or "exit_after_steps"
+    #: why training stopped before max_steps: "signal", "stop_file", "launcher" (smelt_ds.train.stop),
+    #: "skips" (train.step_guard) or "exit_after_steps"
+    stop_reason: str | None = None
     windows: list[tuple[int, float]] = field(default_factory=list)  # logged windows: (tokens, seconds)
     threads: dict[str, Any] = field(default_factory=dict)  # CPU thread choice: {"torch_threads", "reason"}
 

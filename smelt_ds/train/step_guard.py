@@ -1,0 +1,101 @@
+"""Non-finite and spiking steps (``train.step_guard``): skip the update on every rank together.
+
+After the accumulation boundary's backward, before ``engine.step()``, the ranks all-reduce one
+small vector: the sum of their micro-batch losses, the count of non-finite ones, and the count
+of micro-batches. A step is skipped when
+
+* any rank's loss is non-finite (NaN or +-inf), or the global gradient norm before clipping is
+  (:func:`smelt_ds.parallel.grad_norm.clip_before_step`, the same value on every rank); or
+* ``loss_spike_factor`` is set and the step's mean loss over the ranks exceeds that factor
+  times the median of the last ``loss_spike_window`` kept steps' mean losses (once 10 are kept:
+  the loss-spike rule of large runs, e.g. OLMo's and PaLM's "skip batches with a loss spike").
+
+A skipped step goes through DeepSpeed's own overflow path (:func:`smelt_ds.parallel.skip.skipping_update`):
+weights, Adam moments and the LR schedule stay as they were, the batch is consumed and the step
+counts (the data order and the step numbers of a run stay those of the plan). After
+``max_consecutive_skips`` skipped steps in a row, training saves the (unchanged, last good)
+state and stops with exit status :data:`SKIP_EXIT`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from smelt_ds.config.train import StepGuard
+
+__all__ = ["SKIP_EXIT", "Verdict", "StepGuardState"]
+
+#: exit status of a run stopped after ``train.step_guard.max_consecutive_skips`` skipped steps
+SKIP_EXIT = 3
+#: kept steps of loss history before the spike rule applies
+MIN_HISTORY = 10
+
+
+@dataclass
+class Verdict:
+    """The ranks' shared view of one step: its mean loss over every rank's micro-batches, whether
+    any loss or the gradient norm was non-finite, and the reason to skip (None: keep)."""
+
+    mean_loss: float
+    nonfinite: bool
+    skip: str | None
+
+
+class StepGuardState:
+    """The guard's state over a run: the recent kept losses (for the spike rule) and the current
+    run of consecutive skips. :meth:`state_dict` / :meth:`load_state_dict` carry it through a
+    checkpoint, so a resumed run skips the same steps as an uninterrupted one."""
+
+    def __init__(self, cfg: StepGuard) -> None:
+        self.cfg = cfg
+        self.history: deque[float] = deque(maxlen=cfg.loss_spike_window)
+        self.consecutive = 0
+        self.skipped = 0
+
+    def decide(self, loss_sum: float, nonfinite: int, count: int, grad_norm: float | None) -> Verdict:
+        """The verdict for a step from this rank's micro-batch losses (sum, non-finite count, count)
+        and the global gradient norm (None: not known here, e.g. optimizer offload). Collective:
+        one all-reduce over every rank."""
+        import torch.distributed as dist
+
+        t = torch.tensor([loss_sum if math.isfinite(loss_sum) else 0.0, float(nonfinite), float(count)],
+                         dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        total, bad, n = t.tolist()
+        nonfinite_any = bad > 0 or (grad_norm is not None and not math.isfinite(grad_norm))
+        mean = total / max(n - bad, 1.0) if bad < n else math.nan
+        skip = None
+        if nonfinite_any:
+            skip = "non-finite loss" if bad > 0 else "non-finite gradient norm"
+        elif self.cfg.loss_spike_factor is not None and len(self.history) >= MIN_HISTORY:
+            median = statistics.median(self.history)
+            if mean > self.cfg.loss_spike_factor * median:
+                skip = (f"loss spike ({mean:.4f} > {self.cfg.loss_spike_factor:g} x the median {median:.4f} of the "
+                        f"last {len(self.history)} steps)")
+        if skip is None:
+            self.history.append(mean)
+            self.consecutive = 0
+        else:
+            self.consecutive += 1
+            self.skipped += 1
+        return Verdict(mean, nonfinite_any, skip)
+
+    def exhausted(self) -> bool:
+        """Whether the run of skips reached ``max_consecutive_skips``."""
+        return self.consecutive >= self.cfg.max_consecutive_skips
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "consecutive": self.consecutive, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history.extend(state.get("history", []))
+        self.consecutive = int(state.get("consecutive", 0))
+        self.skipped = int(state.get("skipped", 0))
+

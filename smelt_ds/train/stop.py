@@ -1,0 +1,189 @@
+"""How a training learns that it must stop: a signal, a stop file, or the death of its launcher.
+
+Every rank polls :meth:`StopSources.poll` once per optimizer step and the ranks agree on the
+answer with one all-reduce (:func:`agree`), so all of them finish the same step, save one
+checkpoint together and exit with status 143 (:func:`smelt_ds.train.loop.main`). Three sources:
+
+* **signals**: SIGTERM, SIGINT and SIGHUP delivered to the rank (a scheduler, ``kill``, Ctrl-C, a
+  launcher that forwards them, torchrun's shutdown);
+* **the stop file** ``<run_dir>/STOP``: created after this process started (an older one is stale
+  and ignored), read on rank 0 only (one ``stat`` per step on a shared filesystem). The rendered
+  deepspeed-launcher job creates it on SIGTERM: the DeepSpeed launcher does not pass a signal on
+  to the ranks of one host, and on several hosts its ``launch.py`` SIGKILLs the ranks 30 seconds
+  after SIGTERM, which can cut a save short. ``touch <run_dir>/STOP`` stops a run from anywhere
+  (it is removed once the stop checkpoint is saved);
+* **the launcher's death**: the launcher processes above this rank on its host
+  (``deepspeed.launcher.runner``/``launch``, ``torch.distributed.run``/``torchrun``,
+  ``smelt-ds train``, and the process named by ``SMELT_LAUNCHER_PID`` when it is an ancestor,
+  e.g. the rendered job script), recorded at start by pid and creation time. When one of them is
+  gone the rank's launcher can no longer stop it, report its status or clean up after it: it must
+  not train on as an orphan holding the GPUs, so it saves and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["STOP_FILE", "STOP_SIGNALS", "LAUNCHER_PID_ENV", "Ancestor", "StopSources", "agree", "launcher_ancestors",
+           "REASONS"]
+
+#: the file whose creation stops a run (relative to the run directory)
+STOP_FILE = "STOP"
+#: signals that stop a rank (each finishes its step and saves)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: environment variable naming an outer process (a job script) whose death stops the ranks below it
+LAUNCHER_PID_ENV = "SMELT_LAUNCHER_PID"
+
+#: stop reasons by code, in increasing priority (the all-reduce keeps the largest)
+REASONS = {0: None, 1: "launcher", 2: "stop_file", 3: "signal"}
+_CODES = {v: k for k, v in REASONS.items()}
+
+#: command-line fragments of the launchers whose death stops the ranks below them
+_LAUNCHER_MARKS = ("deepspeed.launcher", "bin/deepspeed", "torch.distributed.run", "torchrun",
+                   "smelt_ds.cli", "bin/smelt-ds")
+
+
+@dataclass(frozen=True)
+class Ancestor:
+    """A launcher process above this rank: pid, creation time (seconds since the epoch, as psutil
+    reports it) and a short description for messages."""
+
+    pid: int
+    create_time: float
+    what: str
+
+    def alive(self) -> bool:
+        """Whether the process still runs (the same pid with the same creation time, not a zombie)."""
+        import psutil
+
+        try:
+            p = psutil.Process(self.pid)
+            return p.create_time() == self.create_time and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+
+def _is_launcher(cmdline: list[str]) -> bool:
+    text = " ".join(cmdline)
+    return any(mark in text for mark in _LAUNCHER_MARKS)
+
+
+def launcher_ancestors(pid: int | None = None) -> list[Ancestor]:
+    """The launcher processes above process ``pid`` (default: this one), nearest first.
+
+    Walks up the parents while each is a launcher (:data:`_LAUNCHER_MARKS` in its command line);
+    continues up to the process named by ``SMELT_LAUNCHER_PID`` when that one is an ancestor
+    (another host's pid, or a process not above this one, is ignored). A plain shell, ``nohup``,
+    tmux or sshd above the launcher is never watched: a run started with ``nohup`` goes on after
+    its terminal closes."""
+    import psutil
+
+    try:
+        me = psutil.Process(pid or os.getpid())
+        parents = me.parents()
+    except psutil.Error:
+        return []
+    marked = os.environ.get(LAUNCHER_PID_ENV, "")
+    marked_pid = int(marked) if marked.isdigit() else None
+    chain = [p.pid for p in parents]
+    stop_at = chain.index(marked_pid) if marked_pid in chain else -1
+    out: list[Ancestor] = []
+    for i, p in enumerate(parents):
+        try:
+            cmd = p.cmdline()
+            ancestor = Ancestor(p.pid, p.create_time(), " ".join(cmd)[:120] or p.name())
+        except psutil.Error:
+            break
+        if i <= stop_at or _is_launcher(cmd):
+            out.append(ancestor)
+            continue
+        break
+    return out
+
+
+class StopSources:
+    """A context manager that installs the stop-signal handlers (main thread only) and records the
+    launcher ancestors; :meth:`poll` says whether this rank saw a reason to stop.
+
+    ``run_dir``: where the stop file lives; ``check_file``: whether this rank reads it (rank 0)."""
+
+    def __init__(self, run_dir: Path, check_file: bool) -> None:
+        self.stop_file = Path(run_dir) / STOP_FILE
+        self.check_file = check_file
+        self.started = time.time()
+        self.signal: int | None = None
+        self.ancestors = launcher_ancestors()
+        self.gone: Ancestor | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSources:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is None:
+            self.signal = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, h in self._old.items():
+            signal.signal(sig, h)
+
+    def _stop_file_is_new(self) -> bool:
+        try:
+            return self.stop_file.stat().st_mtime >= self.started - 1.0
+        except OSError:
+            return False
+
+    def poll(self) -> str | None:
+        """This rank's reason to stop (``"signal"``, ``"stop_file"``, ``"launcher"``) or None."""
+        if self.signal is not None:
+            return "signal"
+        if self.check_file and self._stop_file_is_new():
+            return "stop_file"
+        if self.gone is None:
+            self.gone = next((a for a in self.ancestors if not a.alive()), None)
+        return "launcher" if self.gone is not None else None
+
+    def describe(self, reason: str) -> str:
+        """Words for the console: what stopped the run."""
+        if reason == "signal":
+            name = signal.Signals(self.signal).name if self.signal else "SIGTERM/SIGINT"
+            return f"stop signal ({name})"
+        if reason == "stop_file":
+            return f"the stop file {self.stop_file}"
+        if reason == "launcher":
+            what = f" (pid {self.gone.pid}: {self.gone.what})" if self.gone else ""
+            return f"the death of its launcher{what}"
+        return reason
+
+    def consume(self) -> None:
+        """Remove the stop file once the stop checkpoint is saved (rank 0), so that the next
+        ``--resume auto`` trains on."""
+        if self.check_file and self._stop_file_is_new():
+            try:
+                self.stop_file.unlink()
+            except OSError as e:
+                print(f"could not remove the stop file {self.stop_file} ({e.strerror}): remove it before "
+                      "resuming, or the resumed run ignores it only because it is older", file=sys.stderr)
+
+
+def agree(reason: str | None) -> str | None:
+    """The stop reason every rank acts on: the highest-priority reason any rank saw (one
+    all-reduce MAX over the ranks; collective), or None."""
+    import torch.distributed as dist
+
+    t = torch.tensor([float(_CODES[reason])])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return REASONS[int(t.item())]

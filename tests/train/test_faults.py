@@ -1,0 +1,281 @@
+"""Faults in real training ranks (issue: survive the cluster): non-finite steps skipped on every
+rank together, a dead rank and a hung rank ending a 2-rank job within their bounds with the cause
+named, and the launcher's death stopping the ranks with a checkpoint. Faults are injected with
+:mod:`smelt_ds.testing.faults` (in the ranks) or signals (from outside)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from smelt_ds.config.train import StepGuard
+from smelt_ds.testing import run_distributed, scaled_timeout
+from smelt_ds.testing.faults import fault_env
+from smelt_ds.train.step_guard import StepGuardState
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# the step guard's verdicts, by hand
+# ---------------------------------------------------------------------------------------------
+
+
+def test_step_guard_skips_non_finite_steps_and_spikes_against_the_median():
+    g = StepGuardState(StepGuard(max_consecutive_skips=2, loss_spike_factor=2.0, loss_spike_window=10))
+    assert g.decide(3.0, 0, 2, 1.0).skip is None and g.history[-1] == 1.5  # mean over micro-batches
+    assert g.decide(3.0, 1, 2, 1.0).skip == "non-finite loss"               # one of two micro-batches
+    assert g.decide(3.0, 0, 2, math.inf).skip == "non-finite gradient norm"
+    assert g.exhausted() and g.skipped == 2
+    for x in range(2, 11):                          # history 1.5, 2 .. 10: median 5.5
+        assert g.decide(float(x), 0, 1, 1.0).skip is None
+    assert not g.exhausted() and statistics.median(g.history) == 5.5
+    assert g.decide(11.0, 0, 1, 1.0).skip is None   # 11 = 2 x 5.5: not above
+    saved = g.state_dict()
+    spike = g.decide(13.5, 0, 1, 1.0).skip          # median of the last 10 (2 .. 10, 11) is 6.5: 13.5 > 13
+    assert spike is not None and spike.startswith("loss spike (13.5000 > 2 x the median 6.5000")
+    again = StepGuardState(g.cfg)
+    again.load_state_dict(saved)                    # a resumed run decides the same
+    assert again.decide(13.5, 0, 1, 1.0).skip == spike and again.consecutive == g.consecutive == 1
+
+
+def test_spike_rule_waits_for_ten_kept_steps():
+    g = StepGuardState(StepGuard(loss_spike_factor=1.5))
+    for _ in range(9):
+        g.decide(1.0, 0, 1, 1.0)
+    assert g.decide(100.0, 0, 1, 1.0).skip is None  # 9 kept steps: no rule yet (this one is kept)
+    assert g.decide(100.0, 0, 1, 1.0).skip is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# a skipped update changes nothing, on every optimizer DeepSpeed builds
+# ---------------------------------------------------------------------------------------------
+
+#: (backend, ZeRO stage, precision): torch AdamW, FP16_UnfusedOptimizer, DeepSpeedZeroOptimizer, Stage3
+SKIP_CASES = [("reference", 0, "fp32"), ("reference", 0, "bf16"), ("reference", 2, "fp32"), ("autoep", 3, "fp32")]
+
+
+def _skip_worker(rank: int, world: int) -> list[dict]:
+    """Per case: run A trains batches 0, 1 (NaN loss on rank 1: skipped), 2; run B (fresh, same seed)
+    trains batches 0 and 2. Returns this rank's reference-layout weights after each of A's steps and
+    after B's last, and the engines' skipped-step counts and LR schedule positions."""
+    from smelt_ds.runs.reference_weights import gather_reference_shard
+    from smelt_ds.train import loop
+    from smelt_ds.train.build import build
+    from smelt_ds.train.data import Batch
+    from smelt_ds.train.metrics import MicroStats
+    from tests.train.test_train_step import MICRO, SEQ, _cfg, shard
+
+    out = []
+    real_loss = loop.total_loss
+    for backend, stage, precision in SKIP_CASES:
+        cfg = _cfg(backend, stage, train={"precision": precision, "lr": 0.01, "warmup_steps": 0})
+        runs = {}
+        for name, batches in (("A", [0, 1, 2]), ("B", [0, 2])):
+            built = build(cfg, world)
+            fit = SimpleNamespace(built=built, cfg=cfg, accum=1, micro=MicroStats(), step=0, tokens_seen=0,
+                                  tokens_per_step=MICRO * SEQ * world, guard=StepGuardState(cfg.train.step_guard),
+                                  skipped_since_log=0, writer=SimpleNamespace(write=lambda *a, **k: None),
+                                  console=SimpleNamespace(line=lambda *a, **k: None))
+            weights = []
+            for b in batches:
+                ids = shard(rank, b, world, 3)  # 3 distinct global batches
+                fit.data = SimpleNamespace(train=SimpleNamespace(
+                    next_batch=lambda ids=ids: Batch(ids[:, :-1], ids[:, 1:], torch.arange(MICRO))))
+                poison = name == "A" and b == 1 and rank == 1
+                loop.total_loss = (lambda o, t: real_loss(o, t) * float("nan")) if poison else real_loss
+                try:
+                    loop._train_step(fit)
+                finally:
+                    loop.total_loss = real_loss
+                weights.append({k: v.clone() for k, v in gather_reference_shard(built.engine, backend).items()
+                                if isinstance(v, torch.Tensor)})
+            runs[name] = {"weights": weights, "skipped": built.engine.skipped_steps,
+                          "epoch": built.scheduler.last_epoch, "verdict": fit.verdict.skip}
+        out.append(runs)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_skipped_update_leaves_weights_moments_and_schedule_as_they_were():
+    """2 ranks, a NaN loss on rank 1 only at the second step: both ranks skip it, their weights after
+    it equal those before it bit for bit, and the next step lands exactly where a run that never saw
+    the bad batch lands (so the Adam moments, the step count and the LR schedule did not move):
+    exact equality, the same operations on the same values."""
+    res = run_distributed(_skip_worker, world_size=2, timeout=300)
+    for i, case in enumerate(SKIP_CASES):
+        for rank in range(2):
+            a, b = res[rank][i]["A"], res[rank][i]["B"]
+            assert a["skipped"] == 1 and b["skipped"] == 0, (case, rank)
+            assert a["epoch"] == b["epoch"], (case, rank, a["epoch"], b["epoch"])
+            for k, w in a["weights"][0].items():
+                assert torch.equal(a["weights"][1][k], w), f"{case} rank {rank}: {k} moved on the skipped step"
+                assert not torch.equal(a["weights"][2][k], w) or k.endswith("expert_bias"), (case, k)
+                assert torch.equal(a["weights"][2][k], b["weights"][1][k]), (
+                    f"{case} rank {rank}: {k} after the skip and one step differs from a run without the bad batch")
+
+
+# ---------------------------------------------------------------------------------------------
+# real 2-rank runs through `smelt-ds train --nproc 2`
+# ---------------------------------------------------------------------------------------------
+
+
+def _recipe(tmp_path: Path, **train) -> Path:
+    raw = {"name": "faults",
+           "model": {"vocab_size": 512, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+                     "max_seq_len": 64},
+           "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 32},
+           "data": {"builtin_max_bytes": 150_000, "tokenizer": {"vocab_size": 512},
+                    "cache_dir": str(tmp_path / "cache")},
+           "train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 10, "warmup_steps": 2, "log_every": 1,
+                     "eval_every": 1000, "save_every": 2, "keep_last": 10, "run_dir": str(tmp_path / "run"), **train},
+           "eval": {"eval_batches": 2}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _train(tmp_path: Path, recipe: Path, faults: list[str], *sets: str, timeout: float = 240, resume: str = "none"):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **fault_env(faults)}
+    cmd = [sys.executable, "-m", "smelt_ds.cli", "train", str(recipe), "--nproc", "2", "--resume", resume]
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled_timeout(timeout))
+    return p, time.monotonic() - t0
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _reference(ckpt: Path) -> dict:
+    out = {}
+    for r in sorted(ckpt.glob("reference/rank*.pt")):
+        shard = torch.load(r)
+        for part in ("dense", "experts"):
+            out.update({f"{r.name}/{part}/{k}": v for k, v in shard[part].items() if isinstance(v, torch.Tensor)})
+    assert out, f"no reference weights in {ckpt}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_non_finite_steps_are_skipped_counted_and_too_many_in_a_row_stop_with_the_last_good_state(tmp_path):
+    """NaN losses injected on one rank at steps 3, 5 and 6 of a 2-rank run with at most 2 skips in a
+    row: step 3 is skipped and counted (metrics row and console line with every rank's sample ids),
+    5-6 are two in a row, so the run saves at step 6 and exits 3; the checkpoint at 6 holds exactly
+    the weights of step 4's (the last good update)."""
+    recipe = _recipe(tmp_path)
+    p, _ = _train(tmp_path, recipe, ["nan:rank=1:step=3", "nan:rank=0:step=5", "nan:rank=1:step=6"],
+                  "train.step_guard.max_consecutive_skips=2")
+    assert p.returncode == 3, p.stderr[-3000:]
+    run = tmp_path / "run"
+    skips = [r for r in _rows(run) if r.get("skipped")]
+    assert [r["step"] for r in skips] == [3, 5, 6]
+    assert [r["skipped_total"] for r in skips] == [1, 2, 3] and skips[-1]["consecutive_skips"] == 2
+    assert all(len(r["sample_ids"]) == 4 and r["skip_reason"] == "non-finite loss" for r in skips)  # 2 x 2 ranks
+    assert f"samples {', '.join(map(str, skips[0]['sample_ids']))}" in p.stderr
+    assert "step 3: update skipped on every rank: non-finite loss" in p.stderr
+    assert "stopped at step 6 of 10 by 2 consecutive skipped steps" in p.stderr
+    kept = [r["step"] for r in _rows(run) if "loss" in r and not r.get("skipped") and r.get("loss_steps")]
+    assert kept == [1, 2, 4], kept                                  # skipped steps' losses are left out
+    four, six = _reference(run / "checkpoints/step00000004"), _reference(run / "checkpoints/step00000006")
+    assert four.keys() == six.keys() and all(torch.equal(four[k], six[k]) for k in four)
+    assert not all(torch.equal(four[k], v) for k, v in _reference(run / "checkpoints/step00000002").items())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_that_dies_ends_the_job_promptly_naming_it(tmp_path):
+    """Rank 1 dies at step 5 without a word (os._exit(137), as the OOM killer's SIGKILL): the job
+    exits non-zero well within 60 s of the death, rank 0 says that its collective failed and that
+    rank 1 is gone, and the newest complete checkpoint (step 4) is intact and resumes."""
+    from smelt_ds.runs import checkpoint as ckpt
+
+    recipe = _recipe(tmp_path)
+    p, seconds = _train(tmp_path, recipe, ["exit:rank=1:step=5"], "train.max_steps=1000")
+    assert p.returncode != 0
+    assert "rank 0: a collective failed at step 5" in p.stderr, p.stderr[-3000:]
+    assert "rank 1 (pid" in p.stderr and ("gone" in p.stderr or "exited" in p.stderr)
+    latest = ckpt.latest_complete(tmp_path / "run")
+    assert latest is not None and latest.name == "step00000004" and not ckpt.verify(latest)
+    assert seconds < scaled_timeout(120)  # start-up included; the death itself is seen within seconds
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout_with_every_stack_on_disk(tmp_path):
+    """Rank 1 sleeps 600 s in the step-end collective of step 4: both watchdogs (5 s) fire, every
+    rank's Python stack is written to run/hangs/, and the job exits 124 long before the sleep ends."""
+    recipe = _recipe(tmp_path)
+    p, seconds = _train(tmp_path, recipe, ["sleep:rank=1:step=4:seconds=600"], "train.max_steps=1000",
+                        "train.watchdog.timeout_s=5", "train.watchdog.startup_steps=2",
+                        "train.watchdog.startup_timeout_s=120", timeout=300)
+    assert p.returncode == 124, p.stderr[-3000:]
+    assert "hang watchdog: no progress for 5 s in step 4" in p.stderr, p.stderr[-2000:]
+    hangs = tmp_path / "run" / "hangs"
+    for r in (0, 1):
+        text = (hangs / f"rank{r:05d}.txt").read_text()
+        assert f"rank {r} (pid" in text and "File " in text, text[:2000]
+    assert "sleep" in (hangs / "rank00001.txt").read_text() or "faults.py" in (hangs / "rank00001.txt").read_text()
+    assert seconds < scaled_timeout(120)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_a_bare_deepspeed_launcher_stops_its_orphaned_ranks_with_a_checkpoint(tmp_path):
+    """`deepspeed --module smelt_ds.train`, SIGTERM to the launcher alone: DeepSpeed's runner dies
+    without telling its ranks; they see their launcher gone, finish the step, save one checkpoint
+    together and exit instead of training on as orphans. Then `--resume auto` trains on."""
+    from smelt_ds.runs import checkpoint as ckpt
+
+    recipe = _recipe(tmp_path, max_steps=100000)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29631",
+           "--module", "smelt_ds.train", str(recipe)]
+    with (tmp_path / "err.txt").open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=err, stderr=err, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + scaled_timeout(240)
+        while not (run / "metrics.jsonl").exists() or len(_rows(run)) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # the runner only
+        proc.wait(scaled_timeout(60))
+        deadline = time.monotonic() + scaled_timeout(120)
+        while ckpt.latest_complete(run) is None or not _ranks_gone(proc.pid):
+            assert time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-3000:]
+            time.sleep(0.2)
+    log = (tmp_path / "err.txt").read_text()
+    assert "by the death of its launcher" in log, log[-3000:]
+    step = json.loads((ckpt.latest_complete(run) / ckpt.MARKER).read_text())["step"]
+    assert step == max(r["step"] for r in _rows(run))
+    p, _ = _train(tmp_path, recipe, [], f"train.max_steps={step + 2}", resume="auto")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert max(r["step"] for r in _rows(run)) == step + 2
+
+
+def _ranks_gone(session: int) -> bool:
+    import psutil
+
+    def mine(q) -> bool:
+        try:
+            return "smelt_ds.train" in " ".join(q.info["cmdline"] or []) and os.getsid(q.pid) == session
+        except OSError:
+            return False
+
+    return not [q for q in psutil.process_iter(["cmdline"]) if q.pid != os.getpid() and mine(q)]
