@@ -21,6 +21,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 from smelt_ds.config.loading import config_from_dict  # noqa: E402
 from smelt_ds.testing import run_distributed  # noqa: E402
+from smelt_ds.train.step_guard import StepGuardState  # noqa: E402
 from tests.numerics import FP32_U, chain_tol, lm_chain_length  # noqa: E402
 from tests.parallel.test_grad_norm import NORM_RTOL, canonical, make_cfg, merge  # noqa: E402
 
@@ -65,7 +66,8 @@ def _one_step(cfg, rank: int, world: int, on_built=None) -> tuple[object, Simple
 
     fit = SimpleNamespace(built=built, cfg=cfg, accum=accum, data=SimpleNamespace(train=SimpleNamespace(
         next_batch=next_batch)), micro=MicroStats(), step=0, tokens_seen=0,
-        tokens_per_step=MICRO * SEQ * accum * world)
+        tokens_per_step=MICRO * SEQ * accum * world, guard=StepGuardState(cfg.train.step_guard), skipped_since_log=0,
+        writer=SimpleNamespace(write=lambda *a, **k: None), console=SimpleNamespace(line=lambda *a, **k: None))
     fit.result = _train_step(fit)  # (lr, sample ids, grad norm before clipping, means)
     return built, fit
 

@@ -1,0 +1,198 @@
+"""A fault soak: the tiny SMELT on 2 ranks (AutoEP, expert-parallel 2, ZeRO-3) for N steps, with M
+faults injected at seeded random steps and moments, each followed by ``--resume auto``; at the end the
+final weights are compared bit for bit with an uninterrupted run's, and every optimizer step must
+appear once in ``metrics.jsonl``.
+
+    python bench/fault_soak.py                      # N = 120 steps, M = 20 faults, seed 0
+    python bench/fault_soak.py --faults 5 --steps 60 --seed 3 --json soak.json
+
+Fault kinds (cycled in a seeded order): ``sigterm_launcher`` (SIGTERM to the ``smelt-ds train --nproc``
+wrapper, the outermost process), ``sigterm_rank`` (SIGTERM to one rank), ``sigterm_in_save`` (SIGTERM
+to a rank while a checkpoint is being written), ``sigkill_rank`` (one rank killed), ``hang`` (one rank
+SIGSTOPped: the hang watchdog ends the job), ``save_error`` (a checkpoint write fails on one rank:
+:mod:`smelt_ds.testing.faults`). Printed: faults injected / survived (the job ended, the newest
+complete checkpoint verified and the next attempt resumed from it), steps lost per fault (steps
+trained past the checkpoint the next attempt resumed from), the seconds from the fault to the end of
+the job per kind, and the final comparison. Wall-clock figures are this machine's; the ratio that
+matters is survived / injected, which must be 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from smelt_ds.runs import checkpoint as ckpt  # noqa: E402
+from smelt_ds.testing.faults import fault_env  # noqa: E402
+
+KINDS = ["sigterm_launcher", "sigterm_rank", "sigkill_rank", "hang", "save_error", "sigterm_in_save"]
+
+
+def recipe(tmp: Path, steps: int, run: Path) -> Path:
+    """The tiny SMELT with AutoEP at expert-parallel 2 and ZeRO-3, saving every 5 steps."""
+    raw = {"base": str(ROOT / "recipes/tiny/smelt.yaml"),
+           "moe_runtime": {"backend": "autoep", "ep_size": 2},
+           "deepspeed": {"zero_stage": 3},
+           "train": {"max_steps": steps, "warmup_steps": 10, "log_every": 1, "save_every": 5, "eval_every": 100000,
+                     "keep_last": 3, "run_dir": str(run),
+                     "watchdog": {"timeout_s": 10, "startup_steps": 2, "startup_timeout_s": 300}},
+           "eval": {"eval_batches": 1}}
+    path = tmp / f"{run.name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def steps_logged(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss' in line]
+
+
+def ranks_of(wrapper: int) -> list[psutil.Process]:
+    try:
+        return [p for p in psutil.Process(wrapper).children(recursive=True)
+                if "smelt_ds.train" in " ".join(p.cmdline()) and "deepspeed.launcher" not in " ".join(p.cmdline())]
+    except psutil.Error:
+        return []
+
+
+def start(path: Path, log: Path, faults: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **fault_env(faults)}
+    return subprocess.Popen([sys.executable, "-m", "smelt_ds.cli", "train", str(path), "--nproc", "2", "--resume",
+                             "auto"], cwd=ROOT, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def attempt(path: Path, run: Path, kind: str, rng: random.Random, log: Path, steps: int) -> dict:
+    """One attempt with one fault. Returns what happened."""
+    done = max(steps_logged(run), default=0)
+    target = min(done + rng.randint(3, 12), steps - 2)
+    faults = []
+    if kind == "save_error":
+        target = min(((target // 5) + 1) * 5, steps - 1)
+        faults = [f"save_error:rank={rng.randint(0, 1)}:step={target}"]
+    proc = start(path, log, faults)
+    t_fault = None
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        logged = max(steps_logged(run), default=0)
+        if t_fault is None and kind == "save_error" and logged >= target:
+            t_fault = time.monotonic()
+        if t_fault is None and kind != "save_error" and logged >= target:
+            ranks = ranks_of(proc.pid)
+            if len(ranks) == 2:
+                victim = ranks[rng.randint(0, 1)]
+                if kind == "sigterm_in_save":  # wait until a save is being written
+                    while proc.poll() is None and not any(p.is_dir() and not (p / ckpt.MARKER).exists()
+                                                          for p in (run / "checkpoints").glob("step*")):
+                        time.sleep(0.01)
+                time.sleep(rng.random() * 0.2)
+                t_fault = time.monotonic()
+                try:
+                    if kind == "sigterm_launcher":
+                        os.kill(proc.pid, signal.SIGTERM)
+                    elif kind in ("sigterm_rank", "sigterm_in_save"):
+                        victim.send_signal(signal.SIGTERM)
+                    elif kind == "sigkill_rank":
+                        victim.kill()
+                    elif kind == "hang":
+                        victim.suspend()
+                except psutil.Error:
+                    pass
+        time.sleep(0.05)
+    if proc.poll() is None:  # never ended: not survived
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    detect = time.monotonic() - t_fault if t_fault else None
+    last = max(steps_logged(run), default=0)
+    latest = ckpt.latest_complete(run)
+    resumed_from = json.loads((latest / ckpt.MARKER).read_text())["step"] if latest else 0
+    ok = latest is None or not ckpt.verify(latest)
+    return {"kind": kind, "target": target, "rc": proc.returncode, "fault_s": detect, "last_step": last,
+            "checkpoint": resumed_from, "steps_lost": max(0, last - resumed_from),
+            "ended": proc.returncode is not None, "checkpoint_ok": ok, "fired": t_fault is not None}
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    latest = ckpt.latest_complete(run)
+    assert latest is not None
+    out = {}
+    for r in sorted(latest.glob("reference/rank*.pt")):
+        shard = torch.load(r)
+        for part in ("dense", "experts"):
+            out.update({f"{r.name}/{part}/{k}": v for k, v in shard[part].items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--faults", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    kinds = [KINDS[i % len(KINDS)] for i in range(args.faults)]
+    rng.shuffle(kinds)
+    with tempfile.TemporaryDirectory(prefix="smelt-soak-") as d:
+        tmp = Path(d)
+        ref_run, soak_run = tmp / "reference", tmp / "soak"
+        log = tmp / "log.txt"
+        print(f"uninterrupted run: {args.steps} steps", flush=True)
+        p = start(recipe(tmp, args.steps, ref_run), log, [])
+        assert p.wait() == 0, log.read_text()[-3000:]
+        path = recipe(tmp, args.steps, soak_run)
+        results = []
+        for i, kind in enumerate(kinds):
+            if max(steps_logged(soak_run), default=0) >= args.steps - 3:
+                print(f"run finished before fault {i + 1}: {args.faults - i} faults not injected (raise --steps)")
+                break
+            r = attempt(path, soak_run, kind, rng, log, args.steps)
+            results.append(r)
+            print(f"fault {i + 1:2d} {kind:17s} at step {r['target']:3d}: exit {r['rc']}, ended "
+                  f"{r['fault_s']:.1f} s after the fault, checkpoint step {r['checkpoint']}, steps lost "
+                  f"{r['steps_lost']}" if r["fault_s"] is not None else f"fault {i + 1} {kind}: not fired ({r})",
+                  flush=True)
+        p = start(path, log, [])
+        final_rc = p.wait()
+        steps = steps_logged(soak_run)
+        ref, got = final_weights(ref_run), final_weights(soak_run)
+        equal = ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+        once = sorted(steps) == list(range(1, args.steps + 1))
+        survived = sum(r["ended"] and r["checkpoint_ok"] and r["fired"] for r in results)
+        print(f"\nfaults injected {len(results)}, survived {survived} ({100 * survived / max(1, len(results)):.0f}%); "
+              f"final run exit {final_rc}")
+        print(f"steps lost: {sum(r['steps_lost'] for r in results)} in all (retrained from the last checkpoint; "
+              f"mean {statistics.mean(r['steps_lost'] for r in results) if results else 0:.1f} per fault)")
+        for kind in KINDS:
+            times = [r["fault_s"] for r in results if r["kind"] == kind and r["fault_s"] is not None]
+            if times:
+                print(f"  {kind:17s} x{len(times)}: job ended {min(times):.1f}-{max(times):.1f} s after the fault "
+                      f"(median {statistics.median(times):.1f})")
+        print(f"every step 1..{args.steps} logged exactly once: {once}; final weights bit-identical to the "
+              f"uninterrupted run: {equal}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"results": results, "survived": survived, "equal": equal,
+                                                   "once": once, "final_rc": final_rc}, indent=2))
+        return 0 if equal and once and survived == len(results) and final_rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
