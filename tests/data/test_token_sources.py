@@ -262,7 +262,8 @@ def test_changed_files_are_detected_when_opened(tmp_path, small_tok, capsys):
         prepare_from_config(cfg)
     assert main(["data", "verify", str(prepared.root)]) == 2
     capsys.readouterr()
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"data": cfg.model_dump(mode="json"), "model": {"vocab_size": 1024}}))
+    recipe = {"data": cfg.model_dump(mode="json"), "model": {"vocab_size": 1024}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     assert main(["data", "prepare", "--recipe", str(tmp_path / "r.yaml")]) == 0
     out, err = capsys.readouterr()
     assert "prepared now" in out and f"m.bin changed since {prepared.root} was prepared" in err
