@@ -465,7 +465,7 @@ def test_deepspeed_script_stops_the_ranks_through_the_stop_file_on_sigterm(tmp_p
     (bindir / "deepspeed").chmod(0o755)
     log = tmp_path / "argv"
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
-           "FAKE_STOP": str(run_dir / "STOP"), "FAKE_SAVE_S": "1", "FAKE_RC": str(launcher_rc)}
+           "FAKE_STOP": str(run_dir / "STOP"), "FAKE_SAVE_S": "2", "FAKE_RC": str(launcher_rc)}
     env.pop("SMELT_LAUNCHER_PID", None)
     out_file = tmp_path / "out"
     with out_file.open("w") as out_f:  # a file, not a pipe: a launcher left behind cannot block the test
@@ -478,7 +478,10 @@ def test_deepspeed_script_stops_the_ranks_through_the_stop_file_on_sigterm(tmp_p
         time.sleep(0.1)
         assert not (run_dir / "STOP").exists()
         proc.send_signal(signal.SIGTERM)
-        while not Path(f"{log}.stopping").is_file():
+        # the ranks save; the script's SIGTERM handler has ended (its message is its last command: a
+        # signal that reaches bash while the handler's `touch` runs is dropped, as bash does for a
+        # SIGINT its foreground child survived)
+        while not Path(f"{log}.stopping").is_file() or "SIGTERM: created" not in out_file.read_text():
             assert time.time() - t0 < 30 and proc.poll() is None, f"the script exited {proc.poll()}: no STOP\n" \
                 + out_file.read_text()
             time.sleep(0.02)
