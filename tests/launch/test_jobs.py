@@ -469,7 +469,10 @@ def test_deepspeed_script_stops_the_ranks_through_the_stop_file_on_sigterm(tmp_p
     env.pop("SMELT_LAUNCHER_PID", None)
     out_file = tmp_path / "out"
     with out_file.open("w") as out_f:  # a file, not a pipe: a launcher left behind cannot block the test
-        proc = subprocess.Popen(["bash", str(tmp_path / "run.sh")], env=env, stdout=out_f, stderr=subprocess.STDOUT)
+        # SIGINT at its default in the script: bash cannot trap a signal ignored when it starts, as it
+        # is when pytest itself runs in a background job (`pytest &`)
+        proc = subprocess.Popen(["bash", str(tmp_path / "run.sh")], env=env, stdout=out_f, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         t0 = time.time()
         while not Path(f"{log}.environ").is_file() or not Path(f"{log}.environ").read_text().endswith("\n"):
