@@ -6,6 +6,8 @@ import copy
 
 import pytest
 
+from tests.markers import slow_fixture
+
 TINY = {
     "model": {"vocab_size": 61, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
               "max_seq_len": 32, "dense_ffn_size": 48, "init_std": 0.2},
@@ -30,6 +32,16 @@ def tiny_cfg():
         return config_from_dict(_merge(TINY, overrides or {}))
 
     return make
+
+
+@pytest.fixture(scope="session")
+@slow_fixture
+def two_rank_reference(tmp_path_factory):
+    """An uninterrupted 2-rank training of the shared recipe (:mod:`tests.two_ranks`), trained once
+    per session: a :class:`tests.two_ranks.Reference`."""
+    from tests.two_ranks import train_reference
+
+    return train_reference(tmp_path_factory.mktemp("two-ranks"))
 
 
 def pytest_collection_modifyitems(config, items):

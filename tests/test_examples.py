@@ -86,6 +86,7 @@ _BENCH = "tests/eval/test_benchmarks.py"
 _E2E_SWEEP = "tests/study/test_scaling_e2e.py::test_tiny_real_sweep_then_fit"
 _LADDER_FIT = "tests/study/scaling/test_replicates.py::test_the_fit_command_recomputes_the_report_from_summaries_alone"
 _RUN_EXPORT_INIT = f"{_LOOP}::test_run_directory_summary_export_and_init_from"
+_STOPS = "tests/launch/test_launcher_stops.py"
 EXPENSIVE = {
     # the main job (README.md), training, launcher, resume, export (docs/training.md)
     "smelt-ds train recipes/tiny/smelt.yaml": "tests/train/test_golden_losses.py::test_fresh_run_matches_golden_losses",
@@ -95,8 +96,10 @@ EXPENSIVE = {
     "smelt-ds train recipes/tiny/smelt.yaml --set profile.enabled=true --set profile.start_step=100 "
     "--set profile.ranks=[0,1] --nproc 2":
         "tests/train/test_profiler.py::test_trace_holds_one_range_per_visit_and_moe_stage_per_profiled_step",
-    "smelt-ds train RECIPE --nproc 2": f"{_LOOP}::test_deepspeed_launcher_two_ranks",
-    "deepspeed --num_gpus 8 --module smelt_ds.train RECIPE": f"{_LOOP}::test_deepspeed_launcher_two_ranks",
+    "smelt-ds train RECIPE --nproc 2": f"{_STOPS}::test_the_reference_run_through_the_deepspeed_launcher_wrote_its_"
+                                       "run_directory",
+    "deepspeed --num_gpus 8 --module smelt_ds.train RECIPE":
+        f"{_STOPS}::test_deepspeed_bare_then_rendered_single_host_then_hostfile_stop_and_resume_on_the_trajectory",
     "smelt-ds train RECIPE --resume auto": f"{_LOOP}::test_resume_equals_uninterrupted_zero2",
     "smelt-ds export runs/tiny-smelt -o exported/tiny-smelt": _RUN_EXPORT_INIT,
     "smelt-ds export runs/tiny-smelt --format hf -o hf/tiny-smelt":

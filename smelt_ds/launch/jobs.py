@@ -397,10 +397,27 @@ def per_node_command(plan: JobPlan) -> str:
 
 
 def k8s_pod_command(plan: JobPlan) -> str:
-    """What a Kubernetes pod runs (``bash -c``): creates the flight recorder's dump directory (it
-    writes into an existing directory only), then becomes torchrun (:func:`per_node_command`)."""
+    """What a Kubernetes pod runs (``bash -c``, the container's first process): creates the flight
+    recorder's dump directory (it writes into an existing directory only), then runs torchrun
+    (:func:`per_node_command`) and waits for it.
+
+    On the first SIGTERM (the kubelet's, on deletion, eviction or preemption), SIGINT or SIGHUP it
+    passes SIGTERM to torchrun once (a second one would cut torchrun's wait for the ranks short),
+    which passes it to the ranks: each finishes its step, they save a checkpoint together and exit
+    143; the pod then exits 143 as well (torchrun itself reports the signal as a failure, exit 1
+    with a ``SignalException`` traceback, which a restart policy could take for a crash).
+    Otherwise the pod's status is torchrun's."""
+    on_stop = ('on_stop() { [[ -z "$stop" ]] || return 0; stop=143; '
+               'echo "smelt-ds: $1: passing SIGTERM to torchrun: the ranks finish their step, save a checkpoint '
+               'and exit" >&2; [[ -z "$pid" ]] || kill -TERM "$pid" 2>/dev/null || true; }; ')
     return ('[[ -z "${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ]] || '
-            'mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")"; exec ' + per_node_command(plan))
+            'mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")"; stop=; pid=; ' + on_stop
+            + "trap 'on_stop SIGTERM' TERM; trap 'on_stop SIGINT' INT; trap 'on_stop SIGHUP' HUP; "
+            + per_node_command(plan) + ' & pid=$!; '
+            '[[ -z "$stop" ]] || kill -TERM "$pid"; '  # a signal while it started
+            # a trapped signal ends `wait` early (status > 128): wait again until torchrun has exited
+            'until wait "$pid"; rc=$?; ! kill -0 "$pid" 2>/dev/null; do :; done; '
+            'exit "${stop:-$rc}"')
 
 
 def _render_slurm(plan: JobPlan) -> dict[str, str]:

@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import builtins
 import errno
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from smelt_ds.runs import checkpoint as ckpt
-from smelt_ds.testing import faults, scaled_timeout
-
-ROOT = Path(__file__).resolve().parents[2]
+from smelt_ds.testing import faults
+from tests import two_ranks
 
 
 def _failing_open(spec: str):
@@ -103,30 +97,6 @@ def test_a_marker_that_cannot_be_written_leaves_no_checkpoint(tmp_path, monkeypa
 # -- two real ranks through `smelt-ds train --nproc 2` -----------------------------------------------------------
 
 
-def _raw(run_dir: Path, cache: Path) -> dict:
-    return {"name": "faults",
-            "model": {"vocab_size": 512, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
-                      "max_seq_len": 64},
-            "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 32}, "loop": {"position": "middle"},
-            "data": {"builtin_max_bytes": 150_000, "tokenizer": {"vocab_size": 512}, "cache_dir": str(cache)},
-            # ZeRO-1: each rank writes its optimizer partition through DeepSpeed's checkpoint engine
-            "deepspeed": {"zero_stage": 1},
-            "train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 8, "warmup_steps": 1, "log_every": 1,
-                      "eval_every": 100, "save_every": 2, "keep_last": 2, "run_dir": str(run_dir)},
-            "eval": {"eval_batches": 1}}
-
-
-def _cli_train(recipe: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "smelt_ds.cli", "train", str(recipe), "--nproc", "2", *extra],
-                          cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, capture_output=True,
-                          text=True, timeout=scaled_timeout(240))  # ~20 s each; a hung save ends here
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 def _weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     out = {}
     for shard in sorted((ckpt_dir / "reference").glob("rank*.pt")):
@@ -146,22 +116,18 @@ def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_save_failing_on_one_rank_stops_the_run_and_resume_auto_finishes_it(tmp_path):
+def test_a_save_failing_on_one_rank_stops_the_run_and_resume_auto_finishes_it(two_rank_reference, tmp_path):
     """Rank 1 alone hits ENOSPC writing its optimizer partition of step 6 (inside DeepSpeed's save,
-    before DeepSpeed's closing barrier): both ranks stop with exit status 1 and one message naming
-    the file and the cause; steps 2 and 4 stay complete (keep_last=2), step 6 gets no marker;
-    ``--resume auto`` continues from step 4 to the same losses and bit-identical weights as a run
-    that never failed."""
-    import yaml
+    before DeepSpeed's closing barrier; ZeRO-1: each rank writes its own): both ranks stop with
+    exit status 1 and one message naming the file and the cause; steps 2 and 4 stay complete
+    (keep_last=2), step 6 gets no marker; ``--resume auto`` continues from step 4 to the same losses
+    and bit-identical weights as the shared uninterrupted run (:mod:`tests.two_ranks`)."""
+    ref = two_rank_reference
+    run_dir = tmp_path / "run"
+    recipe = two_ranks.write_recipe(tmp_path / "recipe.yaml", run_dir, ref.cache)
 
-    cache = tmp_path / "cache"
-    recipe, ref_recipe = tmp_path / "recipe.yaml", tmp_path / "ref.yaml"
-    run_dir, ref_dir = tmp_path / "run", tmp_path / "ref"
-    recipe.write_text(yaml.safe_dump(_raw(run_dir, cache)))
-    ref_recipe.write_text(yaml.safe_dump(_raw(ref_dir, cache)))
-    t0 = time.perf_counter()
-
-    failed = _cli_train(recipe, env=faults.fault_env(["save_error:rank=1:step=6"]))
+    failed = two_ranks.cli_train(recipe, "--set", "train.exit_after_steps=8",
+                                 env=faults.fault_env(["save_error:rank=1:step=6"]))
     assert failed.returncode == 1, failed.stderr[-4000:]
     step6 = ckpt.checkpoint_dir(run_dir) / "step00000006"
     assert (f"rank 1 could not write checkpoint {step6}: ENOSPC: No space left on device writing {step6}/"
@@ -171,17 +137,14 @@ def test_a_save_failing_on_one_rank_stops_the_run_and_resume_auto_finishes_it(tm
     assert (ckpt.checkpoint_dir(run_dir) / "latest").read_text() == "step00000004"  # DeepSpeed's pointer too
     assert (ckpt.checkpoint_dir(run_dir) / "step00000002" / ckpt.MARKER).is_file()   # keep_last=2: both kept
     assert not (step6 / ckpt.MARKER).exists()
-    assert max(_losses(run_dir)) == 6                                   # it trained step 6, then stopped
+    assert max(two_ranks.losses(run_dir)) == 6                          # it trained step 6, then stopped
 
-    resumed = _cli_train(recipe, "--resume", "auto")
+    last = two_ranks.REFERENCE_STEPS
+    resumed = two_ranks.cli_train(recipe, "--resume", "auto", "--set", f"train.exit_after_steps={last - 4}")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    reference = _cli_train(ref_recipe)
-    assert reference.returncode == 0, reference.stderr[-4000:]
-    print(f"three 2-rank runs: {time.perf_counter() - t0:.1f} s")
-
-    assert _losses(run_dir) == _losses(ref_dir) and sorted(_losses(run_dir)) == list(range(1, 9))
-    final, ref_final = ckpt.latest_complete(run_dir), ckpt.latest_complete(ref_dir)
-    assert final.name == ref_final.name == "step00000008"
+    assert two_ranks.losses(run_dir) == ref.losses and sorted(ref.losses) == list(range(1, last + 1))
+    final, ref_final = ckpt.latest_complete(run_dir), ckpt.latest_complete(ref.run_dir)
+    assert final.name == ref_final.name == f"step{last:08d}"
     mine, theirs = _weights(final), _weights(ref_final)
     assert mine and mine.keys() == theirs.keys()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine), "resumed weights differ from the uninterrupted run"

@@ -234,7 +234,8 @@ def test_the_gpu_ladder_renders_to_slurm_and_kubernetes(tmp_path):
     doc = yaml.safe_load(jobs[-1].read_text())
     assert doc["kind"] == "PyTorchJob"
     args = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"][0]
-    assert re.search(r"^test -f \S+/summary\.json && exit 0; .*; exec ", args)
+    assert re.search(r"^test -f \S+/summary\.json && exit 0; .*; python -m torch\.distributed\.run .* & pid=\$!; ",
+                     args)
     assert plan.runs[-1].recipe_path.name in args
 
 

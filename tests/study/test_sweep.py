@@ -209,7 +209,8 @@ def test_render_slurm_array_and_k8s_jobs(tmp_path, monkeypatch):
         doc = yaml.safe_load(j.read_text())
         assert doc["kind"] == "PyTorchJob"
         args = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"][0]
-        assert args.startswith("test -f ") and "summary.json && exit 0; " in args and "; exec " in args
+        assert args.startswith("test -f ") and "summary.json && exit 0; " in args
+        assert "python -m torch.distributed.run " in args
         assert r.recipe_path.name in args
     # a field the sweep does not fill is refused, naming the template and the field
     bad = tmp_path / "sweep_array.sbatch"

@@ -1,6 +1,7 @@
 """Faults in real training ranks (issue: survive the cluster): non-finite steps skipped on every
 rank together, a dead rank and a hung rank ending a 2-rank job within their bounds with the cause
-named, and the launcher's death stopping the ranks with a checkpoint. Faults are injected with
+named (a stop under each launcher, and a launcher's death: tests/launch/test_launcher_stops.py).
+Faults are injected with
 :mod:`smelt_ds.testing.faults` (in the ranks) or signals (from outside)."""
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -234,48 +234,3 @@ def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout_with_every_stack_o
     assert "sleep" in (hangs / "rank00001.txt").read_text() or "faults.py" in (hangs / "rank00001.txt").read_text()
     assert seconds < scaled_timeout(120)
 
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_sigterm_to_a_bare_deepspeed_launcher_stops_its_orphaned_ranks_with_a_checkpoint(tmp_path):
-    """`deepspeed --module smelt_ds.train`, SIGTERM to the launcher alone: DeepSpeed's runner dies
-    without telling its ranks; they see their launcher gone, finish the step, save one checkpoint
-    together and exit instead of training on as orphans. Then `--resume auto` trains on."""
-    from smelt_ds.runs import checkpoint as ckpt
-
-    recipe = _recipe(tmp_path, max_steps=100000)
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29631",
-           "--module", "smelt_ds.train", str(recipe)]
-    with (tmp_path / "err.txt").open("w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=err, stderr=err, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + scaled_timeout(240)
-        while not (run / "metrics.jsonl").exists() or len(_rows(run)) < 3:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-3000:]
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)  # the runner only
-        proc.wait(scaled_timeout(60))
-        deadline = time.monotonic() + scaled_timeout(120)
-        while ckpt.latest_complete(run) is None or not _ranks_gone(proc.pid):
-            assert time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-3000:]
-            time.sleep(0.2)
-    log = (tmp_path / "err.txt").read_text()
-    assert "by the death of its launcher" in log, log[-3000:]
-    step = json.loads((ckpt.latest_complete(run) / ckpt.MARKER).read_text())["step"]
-    assert step == max(r["step"] for r in _rows(run))
-    p, _ = _train(tmp_path, recipe, [], f"train.max_steps={step + 2}", resume="auto")
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert max(r["step"] for r in _rows(run)) == step + 2
-
-
-def _ranks_gone(session: int) -> bool:
-    import psutil
-
-    def mine(q) -> bool:
-        try:
-            return "smelt_ds.train" in " ".join(q.info["cmdline"] or []) and os.getsid(q.pid) == session
-        except OSError:
-            return False
-
-    return not [q for q in psutil.process_iter(["cmdline"]) if q.pid != os.getpid() and mine(q)]
