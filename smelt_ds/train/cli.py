@@ -116,11 +116,15 @@ def launcher_status(rc: int, signum: int | None) -> int:
     by that signal) and the first stop signal received (None: none).
 
     Without a signal: the launcher's status, which is the first failing rank's
-    (:func:`smelt_ds.train.loop.main`: 2 bad configuration, 1 a checkpoint write failed). After a
+    (:func:`smelt_ds.train.loop.main`: 2 bad configuration, 1 a checkpoint write failed); a rank
+    killed by signal N gives 128 + N, as a shell reports it (DeepSpeed's ``launch.py`` exits with
+    the rank's negative return code -N, which the OS turns into 256 - N: 247 for SIGKILL). After a
     signal: 143 when the ranks saved a checkpoint and stopped, 0 when they had finished, 2 a bad
     configuration; otherwise (stopped before training started, or a rank failed) 128 + the signal,
     with a note that this stop saved no checkpoint."""
     status = 128 - rc if rc < 0 else rc
+    if 256 - 64 < status < 256:  # launch.py's sys.exit(-N) for a rank killed by signal N (1..63)
+        status = 128 + 256 - status
     if signum is None or rc in (0, 2, 128 + signal.SIGTERM):  # rc, not status: killed by SIGTERM saved nothing
         return status
     print(f"smelt-ds train: the ranks stopped without saving a checkpoint for this {signal.Signals(signum).name} "

@@ -603,7 +603,20 @@ def run_and_report(args: argparse.Namespace, prog: str) -> int:
         print(f"{prog}: rank {_rank()}: unexpected error (the other ranks end when their next collective fails):\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
         return 1
+    _destroy_process_group()
     return exit_status(result)
+
+
+def _destroy_process_group() -> None:
+    """After a run that ended on every rank together (finished, or stopped and saved): tear the
+    process groups down before the process exits, as torchtitan does, so that the backend's
+    threads are joined rather than left to the C++ runtime's exit (a stopped rank once died
+    there with ``terminate called without an active exception``, exit 134, after saving). Not
+    after a failure: a group whose peer is gone may not tear down."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _rank() -> int:

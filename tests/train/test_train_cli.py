@@ -98,9 +98,12 @@ def test_launcher_status_maps_the_outcome_of_a_stop(capsys):
     assert launcher_status(0, signal.SIGTERM) == 0             # they had finished
     assert launcher_status(2, None) == 2 and launcher_status(1, None) == 1
     assert launcher_status(-signal.SIGTERM, None) == 143       # the launcher itself was killed
+    # launch.py exits -N when a rank was killed by signal N: 256 - N to the OS, 128 + N to a shell
+    assert launcher_status(256 - signal.SIGKILL, None) == 137 and launcher_status(256 - signal.SIGABRT, None) == 134
+    assert launcher_status(75, None) == 75 and launcher_status(124, None) == 124  # a rank's own statuses
     assert capsys.readouterr().err == ""
     assert launcher_status(241, signal.SIGINT) == 130          # a rank died of SIGTERM before training
-    assert "stopped without saving a checkpoint for this SIGINT (launcher exit status 241" in capsys.readouterr().err
+    assert "stopped without saving a checkpoint for this SIGINT (launcher exit status 143" in capsys.readouterr().err
     assert launcher_status(-signal.SIGTERM, signal.SIGTERM) == 143  # stopped before the ranks existed ...
     assert "stopped without saving a checkpoint for this SIGTERM (launcher exit status 143" in capsys.readouterr().err
 
