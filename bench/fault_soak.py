@@ -3,7 +3,7 @@ faults injected at seeded random steps and moments, each followed by ``--resume 
 final weights are compared bit for bit with an uninterrupted run's, and every optimizer step must
 appear once in ``metrics.jsonl``.
 
-    python bench/fault_soak.py                      # N = 120 steps, M = 20 faults, seed 0
+    python bench/fault_soak.py                      # N = 240 steps, M = 20 faults, seed 0
     python bench/fault_soak.py --faults 5 --steps 60 --seed 3 --json soak.json
 
 Fault kinds (cycled in a seeded order): ``sigterm_launcher`` (SIGTERM to the ``smelt-ds train --nproc``
@@ -57,7 +57,7 @@ def recipe(tmp: Path, steps: int, run: Path) -> Path:
            "deepspeed": {"zero_stage": 3},
            "train": {"max_steps": steps, "warmup_steps": 10, "log_every": 1, "save_every": 5, "eval_every": 100000,
                      "keep_last": 3, "run_dir": str(run),
-                     "watchdog": {"timeout_s": 10, "startup_steps": 2, "startup_timeout_s": 300}},
+                     "watchdog": {"timeout_s": 10, "startup_steps": 2, "startup_timeout_s": 60}},
            "eval": {"eval_batches": 1}}
     path = tmp / f"{run.name}.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -89,10 +89,10 @@ def start(path: Path, log: Path, faults: list[str]) -> subprocess.Popen:
 def attempt(path: Path, run: Path, kind: str, rng: random.Random, log: Path, steps: int) -> dict:
     """One attempt with one fault. Returns what happened."""
     done = max(steps_logged(run), default=0)
-    target = min(done + rng.randint(3, 12), steps - 2)
+    target = min(done + rng.randint(3, 8), steps - 2)
     faults = []
-    if kind == "save_error":
-        target = min(((target // 5) + 1) * 5, steps - 1)
+    if kind == "save_error":  # at a periodic save (every 5 steps) before the last step
+        target = min(((target // 5) + 1) * 5, (steps - 1) // 5 * 5)
         faults = [f"save_error:rank={rng.randint(0, 1)}:step={target}"]
     proc = start(path, log, faults)
     t_fault = None
@@ -150,7 +150,7 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--faults", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -168,7 +168,7 @@ def main() -> int:
         path = recipe(tmp, args.steps, soak_run)
         results = []
         for i, kind in enumerate(kinds):
-            if max(steps_logged(soak_run), default=0) >= args.steps - 3:
+            if max(steps_logged(soak_run), default=0) >= args.steps - 12:
                 print(f"run finished before fault {i + 1}: {args.faults - i} faults not injected (raise --steps)")
                 break
             r = attempt(path, soak_run, kind, rng, log, args.steps)
