@@ -265,6 +265,7 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
         try:
             _steps(fit, stops, watchdog)
         except Exception as e:
+            fit.writer.flush()  # a failing rank may end without finalization: TensorBoard's buffer first
             if not is_collective_failure(e):
                 raise
             why = (f"a collective failed at step {fit.step + 1} ({type(e).__name__}: "
@@ -592,6 +593,7 @@ def run_and_report(args: argparse.Namespace, prog: str) -> int:
     except CheckpointWriteError as e:
         if _rank() == 0:  # every rank raises the same error
             print(f"{prog}: error: {e}", file=sys.stderr)
+        _destroy_process_group()  # every rank agreed on the failure through a collective: the group is sound
         return 1
     except CollectiveFailure as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
@@ -608,11 +610,13 @@ def run_and_report(args: argparse.Namespace, prog: str) -> int:
 
 
 def _destroy_process_group() -> None:
-    """After a run that ended on every rank together (finished, or stopped and saved): tear the
-    process groups down before the process exits, as torchtitan does, so that the backend's
-    threads are joined rather than left to the C++ runtime's exit (a stopped rank once died
-    there with ``terminate called without an active exception``, exit 134, after saving). Not
-    after a failure: a group whose peer is gone may not tear down."""
+    """After a run that ended on every rank together (finished, stopped and saved, or a failed
+    save every rank agreed on): tear the process groups down before the process exits, as
+    torchtitan does and ``torch.distributed``'s documentation asks. Gloo's worker threads left to
+    the interpreter's finalization can abort the process (``terminate called without an active
+    exception``, exit 134 instead of the documented status; pytorch/pytorch#190489, #179291).
+    Not after a failure: a group whose peer is gone may not tear down (the rank's entry point,
+    :mod:`smelt_ds.train.__main__`, ends such a process without finalization)."""
     import torch.distributed as dist
 
     if dist.is_initialized():

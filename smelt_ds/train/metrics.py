@@ -204,6 +204,11 @@ class MetricsWriter:
                 print(f"tracking: {tracker.name} failed at step {step} ({type(e).__name__}: {e}); no further rows "
                       "go to it (metrics.jsonl, TensorBoard and the other trackers go on)", file=sys.stderr)
 
+    def flush(self) -> None:
+        """Write TensorBoard's buffered events now (``metrics.jsonl`` rows are on disk as written)."""
+        if self.tb is not None:
+            self.tb.flush()
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.flush()
