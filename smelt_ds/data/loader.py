@@ -32,7 +32,7 @@ from smelt_ds.errors import ConfigError
 
 __all__ = ["check_compatible", "windows_in", "TrainLoader", "ValidationLoader", "validation_loaders"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the epoch is cut to a multiple of the optimizer step's global batch (epoch_unit)
 
 
 def windows_in(num_tokens: int, seq_len: int) -> int:
@@ -96,6 +96,13 @@ class TrainLoader:
         dp_rank, dp_world_size: this rank and the number of data-parallel ranks (default: from
             torch.distributed or RANK / WORLD_SIZE).
         model_vocab_size, tokenizer_hash: when given, :func:`check_compatible` runs first.
+        epoch_unit: samples each epoch is cut to a multiple of, the rest of the epoch dropped
+            (default: ``dp_world_size * micro_batch_size``, the global micro-batch). Training
+            passes the optimizer step's global batch, ``micro_batch_size x accumulation x
+            dp_world_size``: that cut is the same at every layout with that global batch, and no
+            optimizer step spans two epochs, so the same samples fall in the same optimizer steps
+            and micro-batches whatever the data-parallel size (a resume at another layout,
+            :meth:`load_state_dict`). Must be a multiple of the global micro-batch.
 
     Each ``next()`` returns ``{"input_ids": (B, S) int64, "labels": (B, S) int64,
     "sample_ids": (B,) int64}``; sample ids are global window ids, unique per position in an epoch.
@@ -107,7 +114,8 @@ class TrainLoader:
 
     def __init__(self, prepared: PreparedData, seq_len: int, micro_batch_size: int, *, seed: int = 1234,
                  dp_rank: int | None = None, dp_world_size: int | None = None,
-                 model_vocab_size: int | None = None, tokenizer_hash: str | None = None):
+                 model_vocab_size: int | None = None, tokenizer_hash: str | None = None,
+                 epoch_unit: int | None = None):
         info = rank_info()
         self.dp_rank = info.rank if dp_rank is None else dp_rank
         self.dp_world_size = info.world_size if dp_world_size is None else dp_world_size
@@ -119,6 +127,10 @@ class TrainLoader:
         if model_vocab_size is not None:
             check_compatible(prepared, model_vocab_size, tokenizer_hash)
         self.prepared, self.seq_len, self.micro_batch_size, self.seed = prepared, seq_len, micro_batch_size, seed
+        self.epoch_unit = self.global_batch if epoch_unit is None else epoch_unit
+        if self.epoch_unit <= 0 or self.epoch_unit % self.global_batch:
+            raise ConfigError(f"epoch_unit {self.epoch_unit} must be a positive multiple of the global micro-batch "
+                              f"{self.global_batch} (dp_world_size x micro_batch_size)")
         self._init_windows()
         self.epoch, self.step = 0, 0
         self._order: tuple[int, np.ndarray] | None = None
@@ -139,9 +151,9 @@ class TrainLoader:
             first += n
         if self.steps_per_epoch == 0:
             raise ConfigError(f"the train split has {self.windows_per_epoch} windows of {self.seq_len + 1} tokens per "
-                              f"epoch, fewer than one global micro-batch (dp_world_size {self.dp_world_size} x "
-                              f"micro_batch_size {self.micro_batch_size}): lower train.seq_len or "
-                              "train.micro_batch_size, or add data")
+                              f"epoch, fewer than one global batch ({self.epoch_unit} samples: micro_batch_size "
+                              f"{self.micro_batch_size} x accumulation x dp_world_size {self.dp_world_size}): lower "
+                              "train.seq_len, train.micro_batch_size or the global batch, or add data")
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -168,8 +180,8 @@ class TrainLoader:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Micro-batches per rank per epoch (the epoch tail short of a global micro-batch is dropped)."""
-        return self.windows_per_epoch // self.global_batch
+        """Micro-batches per rank per epoch (the epoch tail short of a whole :attr:`epoch_unit` is dropped)."""
+        return self.windows_per_epoch // self.epoch_unit * self.epoch_unit // self.global_batch
 
     # -- order ---------------------------------------------------------------------------------
     def _source_stream(self, index: int, n: int, start: int, count: int) -> np.ndarray:
@@ -211,7 +223,7 @@ class TrainLoader:
     # -- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Position (epoch, samples consumed in it by all ranks) and the settings it depends on."""
-        return {"version": _STATE_VERSION, "epoch": self.epoch,
+        return {"version": _STATE_VERSION, "epoch": self.epoch, "epoch_unit": self.epoch_unit,
                 "consumed_samples": self.step * self.global_batch, "seed": self.seed, "seq_len": self.seq_len,
                 "num_windows": self.num_windows, "prepared_key": self.prepared.key,
                 "train_digest": self.prepared.train_digest,
@@ -234,6 +246,18 @@ class TrainLoader:
                               "place), so the resumed run would read other documents at the same positions: restore "
                               "the files it was prepared from, or start a new run from this checkpoint's weights "
                               "(train.init_from)")
+        # the run's epoch cut goes on (version 1 cut each epoch to the writer's global micro-batch)
+        unit = int(state.get("epoch_unit") or int(state["dp_world_size"]) * int(state["micro_batch_size"]))
+        if unit % self.global_batch:
+            raise ConfigError(f"loader state: the run cuts its epochs to multiples of {unit} samples, which "
+                              f"{self.dp_world_size} data-parallel rank(s) x micro_batch_size {self.micro_batch_size} "
+                              f"= {self.global_batch} does not divide: the same samples would fall in other "
+                              "micro-batches. Resume at a data-parallel size that divides "
+                              f"{unit // self.micro_batch_size}" + ("" if state.get("epoch_unit") else
+                                                                     " (an older checkpoint, which did not "
+                                                                     "record its global batch: at the layout that "
+                                                                     "wrote it)"))
+        self.epoch_unit = unit
         consumed = int(state["consumed_samples"])
         if consumed % self.global_batch:
             raise ConfigError(f"loader state: {consumed} samples consumed is not a multiple of the global "

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from smelt_ds.config.run import RunConfig
+from smelt_ds.config.train import resolve_batch
 from smelt_ds.data.loader import TrainLoader, validation_loaders
 from smelt_ds.data.prepare import prepare_from_config
 
@@ -89,8 +90,10 @@ def build_data(cfg: RunConfig, rank: int, world_size: int) -> TrainData:
 
     prepared = prepare_from_config(cfg.data)
     t = cfg.train
+    accum, _ = resolve_batch(t, world_size)
     loader = TrainLoader(prepared, t.seq_len, t.micro_batch_size, seed=cfg.data.seed, dp_rank=rank,
-                         dp_world_size=world_size, model_vocab_size=cfg.model.vocab_size)
+                         dp_world_size=world_size, model_vocab_size=cfg.model.vocab_size,
+                         epoch_unit=t.micro_batch_size * accum * world_size)  # the optimizer step's samples
     vals = validation_loaders(prepared, t.seq_len, t.micro_batch_size, dp_rank=rank, dp_world_size=world_size,
                               max_batches=cfg.eval.eval_batches)
     return TrainData(prepared, loader, vals)

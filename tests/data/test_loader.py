@@ -109,15 +109,65 @@ def test_resume_sees_the_uninterrupted_sequence(two_domains, rank):
     assert resumed.epoch == 1
 
 
-def test_resume_with_a_different_world_size_continues_at_the_same_sample(two_domains):
+def _steps_of(loaders, accum, steps):
+    """Micro-batches of ``steps`` optimizer steps read by ``loaders`` (one per data-parallel rank),
+    each step as the set of its micro-batches (tuples of sample ids): which rank or accumulation
+    slot reads a micro-batch does not change the step's summed gradient."""
+    out = []
+    for _ in range(steps):
+        out.append(sorted(tuple(next(ld)["sample_ids"].tolist()) for _ in range(accum) for ld in loaders))
+    return out
+
+
+@pytest.mark.parametrize("before,after", [(1, 2), (2, 1), (2, 4), (4, 2)])
+def test_resume_at_another_data_parallel_size_reads_the_same_micro_batches_in_the_same_steps(two_domains, before,
+                                                                                              after):
+    """A global batch of 40 samples (B=5): 8 micro-batches per step on 1 rank, 2 x 4 on 2, 4 x 2
+    on 4. Resumed at another data-parallel size after 3 steps, then across two epoch boundaries,
+    every optimizer step holds the same micro-batches (the same samples grouped the same way) as
+    the uninterrupted run. Fails when the epoch is cut to the global micro-batch (the v1 rule:
+    ``epoch_unit=None``), where epochs of the two layouts end at different samples."""
+    G, B5, steps = 40, 5, 3
+    per_epoch = TrainLoader(two_domains, S, B5, seed=2, dp_rank=0, dp_world_size=1).windows_per_epoch
+    total = 2 * per_epoch // G + 3  # past the second epoch boundary
+
+    def run(world):
+        return [TrainLoader(two_domains, S, B5, seed=2, dp_rank=r, dp_world_size=world, epoch_unit=G)
+                for r in range(world)]
+
+    ref = run(before)
+    want = _steps_of(ref, G // (B5 * before), total)
+    first = run(before)
+    got = _steps_of(first, G // (B5 * before), steps)
+    state = first[0].state_dict()
+    assert state["epoch_unit"] == G
+    second = run(after)
+    for ld in second:
+        ld.load_state_dict(state)
+    got += _steps_of(second, G // (B5 * after), total - steps)
+    assert got == want
+    assert per_epoch % G and per_epoch % (B5 * before) != per_epoch % G  # the cut matters for this data
+
+
+def test_a_data_parallel_size_that_cannot_form_the_global_batch_is_refused_naming_the_sizes(two_domains):
+    state = TrainLoader(two_domains, S, B, seed=2, dp_rank=0, dp_world_size=1, epoch_unit=8).state_dict()
+    three = TrainLoader(two_domains, S, B, seed=2, dp_rank=0, dp_world_size=4)
+    with pytest.raises(ConfigError, match="cuts its epochs to multiples of 8 samples.*divides 2"):
+        three.load_state_dict(state)
+
+
+def test_a_version_1_state_keeps_its_own_epoch_cut(two_domains):
+    """A checkpoint written before the epoch cut was recorded (loader state version 1) resumes at its
+    own layout, with the cut it had (the global micro-batch), even when the new run's is a step."""
     one = TrainLoader(two_domains, S, B, seed=2, dp_rank=0, dp_world_size=1)
-    take_ids(one, 4)  # 16 samples consumed
-    two = [TrainLoader(two_domains, S, B, seed=2, dp_rank=r, dp_world_size=2) for r in range(2)]
-    for ld in two:
-        ld.load_state_dict(one.state_dict())
-    order = one.epoch_order(0)
-    assert next(two[0])["sample_ids"].tolist() == order[16:20].tolist()
-    assert next(two[1])["sample_ids"].tolist() == order[20:24].tolist()
+    take_ids(one, 5)
+    state = {k: v for k, v in one.state_dict().items() if k != "epoch_unit"}
+    state["version"] = 1
+    again = TrainLoader(two_domains, S, B, seed=2, dp_rank=0, dp_world_size=1, epoch_unit=8)
+    again.load_state_dict(state)
+    assert again.epoch_unit == B
+    n = one.steps_per_epoch + 2
+    assert take_ids(again, n) == take_ids(one, n)
 
 
 def test_resume_refuses_other_seed_or_data(two_domains, builtin_prepared):
@@ -126,9 +176,9 @@ def test_resume_refuses_other_seed_or_data(two_domains, builtin_prepared):
         TrainLoader(two_domains, S, B, seed=2, dp_rank=0, dp_world_size=1).load_state_dict(state)
     with pytest.raises(ConfigError, match="prepared_key|num_windows"):
         TrainLoader(builtin_prepared, S, B, seed=1, dp_rank=0, dp_world_size=1).load_state_dict(state)
-    state["consumed_samples"] = 4
+    state["consumed_samples"], state["epoch_unit"] = 4, 8
     with pytest.raises(ConfigError, match="not a multiple of the global micro-batch 8"):
-        TrainLoader(two_domains, S, B, seed=1, dp_rank=0, dp_world_size=2).load_state_dict(state)
+        TrainLoader(two_domains, S, B, seed=1, dp_rank=0, dp_world_size=2, epoch_unit=8).load_state_dict(state)
 
 
 def test_train_digest_changes_with_the_train_split_only(two_domains):
