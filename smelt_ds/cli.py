@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("smelt_ds.train.cli", "train a recipe (one process, or N local ranks via the deepspeed launcher)"),
     "export": ("smelt_ds.interop.cli", "consolidate a checkpoint into fp32 weights + the resolved recipe, or a "
                                        "Hugging Face model (--format hf)"),
+    "checkpoint": ("smelt_ds.runs.cli", "what a checkpoint holds (step, layout, files, completeness) and the layouts "
+                                        "it can resume at"),
     "eval": ("smelt_ds.eval.cli", "validation loss, in-context curves, harness tasks, HumanEval, loop counts"),
     "analyze": ("smelt_ds.eval.cli", "attention sink, routing and logit lens per (layer, visit)"),
     "generate": ("smelt_ds.eval.cli", "decode text with the per-visit KV cache and print tokens/s"),

@@ -31,7 +31,8 @@ def test_each_module_registers_exactly_its_table_commands_with_the_table_help():
     per_module = {m: _registered(m) for m in modules}
     assert {m: list(cmds) for m, cmds in per_module.items()} == {
         "smelt_ds.cost.cli": ["budget", "match"], "smelt_ds.config.cli": ["config"], "smelt_ds.data.cli": ["data"],
-        "smelt_ds.train.cli": ["train"], "smelt_ds.eval.cli": ["eval", "analyze", "generate", "lm-eval"],
+        "smelt_ds.train.cli": ["train"], "smelt_ds.runs.cli": ["checkpoint"],
+        "smelt_ds.eval.cli": ["eval", "analyze", "generate", "lm-eval"],
         "smelt_ds.eval.curves": ["plot"], "smelt_ds.interop.cli": ["export", "import-hf"],
         "smelt_ds.study.cli": ["memory", "recipes", "scaling"], "smelt_ds.study.sweep": ["sweep"],
         "smelt_ds.launch.cli": ["render-job"]}
@@ -49,8 +50,8 @@ def test_top_level_help_lists_the_table_in_order(capsys):
         cli.main(["--help"])
     assert e.value.code == 0
     listed = re.findall(r"^    (\S+)", capsys.readouterr().out, re.M)
-    assert listed == list(cli.COMMANDS) == ["budget", "match", "config", "data", "train", "export", "eval",
-                                            "analyze", "generate", "lm-eval", "plot", "import-hf", "memory",
+    assert listed == list(cli.COMMANDS) == ["budget", "match", "config", "data", "train", "export", "checkpoint",
+                                            "eval", "analyze", "generate", "lm-eval", "plot", "import-hf", "memory",
                                             "recipes", "sweep", "scaling", "render-job"]
 
 

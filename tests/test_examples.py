@@ -88,6 +88,9 @@ _LADDER_FIT = "tests/study/scaling/test_replicates.py::test_the_fit_command_reco
 _RUN_EXPORT_INIT = f"{_LOOP}::test_run_directory_summary_export_and_init_from"
 _STOPS = "tests/launch/test_launcher_stops.py"
 EXPENSIVE = {
+    # a trained run's checkpoint (docs/changing_scale.md)
+    "smelt-ds checkpoint info runs/tiny-smelt":
+        "tests/runs/test_reshard.py::test_checkpoint_info_lists_what_the_checkpoint_holds_and_where_it_resumes",
     # the main job (README.md), training, launcher, resume, export (docs/training.md)
     "smelt-ds train recipes/tiny/smelt.yaml": "tests/train/test_golden_losses.py::test_fresh_run_matches_golden_losses",
     "smelt-ds train RECIPE [--set train.max_steps=200 ...]": _RUN_EXPORT_INIT,

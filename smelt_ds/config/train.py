@@ -112,6 +112,11 @@ class TrainConfig(StrictModel):
                                   "checkpoint: "
                                   "only the run's last save). The newest and the final checkpoint always export; "
                                   "docs/checkpoint_cost.md")
+    layout_free_state: bool = Field(
+        True, description="checkpoints that carry the reference-layout weights also carry AdamW's moments and step "
+                          "in the same layout (8 more bytes per parameter), so that --resume continues the run at "
+                          "another number of ranks, expert-parallel size, ZeRO stage or MoE backend "
+                          "(docs/changing_scale.md)")
     exit_after_steps: int | None = Field(
         None, gt=0, description="stop after this many steps of this invocation, saving a checkpoint "
                                 "(time-boxed jobs; the LR schedule still follows max_steps)")

@@ -38,10 +38,12 @@ from typing import IO, Any, cast
 import numpy as np
 import torch
 
+from smelt_ds.config.train import resolve_batch
 from smelt_ds.errors import ConfigError
 from smelt_ds.runs.reference_weights import REFERENCE_DIR, gather_reference_shard, shard_path
 
-__all__ = ["checkpoint_dir", "save", "load", "latest_complete", "rng_state", "restore_rng", "MARKER", "run_layout",
+__all__ = ["checkpoint_dir", "save", "choose", "load", "load_from", "latest_complete", "rng_state", "restore_rng",
+           "MARKER", "run_layout",
            "check_layout", "REFERENCE_CHOICES", "offline_exportable", "writes_reference", "reference_files",
            "newest_with_reference"]
 
@@ -272,7 +274,7 @@ def writes_reference(choice: str, layout: dict[str, Any], final: bool) -> bool:
 
 
 def _write_rank_files(engine, root: Path, tag: str, rank: int, client: dict[str, Any], backend: str,
-                      reference: bool) -> tuple[dict, CheckpointWriteError | None]:
+                      reference: bool, optimizer_state: bool = False) -> tuple[dict, CheckpointWriteError | None]:
     """DeepSpeed's files, the client state and (``reference``) the reference shard of this rank:
     ``(their digests, None)``, or ``(..., the first CheckpointWriteError)`` when a write failed
     (any OSError: :func:`_write_error`). After a failure this rank writes nothing more but still
@@ -315,7 +317,7 @@ def _write_rank_files(engine, root: Path, tag: str, rank: int, client: dict[str,
     attempt(f"client_rank{rank}.pt", lambda: _atomic_save(client, root / tag / f"client_rank{rank}.pt"))
     if not reference:
         return written, error
-    shard = gather_reference_shard(engine, backend)  # collective: also after a failure
+    shard = gather_reference_shard(engine, backend, optimizer=optimizer_state)  # collective: also after a failure
     path = shard_path(root / tag, rank)
 
     def write_shard() -> dict[str, Any]:
@@ -328,7 +330,8 @@ def _write_rank_files(engine, root: Path, tag: str, rank: int, client: dict[str,
 
 def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state: dict[str, Any],
          keep_last: int, layout: dict[str, Any] | None = None, reference_weights: str = "every_save",
-         final: bool = False, reference: bool | None = None, client_extra: dict[str, Any] | None = None) -> Path:
+         final: bool = False, reference: bool | None = None, client_extra: dict[str, Any] | None = None,
+         optimizer_state: bool = True) -> Path:
     """Save a checkpoint on every rank (collective). Returns the checkpoint directory.
 
     Writes DeepSpeed's files, this rank's client state and, when :func:`writes_reference` says
@@ -344,6 +347,9 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     ``reference`` True/False writes the shards or not whatever the choice says (bench/checkpoint_cost.py
     measures both); None follows the choice. ``client_extra``: more entries of this rank's client
     state (e.g. the step guard's, :mod:`smelt_ds.train.step_guard`), returned by :func:`load`.
+    ``optimizer_state`` (``train.layout_free_state``): the reference shards also hold AdamW's
+    moments and step, and the marker says ``"layout_free": true``: the checkpoint resumes at any
+    layout (:mod:`smelt_ds.runs.reshard`).
 
     Raises :class:`CheckpointWriteError` on every rank when any rank could not write (any
     OSError: a full disk, a permission error, a failing device; the message names the rank, the
@@ -363,7 +369,7 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     if reference is None:
         reference = writes_reference(reference_weights, layout, final)
     written, failed = _write_rank_files(engine, root, tag, rank, client, layout.get("moe_backend", "reference"),
-                                        reference)
+                                        reference, optimizer_state)
     error = None if failed is None else (f"rank {rank} could not write checkpoint {root / tag}: {failed}"
                                          if world > 1 else f"could not write checkpoint {root / tag}: {failed}")
     gathered = _gather_objects((written, error))
@@ -375,8 +381,8 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
         raise CheckpointWriteError(errors[0] + more)
     error = None
     if rank == 0:
-        error = _complete(root, tag, gathered, {"step": step, "tokens_seen": tokens_seen, **layout}, keep_last,
-                          reference_weights != "every_save")
+        meta = {"step": step, "tokens_seen": tokens_seen, **layout, "layout_free": bool(reference and optimizer_state)}
+        error = _complete(root, tag, gathered, meta, keep_last, reference_weights != "every_save")
     if dist.is_initialized() and world > 1:  # also the barrier: no rank goes on before the marker is written
         box = [error]
         dist.broadcast_object_list(box, src=0)
@@ -441,10 +447,15 @@ def verify(path: str | Path, rank: int | None = None, names: list[str] | None = 
 def run_layout(cfg, world_size: int) -> dict[str, Any]:
     """What a checkpoint's files depend on besides the model: ``world_size`` (ranks),
     ``zero_stage`` (as DeepSpeed sees it), ``moe_backend`` and ``ep_size`` (expert-parallel
-    size; 1 for the reference backend). Stored in the ``COMPLETE`` marker."""
+    size; 1 for the reference backend); and the batch a resume at another layout keeps:
+    ``micro_batch_size`` and ``global_batch_samples`` (micro-batch x accumulation x ranks).
+    Stored in the ``COMPLETE`` marker."""
     rt = cfg.moe_runtime  # the marker keeps its pre-issue-14 key names, so old checkpoints still load
+    accum, _ = resolve_batch(cfg.train, world_size)
     return {"world_size": world_size, "zero_stage": cfg.deepspeed.effective_zero_stage, "moe_backend": rt.backend,
-            "ep_size": rt.ep_size if rt.backend != "reference" else 1}
+            "ep_size": rt.ep_size if rt.backend != "reference" else 1,
+            "micro_batch_size": cfg.train.micro_batch_size,
+            "global_batch_samples": cfg.train.micro_batch_size * accum * world_size}
 
 
 _LAYOUT_WORDS = {"world_size": "ranks (data-parallel x expert-parallel)", "zero_stage": "ZeRO stage",
@@ -600,12 +611,19 @@ def _choose(run_dir: Path, resume: str) -> Path | None:
     return None
 
 
+def choose(run_dir: str | Path, resume: str) -> Path | None:
+    """The checkpoint ``--resume`` loads (collective): ``auto``, the newest complete checkpoint of
+    ``run_dir`` whose files match the SHA-256 digests in its marker (a damaged newer one is moved to
+    ``damaged-<tag>`` with a message, and the next newest is tried; None when none is left), or
+    the checkpoint directory ``resume`` names. Raises ConfigError for a directory that is not a
+    complete checkpoint or is damaged (naming the file)."""
+    return _choose(Path(run_dir), resume)
+
+
 def load(engine, run_dir: str | Path, resume: str, layout: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Load a checkpoint into ``engine`` and return this rank's client state (collective).
 
-    ``resume``: ``auto`` (the newest complete checkpoint of ``run_dir`` whose files match the
-    SHA-256 digests in its marker: a damaged newer one is moved to ``damaged-<tag>`` with a
-    message, and the next newest is tried; None when none is left) or a checkpoint directory.
+    ``resume``: ``auto`` or a checkpoint directory (:func:`choose`); None when ``auto`` finds none.
 
     Raises:
         ConfigError: a directory that is not a complete checkpoint or is damaged (naming the
@@ -613,11 +631,16 @@ def load(engine, run_dir: str | Path, resume: str, layout: dict[str, Any] | None
             least by a different number of ranks); a checkpoint without digests (older smelt-ds)
             that DeepSpeed cannot read (naming the checkpoint and DeepSpeed's error).
     """
+    path = choose(run_dir, resume)
+    return None if path is None else load_from(engine, path, layout)
+
+
+def load_from(engine, path: Path, layout: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load checkpoint ``path`` (chosen and verified by :func:`choose`) into ``engine`` through
+    DeepSpeed, at the layout that wrote it; this rank's client state. Raises ConfigError as
+    :func:`load` does."""
     import torch.distributed as dist
 
-    path = _choose(Path(run_dir), resume)
-    if path is None:
-        return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     check_layout(path, layout or {"world_size": dist.get_world_size() if dist.is_initialized() else 1})
     client_file = path / f"client_rank{rank}.pt"

@@ -42,12 +42,14 @@ import torch
 
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
+from smelt_ds.parallel.optimizer_state import MOMENTS, adam_step, full_state
 
 __all__ = ["REFERENCE_DIR", "FORMAT", "gather_reference_shard", "shard_path", "merge_reference_shards",
            "merge_shards", "reference_name", "has_reference_shards"]
 
 REFERENCE_DIR = "reference"
-FORMAT = 1
+FORMAT = 2  # 2: the shards may also hold AdamW's moments and step ("optimizer"), the layout-free training state
+_READABLE = (1, 2)
 
 _LAYER = r"(layers\.\d+\.mlp)"
 # (pattern on the live module's state-dict name, reference name, expert part); part None = dense
@@ -139,18 +141,25 @@ def _mark_local_expert_counts(module: torch.nn.Module) -> None:
             p._smelt_local_experts = len(local)
 
 
-def gather_reference_shard(engine, backend: str) -> dict[str, Any]:
+def gather_reference_shard(engine, backend: str, optimizer: bool = False) -> dict[str, Any]:
     """This rank's shard of the reference-layout fp32 weights (collective: every rank calls it).
 
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` around a :class:`SmeltLM` (any ZeRO stage).
         backend: ``moe_runtime.backend`` of the run (``reference``, ``deepspeed`` or ``autoep``).
+        optimizer: also gather AdamW's moments of every parameter, in the same layout
+            (:mod:`smelt_ds.parallel.optimizer_state`): with the weights, the layout-free
+            training state a resume at another layout loads (:mod:`smelt_ds.runs.reshard`).
 
     Returns:
         ``{"format", "rank", "dense": {name: (shape) fp32 CPU tensor}, "experts": {name:
-        {global_expert_index: tensor}}}``: ``dense`` only on global rank 0; ``experts`` only on
-        rank 0 of each expert-data-parallel group (expert pieces of ``gate_up_proj`` are whole
-        ``[2F, H]`` rows per expert, of ``down_proj`` ``[H, F]``).
+        {global_expert_index: tensor}}, "optimizer": None or {"dense": {name: {moment: tensor}},
+        "experts": {name: {global_expert_index: {moment: tensor}}}, "adam_step": int}}``:
+        ``dense`` only on global rank 0; ``experts`` only on rank 0 of each expert-data-parallel
+        group (expert pieces of ``gate_up_proj`` are whole ``[2F, H]`` rows per expert, of
+        ``down_proj`` ``[H, F]``); moments have their weight's shape (buffers have none). The
+        weights are the fp32 master copy (at ZeRO-0 with bf16, the optimizer's fp32 copy when
+        ``optimizer``).
     """
     import torch.distributed as dist
 
@@ -158,9 +167,10 @@ def gather_reference_shard(engine, backend: str) -> dict[str, Any]:
     module = engine.module
     if backend == "deepspeed":
         _mark_local_expert_counts(module)
-    dense: dict[str, torch.Tensor] = {}
-    pieces: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    dense: dict[str, dict[str, torch.Tensor]] = {}
+    pieces: dict[tuple[str, int], dict[str, dict[str, torch.Tensor]]] = {}
     seen: dict[int, str] = {}
+    step, relink = None, True
     # the state dict's order is the same on every rank, so the collective gathers line up
     for name, t in module.state_dict(keep_vars=True).items():
         ref, part, local = reference_name(name, backend)
@@ -169,21 +179,38 @@ def gather_reference_shard(engine, backend: str) -> dict[str, Any]:
                 dense[ref] = dense[seen[id(t)]]
             continue
         seen[id(t)] = ref
-        full = _full_fp32(t)
+        if optimizer and isinstance(t, torch.nn.Parameter):
+            values = {k: v for k, v in full_state(engine, t, relink=relink).items() if v is not None}
+            relink = False
+            step = adam_step(engine, t) if step is None else step
+        else:
+            values = {"weight": _full_fp32(t)}
         if part is None:
             if rank == 0:
-                dense[ref] = full
+                dense[ref] = values
             continue
         if _expert_data_rank(t) != 0:
             continue
-        rows = full if local is None else full[None]
-        for e, row in zip(_expert_placement(t, backend, local), rows, strict=True):
-            pieces.setdefault((ref, e), {})[part] = row
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for (ref, e), parts in pieces.items():
-        value = parts["down"] if "down" in parts else torch.cat([parts["gate"], parts["up"]], dim=0)
-        experts.setdefault(ref, {})[e] = value
-    return {"format": FORMAT, "rank": rank, "dense": dense, "experts": experts}
+        for kind, full in values.items():
+            rows = full if local is None else full[None]
+            for e, row in zip(_expert_placement(t, backend, local), rows, strict=True):
+                pieces.setdefault((ref, e), {}).setdefault(kind, {})[part] = row
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for (ref, e), by_kind in pieces.items():
+        experts.setdefault(ref, {})[e] = {
+            kind: parts["down"] if "down" in parts else torch.cat([parts["gate"], parts["up"]], dim=0)
+            for kind, parts in by_kind.items()}
+    shard: dict[str, Any] = {"format": FORMAT, "rank": rank,
+                             "dense": {n: v["weight"] for n, v in dense.items()},
+                             "experts": {n: {e: v["weight"] for e, v in by.items()} for n, by in experts.items()},
+                             "optimizer": None}
+    if optimizer:
+        shard["optimizer"] = {
+            "dense": {n: {m: v[m] for m in MOMENTS if m in v} for n, v in dense.items() if MOMENTS[0] in v},
+            "experts": {n: {e: {m: v[m] for m in MOMENTS if m in v} for e, v in by.items() if MOMENTS[0] in v}
+                        for n, by in experts.items()},
+            "adam_step": step or 0}
+    return shard
 
 
 def _expected_state(cfg) -> dict[str, torch.Size]:
@@ -201,7 +228,7 @@ def _load_shard(path: Path) -> dict[str, Any]:
         raise ConfigError(f"reference weights {path} are not readable ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120] if str(e) else ''}): the checkpoint is damaged; "
                           "export an earlier checkpoint (checkpoints/stepNNNNNNNN)") from None
-    if not isinstance(shard, dict) or shard.get("format") != FORMAT:
+    if not isinstance(shard, dict) or shard.get("format") not in _READABLE:
         raise ConfigError(f"{path} is not a smelt-ds reference-weights shard of format {FORMAT}")
     return shard
 
@@ -258,7 +285,7 @@ def merge_shards(shards: Sequence[dict[str, Any]], cfg, where: str | Path,
     state: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for label, shard in zip(labels, shards, strict=True):
-        if not isinstance(shard, dict) or shard.get("format") != FORMAT:
+        if not isinstance(shard, dict) or shard.get("format") not in _READABLE:
             raise ConfigError(f"{label} is not a smelt-ds reference-weights shard of format {FORMAT}")
         for name, t in shard["dense"].items():
             if name in state:

@@ -18,6 +18,7 @@ from smelt_ds.parallel.distributed import on_rank0
 from smelt_ds.parallel.moe_backends import TUTEL_INSTALL_HINT, tutel_available
 from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.runs.provenance import RUN_TOKENIZER, tokenizer_file_hash
+from smelt_ds.runs.reshard import plan_resume
 from smelt_ds.runs.run_lock import RunLock
 
 __all__ = ["check_run_dir", "check_optional_packages", "earlier_run_files", "common_keys", "RUN_FILES",
@@ -37,8 +38,7 @@ RUN_FILES = ("config.yaml", "ds_config.json", "metrics.jsonl", "tb", "summary.js
 # silently change what the run computes (token ids, routing)
 _RESUME_FIXED = {"model": None, "loop": None,
                  "moe": ("num_experts", "top_k", "expert_ffn_size", "shared_expert_ffn_size", "score_func",
-                         "aux_loss_free_bias"),
-                 "moe_runtime": ("backend", "ep_size")}
+                         "aux_loss_free_bias")}
 
 
 def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | None = None,
@@ -53,9 +53,9 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
     directory that does not exist, a checkpoint of another run directory, or one older than the
     run's newest (a rewind would mix the newer checkpoints into this run); or when a resumed run's
     recipe differs from the run directory's ``config.yaml`` in a field the checkpoint depends on
-    (``_RESUME_FIXED``: model, loop, MoE layout and backend, tokenizer); or, when ``world_size`` is
-    given, when the checkpoint to resume was written with another number of ranks, ZeRO stage, MoE
-    backend or expert-parallel size (:func:`smelt_ds.runs.checkpoint.check_layout`).
+    (``_RESUME_FIXED``: model, loop, MoE layout, tokenizer); or, when ``world_size`` is given,
+    when the checkpoint cannot continue at this layout (:func:`smelt_ds.runs.reshard.plan_resume`:
+    another layout without the layout-free state, a batch the ranks cannot form).
 
     ``--resume auto`` in a directory without a complete checkpoint starts from step 0 in place:
     with ``take_over`` (the training itself, which holds the run lock), global rank 0 first removes
@@ -104,9 +104,8 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
             raise ConfigError(f"--resume {resume} is older than the run's newest checkpoint {latest.name}: to "
                               "rewind, first move the newer checkpoints out of checkpoints/ (otherwise they are "
                               "pruned by train.keep_last or mixed into this run), or resume with --resume auto")
-    target = ckpt.latest_complete(out_dir) if resume == "auto" else Path(resume)
-    if world_size is not None and target is not None and (target / ckpt.MARKER).is_file():
-        ckpt.check_layout(target, ckpt.run_layout(cfg, world_size))
+    if world_size is not None:  # another layout: refused unless the checkpoint converts (smelt_ds.runs.reshard)
+        plan_resume(cfg, out_dir, resume, world_size)
     saved = out_dir / "config.yaml"
     if not saved.is_file() or (resume == "auto" and ckpt.latest_complete(out_dir) is None):
         return
@@ -136,7 +135,11 @@ RESUME_MAY_CHANGE = ("name", "train.max_steps", "train.log_every", "train.eval_e
                      "train.init_from", "eval",
                      "cluster", "data.num_proc", "data.cache_dir", "data.output_dir", "data.offline", "data.verify",
                      "data.shared_filesystem", "data.prepare_timeout_s", "deepspeed.comms_logger", "train.compile",
-                     "train.compile_backend", "train.deterministic", "tracking", "profile")
+                     "train.compile_backend", "train.deterministic", "tracking", "profile",
+                     # the layout: a resume at another one converts the checkpoint (smelt_ds.runs.reshard) and
+                     # re-derives the accumulation for the run's global batch
+                     "deepspeed.zero_stage", "deepspeed.config.zero_optimization", "moe_runtime",
+                     "train.gradient_accumulation_steps")
 
 
 def _same_tokenizer_same_path(old: dict, new: dict) -> None:

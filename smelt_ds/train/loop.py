@@ -41,6 +41,7 @@ from smelt_ds.parallel.threads import ThreadChoice, apply_threads, thread_choice
 from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.runs.checkpoint import CheckpointWriteError
 from smelt_ds.runs.provenance import init_from_tokenizer, record_run_tokenizer
+from smelt_ds.runs.reshard import ResumePlan, engine_counters, load_resharded, plan_resume
 from smelt_ds.train.build import Built, build
 from smelt_ds.train.console import Console, banner, step_line, val_line
 from smelt_ds.train.data import build_data
@@ -231,6 +232,8 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
     torch.manual_seed(cfg.train.seed)
     if cfg.eval.harness_tasks:  # unknown task names fail now, not at the first in-loop evaluation
         on_rank0(rank, lambda: check_harness_tasks(cfg))
+    # a resume keeps the run's global batch; at another layout it converts the checkpoint (runs/reshard.py)
+    cfg, plan = plan_resume(cfg, out_dir, resume, world)
     data = build_data(cfg, rank, world)
     if rank == 0 and cfg.deepspeed.offload_optimizer != "none":
         _print_lines(_deepspeed_op_notices(("CPUAdamBuilder",)))
@@ -243,7 +246,7 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
     if rank == 0 and built.ds_config.get("zero_optimization", {}).get("stage") == 3:  # loop-aware ZeRO-3
         write_zero3_tuning(out_dir, cfg, world, built.ds_config)
     guard = StepGuardState(cfg.train.step_guard)
-    step, tokens_seen = _restore(built, data, out_dir, resume, guard)
+    step, tokens_seen, plan = _restore(built, data, out_dir, resume, guard, cfg, plan)
     if step >= cfg.train.max_steps:  # a resume of a finished run: nothing to train, nothing rewritten
         if rank == 0:
             print(f"run {out_dir} already finished: its checkpoint is at step {step}, train.max_steps is "
@@ -254,6 +257,8 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
         (out_dir / "ds_config.json").write_text(json.dumps(built.ds_config, indent=2))
     fit = _Fit(cfg, out_dir, rank, world, data, built, step, tokens_seen)
     fit.guard = guard
+    if plan is not None:  # the resume at another layout, in the run's record
+        fit.writer.write(step, {"layout_change": plan.row()})
     fit.result.threads = {"torch_threads": torch.get_num_threads(), "reason": threads.reason}
     fit.console.line(banner(cfg, run_dir=out_dir, world=world, accum=fit.accum, budget=fit.budget,
                             precision=fit.precision, device=_device(), threads=threads, start_step=step))
@@ -326,19 +331,34 @@ def _steps(fit: _Fit, stops: StopSources, watchdog: HangWatchdog) -> None:
     watchdog.disarm()
 
 
-def _restore(built: Built, data, out_dir: Path, resume: str, guard: StepGuardState) -> tuple[int, int]:
-    """``(step, tokens_seen)`` of the checkpoint ``--resume`` names, with the engine, the loader
-    position, the RNG, the LR schedule and the step guard's state restored; ``(0, 0)`` for a new run."""
+def _restore(built: Built, data, out_dir: Path, resume: str, guard: StepGuardState, cfg: RunConfig,
+             plan: ResumePlan | None) -> tuple[int, int, ResumePlan | None]:
+    """``(step, tokens_seen, plan)`` of the checkpoint ``--resume`` names, with the engine, the loader
+    position, the RNG, the LR schedule and the step guard's state restored; ``(0, 0, None)`` for a
+    new run. A checkpoint of another layout (``plan``, :func:`smelt_ds.runs.reshard.plan_resume`;
+    recomputed for the checkpoint :func:`smelt_ds.runs.checkpoint.choose` settles on) is loaded
+    from its layout-free state (:func:`smelt_ds.runs.reshard.load_resharded`), any other through
+    DeepSpeed."""
+    import torch.distributed as dist
+
     if resume == "none":
-        return 0, 0
-    state = ckpt.load(built.engine, out_dir, resume, built.layout)
-    if state is None:
-        return 0, 0
+        return 0, 0, None
+    path = ckpt.choose(out_dir, resume)
+    if path is None:
+        return 0, 0, None
+    if plan is not None and plan.checkpoint != path:  # a damaged newer one was set aside
+        _, plan = plan_resume(cfg, out_dir, str(path), dist.get_world_size())
+    if plan is None:
+        state = ckpt.load_from(built.engine, path, built.layout)
+    else:
+        if dist.get_rank() == 0:
+            print(plan.console(), file=sys.stderr, flush=True)
+        state = load_resharded(built, path, cfg.moe_runtime.backend)
     data.train.load_state_dict(state["loader"])
     ckpt.restore_rng(state["rng"])
     resync_lr(built.scheduler)
     guard.load_state_dict(state.get("step_guard", {}))  # checkpoints before the step guard have none
-    return state["step"], state["tokens_seen"]
+    return state["step"], state["tokens_seen"], plan
 
 
 class _Fit:
@@ -481,7 +501,8 @@ def _save_or_stop(fit: _Fit, stops: StopSources, reason: str | None) -> bool:
     if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop:
         ckpt.save(fit.built.engine, fit.out_dir, step, fit.tokens_seen, fit.data.train.state_dict(),
                   cfg.train.keep_last, fit.built.layout, reference_weights=cfg.train.reference_weights,
-                  final=stop or step == cfg.train.max_steps, client_extra={"step_guard": fit.guard.state_dict()})
+                  final=stop or step == cfg.train.max_steps, optimizer_state=cfg.train.layout_free_state,
+                  client_extra={"step_guard": fit.guard.state_dict(), "counters": engine_counters(fit.built)})
     if not stop:
         return False
     result.stopped_early = step < cfg.train.max_steps or reason == "skips"

@@ -314,41 +314,43 @@ def test_resume_equals_uninterrupted_autoep_zero3(tmp_path, cache):
 
 
 @pytest.mark.distributed
-def test_resume_at_another_scale_is_refused_before_anything_is_written(tmp_path, cache):
-    """A checkpoint holds per-rank optimizer partitions and per-expert-parallel-rank experts: a
-    resume with another number of ranks, ZeRO stage, backend or expert-parallel size is refused
-    before the run directory changes, naming what differs and the supported path (export, then
-    train.init_from)."""
+def test_resume_at_another_scale_without_the_layout_free_state_is_refused_before_anything_is_written(tmp_path,
+                                                                                                    cache):
+    """A checkpoint written with ``train.layout_free_state: false`` holds only DeepSpeed's per-rank
+    partitions: a resume with another number of ranks, ZeRO stage, backend or expert-parallel size
+    is refused before the run directory changes, naming what differs and the way on (its own
+    layout, or export then train.init_from). At its own layout it resumes. (With the layout-free
+    state, the default, such a resume converts: tests/runs/test_reshard.py.)"""
     from smelt_ds.errors import ConfigError
     from smelt_ds.runs import checkpoint as ckpt
     from smelt_ds.testing import DistributedTestError
     from smelt_ds.train.guards import check_run_dir
 
-    raw = _raw(tmp_path, cache, train={"max_steps": 2, "eval_every": 2, "save_every": 2},
+    raw = _raw(tmp_path, cache, train={"max_steps": 2, "eval_every": 2, "save_every": 2, "layout_free_state": False},
                moe_runtime={"backend": "autoep", "ep_size": 2}, deepspeed={"zero_stage": 2})
     run_distributed(_train, 2, args=(raw,), timeout=300)
     run_dir = Path(raw["train"]["run_dir"])
     step2 = ckpt.latest_complete(run_dir)
     meta = json.loads((step2 / ckpt.MARKER).read_text())
-    assert {k: meta[k] for k in ("world_size", "zero_stage", "moe_backend", "ep_size")} == {
-        "world_size": 2, "zero_stage": 2, "moe_backend": "autoep", "ep_size": 2}
+    assert {k: meta[k] for k in ("world_size", "zero_stage", "moe_backend", "ep_size", "layout_free")} == {
+        "world_size": 2, "zero_stage": 2, "moe_backend": "autoep", "ep_size": 2, "layout_free": False}
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     longer = {**raw, "train": {**raw["train"], "max_steps": 4}}
     # one rank instead of two (and so expert-parallel size 1): the real journey, in a fresh process
     one_rank = {**longer, "moe_runtime": {**raw["moe_runtime"], "ep_size": 1}}
-    with pytest.raises(DistributedTestError,
-                       match=r"another layout \(ranks \(data-parallel x expert-parallel\) 2 "
-                             r"in the checkpoint vs 1 now; moe_runtime.ep_size \(expert-parallel size\) "
-                             r"2 in the checkpoint vs 1 now\).*smelt-ds export .*train.init_from"):
+    own = r"resume it at its own layout \(2 rank\(s\), ZeRO-2, autoep, EP 2\).*smelt-ds export.*train.init_from"
+    with pytest.raises(DistributedTestError, match=r"another layout \(ranks 2 in the checkpoint vs 1 now; EP size 2 in "
+                                                   r"the checkpoint vs 1 now\) and holds no layout-free training "
+                                                   r"state.*" + own):
         run_distributed(_train, 1, args=(one_rank, "auto"), timeout=300)
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before   # nothing written
     cfg = config_from_dict(longer)
     check_run_dir(run_dir, cfg, "auto", 2)                                           # the same layout: fine
-    with pytest.raises(ConfigError, match=r"ZeRO stage 2 in the checkpoint vs 3 now"):
+    with pytest.raises(ConfigError, match=r"ZeRO stage 2 in the checkpoint vs 3 now.*" + own):
         check_run_dir(run_dir, config_from_dict({**longer, "deepspeed": {"zero_stage": 3}}), "auto", 2)
-    with pytest.raises(ConfigError, match=r"ranks \(data-parallel x expert-parallel\) 2 in the checkpoint vs 4 now"):
+    with pytest.raises(ConfigError, match=r"ranks 2 in the checkpoint vs 4 now.*" + own):
         check_run_dir(run_dir, cfg, str(step2), 4)
-    with pytest.raises(ConfigError, match=r"moe_runtime.backend 'autoep' in the checkpoint vs 'reference' now"):
+    with pytest.raises(ConfigError, match=r"MoE backend autoep in the checkpoint vs reference now.*" + own):
         check_run_dir(run_dir, config_from_dict({**longer, "moe_runtime": {}}), "auto", 2)
 
 

@@ -1,0 +1,151 @@
+"""``smelt-ds checkpoint info RUN_OR_CKPT``: what a checkpoint holds and where it can resume.
+
+Reads the ``COMPLETE`` marker and the files' sizes only (``--verify`` also checks every file's
+SHA-256), so it runs on a login or CPU node in one process whatever the checkpoint's size: memory
+is the marker's, not the model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from smelt_ds.config.loading import config_from_dict, config_to_dict, load_config
+from smelt_ds.errors import ConfigError
+from smelt_ds.runs import checkpoint as ckpt
+from smelt_ds.runs.reshard import describe_layout, valid_world_sizes
+
+__all__ = ["add_parser", "resumable_layouts", "checkpoint_info"]
+
+_BACKEND_STAGES = {"reference": (0, 1, 2, 3), "deepspeed": (0, 1, 2), "autoep": (0, 1, 2, 3)}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``checkpoint`` (sub-command ``info``)."""
+    p = sub.add_parser("checkpoint", help="what a checkpoint holds (step, layout, files, completeness) and the "
+                                          "layouts it can resume at")
+    inner = p.add_subparsers(dest="checkpoint_command", metavar="SUBCOMMAND", required=True)
+    i = inner.add_parser("info", help="step, layout, files and sizes, completeness, resumable layouts",
+                         description="Print a checkpoint's step, the layout that wrote it, its files and sizes, "
+                                     "whether it is complete, and the layouts (ranks, MoE backend, expert-parallel "
+                                     "size, ZeRO stage) a resume (`smelt-ds train RECIPE --resume auto`) can "
+                                     "continue it at with the run's recipe. Exit status 1 for an incomplete or "
+                                     "(--verify) damaged checkpoint.",
+                         epilog="example: smelt-ds checkpoint info runs/tiny-smelt")
+    i.add_argument("path", help="run directory (its newest complete checkpoint) or a checkpoints/stepNNNNNNNN "
+                                "directory")
+    i.add_argument("--recipe", default=None, help="recipe to check the layouts against (default: the run's "
+                                                  "config.yaml)")
+    i.add_argument("--max-ranks", type=int, default=64, help="largest number of ranks to list (default 64)")
+    i.add_argument("--verify", action="store_true", help="also check every file's SHA-256 against the marker")
+    i.set_defaults(func=run_info)
+
+
+def _checkpoint_of(path: Path) -> Path:
+    if (path / ckpt.MARKER).is_file() or path.name.startswith("step"):
+        return path
+    if not path.is_dir():
+        raise ConfigError(f"{path} does not exist: pass a run directory or a checkpoints/stepNNNNNNNN directory")
+    latest = ckpt.latest_complete(path)
+    if latest is None:
+        raise ConfigError(f"run directory {path} holds no complete checkpoint (checkpoints/step*/{ckpt.MARKER})")
+    return latest
+
+
+def resumable_layouts(cfg, meta: dict[str, Any], max_ranks: int = 64) -> list[dict[str, Any]]:
+    """The layouts recipe ``cfg`` can resume a checkpoint with marker ``meta`` at: ``[{"world_size",
+    "moe_backend", "ep_size", "zero_stages"}]``, each checked as training checks a recipe (the
+    recipe with that backend, EP size and ZeRO stage must load). Only the writing layout when the
+    checkpoint has no layout-free state."""
+    if not meta.get("layout_free") or "global_batch_samples" not in meta:
+        return [{"world_size": meta["world_size"], "moe_backend": meta.get("moe_backend", "reference"),
+                 "ep_size": meta.get("ep_size", 1), "zero_stages": [meta.get("zero_stage")]}]
+    raw = config_to_dict(cfg)
+    experts = cfg.moe.num_experts
+    out = []
+    for world in valid_world_sizes(int(meta["global_batch_samples"]), int(meta["micro_batch_size"]), 1, max_ranks):
+        for backend, stages in _BACKEND_STAGES.items():
+            for ep in ([1] if backend == "reference" else [e for e in range(1, world + 1)
+                                                           if world % e == 0 and experts % e == 0]):
+                ok = []
+                for zero in stages:
+                    candidate = {**raw, "moe_runtime": {**raw.get("moe_runtime", {}), "backend": backend,
+                                                        **({"ep_size": ep} if backend != "reference" else {})},
+                                 "deepspeed": {**raw.get("deepspeed", {}), "zero_stage": zero}}
+                    if backend == "reference":
+                        candidate["moe_runtime"].pop("ep_size", None)
+                    try:
+                        config_from_dict(candidate, source="<layout>")
+                    except ConfigError:
+                        continue
+                    ok.append(zero)
+                if ok:
+                    out.append({"world_size": world, "moe_backend": backend, "ep_size": ep, "zero_stages": ok})
+    return out
+
+
+def checkpoint_info(path: Path, recipe: str | None = None, max_ranks: int = 64,
+                    verify: bool = False) -> tuple[str, int]:
+    """The report :func:`run_info` prints, and the exit status (0 complete, 1 incomplete or damaged)."""
+    ck = _checkpoint_of(path)
+    lines = [f"checkpoint    {ck}"]
+    files = [p for p in ck.rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    kinds: Counter[str] = Counter()
+    sizes: Counter[str] = Counter()
+    for p in files:
+        rel = p.relative_to(ck)
+        kind = ("reference-layout shards (weights, with AdamW state when layout-free)" if rel.parts[0] == "reference"
+                else "client state (step, data position, RNG)" if rel.name.startswith("client_rank")
+                else "marker" if rel.name == ckpt.MARKER else "DeepSpeed's files (model, optimizer partitions)")
+        kinds[kind] += 1
+        sizes[kind] += p.stat().st_size
+    if not (ck / ckpt.MARKER).is_file():
+        lines += [f"complete      no: no {ckpt.MARKER} marker (a save that did not finish: --resume auto skips it)",
+                  f"files         {len(files)}, {total:,} bytes"]
+        return "\n".join(lines), 1
+    meta = json.loads((ck / ckpt.MARKER).read_text())
+    status = 0
+    problems = ckpt.verify(ck) if verify else []
+    missing = [f for f in meta.get("files", {}) if not (ck / f).is_file()]
+    if problems or missing:
+        status = 1
+        what = "; ".join((problems or [f"{ck / f} is missing" for f in missing])[:4])
+        lines.append(f"complete      marker present, but damaged: {what}")
+    else:
+        lines.append("complete      yes" + (" (every file's SHA-256 verified)" if verify else
+                                           " (marker present, every listed file present; --verify checks SHA-256)"))
+    lines += [f"step          {meta.get('step')} ({meta.get('tokens_seen', 0):,} tokens seen)",
+              f"layout        {describe_layout(meta)}"]
+    if "global_batch_samples" in meta:
+        lines.append(f"batch         global batch {meta['global_batch_samples']} samples of micro-batch "
+                     f"{meta['micro_batch_size']}")
+    free = "yes: resumes at any layout below" if meta.get("layout_free") else "no: resumes at its own layout only"
+    lines.append(f"layout-free   {free}")
+    lines.append(f"files         {len(files)}, {total:,} bytes")
+    for kind, n in sorted(kinds.items()):
+        lines.append(f"  {n:4d}  {sizes[kind]:>16,} bytes  {kind}")
+    config = Path(recipe) if recipe else ck.parent.parent / "config.yaml"
+    if not config.is_file():
+        lines.append(f"resumable at  (no recipe: {config} does not exist; pass --recipe)")
+        return "\n".join(lines), status
+    layouts = resumable_layouts(load_config(config), meta, max_ranks)
+    lines.append(f"resumable at  (recipe {config}; ZeRO stages per backend and EP size)")
+    by_world: dict[int, list[str]] = {}
+    for lay in layouts:
+        stages = lay["zero_stages"]
+        zero = f"ZeRO {stages[0]}-{stages[-1]}" if len(stages) > 1 else f"ZeRO {stages[0]}"
+        ep = "" if lay["moe_backend"] == "reference" else f" EP {lay['ep_size']}"
+        by_world.setdefault(lay["world_size"], []).append(f"{lay['moe_backend']}{ep} ({zero})")
+    for world, items in sorted(by_world.items()):
+        lines.append(f"  {world:4d} rank(s): {'; '.join(items)}")
+    return "\n".join(lines), status
+
+
+def run_info(args: argparse.Namespace) -> int:
+    text, status = checkpoint_info(Path(args.path), args.recipe, args.max_ranks, args.verify)
+    print(text)
+    return status
