@@ -11,7 +11,9 @@ layout), each on 2 gloo ranks. Each cell builds the engine training builds
 moments exist, as in every checkpoint of a run) and then saves ``--repeats`` times with the
 shards and as often without, alternating which goes first (:func:`smelt_ds.runs.checkpoint.save`
 with ``reference`` forced on or off: digests while writing, fsync, the ``COMPLETE`` marker,
-pruning to one kept checkpoint per kind).
+pruning to one kept checkpoint per kind). The shards here are the weights alone, what export
+reads; the layout-free state (the same shards with AdamW's moments, ``train.layout_free_state``)
+is measured by bench/reshard_cost.py.
 
 Printed per cell: the reference-layout parameters ``P``; DeepSpeed's own bytes per save (model,
 optimizer, per-expert files; the client state of the data loader and RNG is listed apart) and
@@ -106,7 +108,7 @@ def measure(rank: int, world: int, opts: dict[str, Any], backend: str) -> dict[s
             dist.barrier()
             t0 = time.perf_counter()
             path = ckpt.save(built.engine, work / ("with" if shards else "without"), r + 1, 0, {}, keep_last=1,
-                             layout=built.layout, reference=shards)
+                             layout=built.layout, reference=shards, optimizer_state=False)
             seconds[shards].append(time.perf_counter() - t0)
             if rank == 0:
                 sizes[shards] = _bytes(path)

@@ -106,17 +106,18 @@ class TrainConfig(StrictModel):
     keep_last: int = Field(2, gt=0, description="checkpoints kept on disk")
     reference_weights: Literal["every_save", "newest", "minimal"] = Field(
         "every_save", description="which checkpoints carry the fp32 reference-layout weights `smelt-ds export` reads "
-                                  "(4 bytes per parameter per checkpoint): every_save; newest (written at every save, "
+                                  "(4 bytes per parameter per checkpoint; 12 with train.layout_free_state): "
+                                  "every_save; newest (written at every save, "
                                   "removed from a checkpoint once a newer one is complete); minimal (as newest, except "
                                   "on the reference backend at ZeRO 1-3, whose DeepSpeed files export every "
                                   "checkpoint: "
                                   "only the run's last save). The newest and the final checkpoint always export; "
                                   "docs/checkpoint_cost.md")
     layout_free_state: bool = Field(
-        True, description="checkpoints that carry the reference-layout weights also carry AdamW's moments and step "
-                          "in the same layout (8 more bytes per parameter), so that --resume continues the run at "
-                          "another number of ranks, expert-parallel size, ZeRO stage or MoE backend "
-                          "(docs/changing_scale.md)")
+        True, description="every checkpoint carries the reference-layout weights and AdamW's moments and step in "
+                          "the same layout (12 bytes per parameter; train.reference_weights minimal then acts as "
+                          "newest: older checkpoints drop them), so that --resume continues the run at another "
+                          "number of ranks, expert-parallel size, ZeRO stage or MoE backend (docs/changing_scale.md)")
     exit_after_steps: int | None = Field(
         None, gt=0, description="stop after this many steps of this invocation, saving a checkpoint "
                                 "(time-boxed jobs; the LR schedule still follows max_steps)")

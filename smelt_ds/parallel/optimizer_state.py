@@ -121,8 +121,10 @@ def full_state(engine, p: torch.nn.Parameter, relink: bool = True) -> dict[str, 
         if relink:
             _relink(engine)
         out: dict[str, torch.Tensor | None] = {"weight": safe_get_full_fp32_param(p)}
+        # no moments before the first update (the ranks update together: the same answer on every rank)
+        stepped = any(MOMENTS[0] in st for st in _base(engine).state.values())
         for m in MOMENTS:
-            out[m] = safe_get_full_optimizer_state(p, m)
+            out[m] = safe_get_full_optimizer_state(p, m) if stepped else None
         return {k: None if v is None else v.detach().float().cpu().clone() for k, v in out.items()}
     master, key = _master_and_key(engine, p)
     st = _base(engine).state.get(key, {})

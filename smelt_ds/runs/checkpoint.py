@@ -347,9 +347,9 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     ``reference`` True/False writes the shards or not whatever the choice says (bench/checkpoint_cost.py
     measures both); None follows the choice. ``client_extra``: more entries of this rank's client
     state (e.g. the step guard's, :mod:`smelt_ds.train.step_guard`), returned by :func:`load`.
-    ``optimizer_state`` (``train.layout_free_state``): the reference shards also hold AdamW's
-    moments and step, and the marker says ``"layout_free": true``: the checkpoint resumes at any
-    layout (:mod:`smelt_ds.runs.reshard`).
+    ``optimizer_state`` (``train.layout_free_state``): every save writes the reference shards
+    (``minimal`` then acts as ``newest``) and they also hold AdamW's moments and step; the marker
+    says ``"layout_free": true``: the checkpoint resumes at any layout (:mod:`smelt_ds.runs.reshard`).
 
     Raises :class:`CheckpointWriteError` on every rank when any rank could not write (any
     OSError: a full disk, a permission error, a failing device; the message names the rank, the
@@ -366,8 +366,8 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     layout = {"world_size": world, **(layout or {})}
     client = {**(client_extra or {}), "step": step, "tokens_seen": tokens_seen, "loader": loader_state,
               "rng": rng_state()}
-    if reference is None:
-        reference = writes_reference(reference_weights, layout, final)
+    if reference is None:  # the layout-free state needs the shards in every save (minimal then acts as newest)
+        reference = writes_reference(reference_weights, layout, final) or optimizer_state
     written, failed = _write_rank_files(engine, root, tag, rank, client, layout.get("moe_backend", "reference"),
                                         reference, optimizer_state)
     error = None if failed is None else (f"rank {rank} could not write checkpoint {root / tag}: {failed}"

@@ -23,7 +23,8 @@ under their *global* expert indices (``deepspeed``: ``ep_rank * E / ep_size + j`
 placement AutoEP records on each expert parameter). Expert ``i`` of layer ``l`` lands at index
 ``i`` of layer ``l``'s ``gate_up_proj [E, 2F, H]`` (gate rows first, then up rows, as in
 transformers' Qwen3-MoE) and ``down_proj [E, H, F]``. Cost: 4 bytes per parameter per checkpoint
-that carries them (DeepSpeed's own bf16 + AdamW files take 14: docs/checkpoint_cost.md).
+that carries them, 12 when they also hold AdamW's moments (``train.layout_free_state``; DeepSpeed's
+own bf16 + AdamW files take 14: docs/checkpoint_cost.md).
 
 :func:`merge_reference_shards` (used by ``smelt-ds export``; :func:`merge_shards` for shards held
 in memory, as the in-loop harness evaluation gathers them) checks that the shards are complete:

@@ -182,7 +182,9 @@ def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
             f"at its own layout ({describe_layout(meta)})")
     if t.global_batch_tokens is not None:
         resolve_batch(t.model_copy(update={"gradient_accumulation_steps": None}), world_size)  # the run's: same accum
-    new_cfg = cfg.model_copy(update={"train": t.model_copy(update={"gradient_accumulation_steps": accum})})
+    new_cfg = cfg
+    if t.global_batch_tokens is None and (t.gradient_accumulation_steps or 1) != accum:  # else the recipe says it
+        new_cfg = cfg.model_copy(update={"train": t.model_copy(update={"gradient_accumulation_steps": accum})})
     if not changes:
         return new_cfg, None
     old_accum = global_batch // (micro * int(meta["world_size"]))

@@ -104,11 +104,15 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
             raise ConfigError(f"--resume {resume} is older than the run's newest checkpoint {latest.name}: to "
                               "rewind, first move the newer checkpoints out of checkpoints/ (otherwise they are "
                               "pruned by train.keep_last or mixed into this run), or resume with --resume auto")
+    saved = out_dir / "config.yaml"
+    if saved.is_file() and not (resume == "auto" and ckpt.latest_complete(out_dir) is None):
+        _check_recipe_against_run(out_dir, saved, cfg, resume)
     if world_size is not None:  # another layout: refused unless the checkpoint converts (smelt_ds.runs.reshard)
         plan_resume(cfg, out_dir, resume, world_size)
-    saved = out_dir / "config.yaml"
-    if not saved.is_file() or (resume == "auto" and ckpt.latest_complete(out_dir) is None):
-        return
+
+
+def _check_recipe_against_run(out_dir: Path, saved: Path, cfg: RunConfig, resume: str) -> None:
+    """The resumed recipe against the run's ``config.yaml`` (:func:`check_run_dir`)."""
     import yaml
 
     old, new = yaml.safe_load(saved.read_text()) or {}, config_to_dict(cfg)

@@ -78,7 +78,7 @@ def test_corpus_too_small_for_one_window(tmp_path):
                                           rf"{tokens + 1} tokens"):
         TrainLoader(p, tokens, 1, dp_rank=0, dp_world_size=1)
     TrainLoader(p, tokens - 1, 1, dp_rank=0, dp_world_size=1)  # exactly one window fits
-    with pytest.raises(ConfigError, match="fewer than one global micro-batch"):
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
         TrainLoader(p, tokens - 1, 2, dp_rank=0, dp_world_size=1)
 
 
