@@ -417,20 +417,24 @@ def _complete(root: Path, tag: str, gathered: list[Any], meta: dict[str, Any], k
     return None
 
 
-def verify(path: str | Path, rank: int | None = None, names: list[str] | None = None) -> list[str]:
+def verify(path: str | Path, rank: int | None = None, names: list[str] | None = None,
+           world_size: int | None = None) -> list[str]:
     """Problems of checkpoint ``path`` against the digests in its ``COMPLETE`` marker.
 
-    Checks the files written by ``rank`` (all files when None), or only ``names``. Returns one
-    line per problem (missing file, wrong size, wrong SHA-256), naming the file; an empty list
-    when everything matches or the marker predates checksums."""
+    Checks the files written by ``rank`` (all files when None), or only ``names``. With
+    ``world_size`` (the ranks checking now, which may be fewer than wrote it: a resume at another
+    layout), ``rank`` checks the files of every writing rank ``w`` with ``w % world_size == rank``,
+    so that the ranks together check every file. Returns one line per problem (missing file, wrong
+    size, wrong SHA-256), naming the file; an empty list when everything matches or the marker
+    predates checksums."""
     path = Path(path)
     files = json.loads((path / MARKER).read_text()).get("files")
     if files is None:
         return []
     problems = []
     for name, want in sorted(files.items()):
-        if (names is not None and name not in names) or (names is None and rank is not None
-                                                         and want.get("rank", 0) != rank):
+        writer = want.get("rank", 0) % world_size if world_size else want.get("rank", 0)
+        if (names is not None and name not in names) or (names is None and rank is not None and writer != rank):
             continue
         f = path / name
         if not f.is_file():
@@ -556,12 +560,14 @@ def latest_complete(run_dir: str | Path) -> Path | None:
 
 
 def _verify_everywhere(path: Path) -> list[str]:
-    """Every rank checks the files it wrote (in parallel); the union of the problems, on all ranks."""
+    """The ranks check the files in parallel, each those a rank ``w`` with ``w % world == rank``
+    wrote (its own at the writing layout; every file also when fewer ranks resume it); the union of
+    the problems, on all ranks."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    mine = verify(path, rank) if world > 1 else verify(path)
+    mine = verify(path, rank, world_size=world) if world > 1 else verify(path)
     return [p for problems in _gather_objects(mine) for p in problems]
 
 

@@ -112,8 +112,19 @@ def _full_fp32(t: torch.Tensor) -> torch.Tensor:
     return full.detach().float().cpu().clone()
 
 
-def _expert_placement(t: torch.Tensor, backend: str, local: int | None) -> list[int]:
-    """Global expert indices of the experts this rank holds in tensor ``t``."""
+def expert_placement(t: torch.Tensor, backend: str, local: int | None) -> list[int]:
+    """Global expert indices (one per row of dim 0, in order) of the experts this rank holds in ``t``.
+
+    Args:
+        t: an expert parameter of ``backend``: DeepSpeed-MoE's holds one expert (its index among the
+            layer's local experts is ``local``); AutoEP's stacks its local experts on dim 0.
+        backend: ``deepspeed`` or ``autoep`` (``moe_runtime.backend``).
+        local: DeepSpeed-MoE only: the expert's index among this rank's local experts (None for AutoEP).
+
+    DeepSpeed-MoE expert ``i`` of expert-parallel rank ``r`` is global expert ``r * n_local + i``
+    (``deepspeed.moe.experts``); AutoEP records the global indices in the parameter's
+    universal-checkpoint metadata. DeepSpeed-MoE parameters need :func:`mark_local_expert_counts` first.
+    """
     from deepspeed.utils import groups
 
     if backend == "deepspeed":
@@ -131,8 +142,10 @@ def _expert_data_rank(t: torch.Tensor) -> int:
     return groups._get_expert_data_parallel_rank(t.group_name)  # type: ignore[attr-defined]
 
 
-def _mark_local_expert_counts(module: torch.nn.Module) -> None:
-    """Give each DeepSpeed-MoE expert parameter its layer's number of local experts."""
+def mark_local_expert_counts(module: torch.nn.Module) -> None:
+    """Give each DeepSpeed-MoE expert parameter of ``module`` its layer's number of local experts
+    (attribute ``_smelt_local_experts``), which :func:`expert_placement` needs. AutoEP and the
+    reference backend are left alone."""
     for m in module.modules():
         experts = getattr(getattr(m, "deepspeed_moe", None), "experts", None)
         local = getattr(experts, "deepspeed_experts", None)
@@ -167,7 +180,7 @@ def gather_reference_shard(engine, backend: str, optimizer: bool = False) -> dic
     rank = dist.get_rank() if dist.is_initialized() else 0
     module = engine.module
     if backend == "deepspeed":
-        _mark_local_expert_counts(module)
+        mark_local_expert_counts(module)
     dense: dict[str, dict[str, torch.Tensor]] = {}
     pieces: dict[tuple[str, int], dict[str, dict[str, torch.Tensor]]] = {}
     seen: dict[int, str] = {}
@@ -194,7 +207,7 @@ def gather_reference_shard(engine, backend: str, optimizer: bool = False) -> dic
             continue
         for kind, full in values.items():
             rows = full if local is None else full[None]
-            for e, row in zip(_expert_placement(t, backend, local), rows, strict=True):
+            for e, row in zip(expert_placement(t, backend, local), rows, strict=True):
                 pieces.setdefault((ref, e), {}).setdefault(kind, {})[part] = row
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for (ref, e), by_kind in pieces.items():

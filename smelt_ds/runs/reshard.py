@@ -37,7 +37,7 @@ from smelt_ds.config.train import resolve_batch
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel.optimizer_state import MOMENTS, finish_set, prepare_state, set_full_state
 from smelt_ds.runs import checkpoint as ckpt
-from smelt_ds.runs.reference_weights import _expert_placement, _mark_local_expert_counts, reference_name, shard_path
+from smelt_ds.runs.reference_weights import expert_placement, mark_local_expert_counts, reference_name, shard_path
 
 __all__ = ["LAYOUT_KEYS", "ResumePlan", "engine_counters", "layout_change", "plan_resume", "load_resharded",
            "valid_world_sizes", "describe_layout"]
@@ -270,7 +270,7 @@ def load_resharded(built, path: Path, backend: str) -> dict[str, Any]:
     engine = built.engine
     module = engine.module
     if backend == "deepspeed":
-        _mark_local_expert_counts(module)
+        mark_local_expert_counts(module)
     prepare_state(engine, int(shards.adam_step or 0))
     seen: set[int] = set()
     for name, t in module.state_dict(keep_vars=True).items():
@@ -278,7 +278,7 @@ def load_resharded(built, path: Path, backend: str) -> dict[str, Any]:
             continue
         seen.add(id(t))
         ref, part, local = reference_name(name, backend)
-        ids = None if part is None else _expert_placement(t, backend, local)
+        ids = None if part is None else expert_placement(t, backend, local)
         values = shards.values(ref, ids, part)
         if part is not None and local is not None:  # DeepSpeed-MoE: one expert per module
             values = {k: v[0] for k, v in values.items()}

@@ -461,3 +461,44 @@ def _train_lrs(rank, world, raw):
     from smelt_ds.train.loop import train
 
     return train(config_from_dict(raw), resume="auto").lrs
+
+
+def _four_rank_checkpoint(run_dir: Path, step: int, damaged_rank: int | None) -> Path:
+    """A complete checkpoint as 4 ranks write one: a file per rank listed in the marker with its
+    digest and writer; the file of ``damaged_rank`` has one byte changed after the digest."""
+    from smelt_ds.runs import checkpoint as ckpt
+
+    d = ckpt.checkpoint_dir(run_dir) / f"step{step:08d}"
+    (d / "reference").mkdir(parents=True)
+    files = {}
+    for r in range(4):
+        f = d / "reference" / f"rank{r:05d}.pt"
+        f.write_bytes(bytes(range(256)) * (r + 1))
+        files[f"reference/rank{r:05d}.pt"] = {**ckpt.file_digest(f), "rank": r}
+        if r == damaged_rank:
+            f.write_bytes(b"\xff" + f.read_bytes()[1:])
+    (d / ckpt.MARKER).write_text(json.dumps({"step": step, "world_size": 4, "files": files}))
+    return d
+
+
+def _choose_worker(rank, world, run_dir):
+    from smelt_ds.runs import checkpoint as ckpt
+
+    return ckpt.choose(run_dir, "auto").name
+
+
+@pytest.mark.distributed
+def test_fewer_ranks_than_wrote_a_checkpoint_check_every_file(tmp_path):
+    """A resume on 2 ranks of a checkpoint 4 ranks wrote: ranks 0 and 1 also check the files of
+    ranks 2 and 3, so a damaged file of rank 3 sets the newest aside and the older one is loaded
+    (checking only the files a rank wrote itself would take the damaged one)."""
+    from smelt_ds.runs import checkpoint as ckpt
+
+    _four_rank_checkpoint(tmp_path, 2, None)
+    _four_rank_checkpoint(tmp_path, 4, damaged_rank=3)
+    assert ckpt.verify(ckpt.checkpoint_dir(tmp_path) / "step00000004", 1, world_size=2) == [
+        f"{ckpt.checkpoint_dir(tmp_path) / 'step00000004' / 'reference' / 'rank00003.pt'} has another SHA-256 "
+        "than when written (damaged)"]
+    got = run_distributed(_choose_worker, 2, args=(str(tmp_path),), init_deepspeed=False, timeout=60)
+    assert got == ["step00000002", "step00000002"]
+    assert (ckpt.checkpoint_dir(tmp_path) / "damaged-step00000004").is_dir()
