@@ -127,7 +127,9 @@ def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
 
     The new recipe keeps the checkpoint's micro-batch size and sets ``train.gradient_accumulation_steps``
     to ``global_batch / (micro_batch x world_size)`` (``train.global_batch_tokens`` is the run's
-    and resolves to the same value).
+    and resolves to the same value), at any layout: a recipe's explicit accumulation describes the
+    layout it was written for, and a resume keeps the run's global batch (the caller says so when
+    the recipe's value is replaced).
 
     Raises:
         ConfigError: naming the fix, when the checkpoint has no layout-free state (written before
@@ -170,11 +172,6 @@ def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
             f"{micro} ({global_batch // micro} micro-batches per step; checkpoint {path}): resume on "
             f"{_either(near)} rank(s) (expert-parallel size {ep})")
     accum = global_batch // (micro * world_size)
-    if not changes and t.gradient_accumulation_steps not in (None, accum):
-        raise ConfigError(
-            f"train.gradient_accumulation_steps {t.gradient_accumulation_steps} would change the run's global batch of "
-            f"{global_batch} samples (checkpoint {path}), which needs {accum} on {world_size} rank(s): remove the "
-            "setting, or start a new run from the weights (`smelt-ds export` then train.init_from)")
     if changes and (cfg.model.dropout > 0 or cfg.moe.router_jitter > 0):
         raise ConfigError(
             f"the run draws random numbers per micro-batch (model.dropout {cfg.model.dropout}, moe.router_jitter "

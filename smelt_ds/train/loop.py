@@ -233,7 +233,14 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
     if cfg.eval.harness_tasks:  # unknown task names fail now, not at the first in-loop evaluation
         on_rank0(rank, lambda: check_harness_tasks(cfg))
     # a resume keeps the run's global batch; at another layout it converts the checkpoint (runs/reshard.py)
+    asked = cfg.train.gradient_accumulation_steps
     cfg, plan = plan_resume(cfg, out_dir, resume, world)
+    accum = cfg.train.gradient_accumulation_steps
+    if rank == 0 and plan is None and asked not in (None, accum):  # a layout change prints its own line
+        print(f"train.gradient_accumulation_steps: the recipe's {asked} -> {accum} on {world} rank(s), which keeps the "
+              f"run's global batch of {cfg.train.micro_batch_size * accum * world} samples (a resume keeps the run's "
+              "batch; to train with another, start a new run from the weights: `smelt-ds export`, then "
+              "train.init_from)", file=sys.stderr)
     data = build_data(cfg, rank, world)
     if rank == 0 and cfg.deepspeed.offload_optimizer != "none":
         _print_lines(_deepspeed_op_notices(("CPUAdamBuilder",)))
@@ -346,7 +353,7 @@ def _restore(built: Built, data, out_dir: Path, resume: str, guard: StepGuardSta
     path = ckpt.choose(out_dir, resume)
     if path is None:
         return 0, 0, None
-    if plan is not None and plan.checkpoint != path:  # a damaged newer one was set aside
+    if plan is None or plan.checkpoint != path:  # a damaged newer one was set aside: the older one's layout
         _, plan = plan_resume(cfg, out_dir, str(path), dist.get_world_size())
     if plan is None:
         state = ckpt.load_from(built.engine, path, built.layout)

@@ -170,10 +170,33 @@ def test_deepspeed_moe_zero2_then_autoep_zero3_a_backend_switch(ref, one_rank, t
     _assert_on_trajectory(ref, run, recipe, 7)
 
 
-def test_data_parallel_2_to_4_with_ep_2(ref, tmp_path):
-    recipe, proc = _resume(ref, ref.run, 4, tmp_path / "run", 4, "autoep", 2, 3)
-    assert "ranks 2 -> 4" in proc.stderr and "accumulation 2 -> 1" in proc.stderr
-    _assert_on_trajectory(ref, tmp_path / "run", recipe, 5)
+def _damage(shard: Path) -> None:
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte changed, same size
+    shard.write_bytes(bytes(data))
+
+
+def test_data_parallel_2_to_4_with_ep_2_past_damaged_newest_checkpoints(ref, tmp_path):
+    """A's run stopped after step 6, whose reference shard of rank 1 has one byte changed: the 4-rank
+    resume sets step 6 aside (as a resume at the same layout does) and continues from step 4 at the
+    new layout, for 2 steps. Then its own step 6 (4 ranks) is damaged too: the next 4-rank resume,
+    at that checkpoint's layout, falls back to step 4 at A's layout and converts it, to step 10."""
+    run = _stopped_copy(ref.run, tmp_path / "run", 6)
+    _damage(ckpt.checkpoint_dir(run) / "step00000006" / "reference" / "rank00001.pt")
+    recipe = _write(tmp_path / "run.yaml", _raw(run, ref.cache, "autoep", 2, 3))
+    proc = _train(recipe, 4, "--resume", "auto", "--set", "train.exit_after_steps=2")
+    assert "step00000006 is damaged" in proc.stderr and "has another SHA-256 than when written" in proc.stderr
+    assert "resuming step00000004 at another layout (ranks 2 -> 4" in proc.stderr
+    assert "accumulation 2 -> 1" in proc.stderr
+    assert (ckpt.checkpoint_dir(run) / "damaged-step00000006" / "reference" / "rank00001.pt").is_file()
+    newest = ckpt.latest_complete(run)
+    assert newest.name == "step00000006" and json.loads((newest / ckpt.MARKER).read_text())["world_size"] == 4
+    _damage(newest / "reference" / "rank00003.pt")
+    proc = _train(recipe, 4, "--resume", "auto")
+    assert "resuming step00000004 at another layout (ranks 2 -> 4" in proc.stderr
+    # the recipe's accumulation (A's, on 2 ranks) is replaced at the 4-rank layout, and the console says so
+    assert "train.gradient_accumulation_steps: the recipe's 2 -> 1 on 4 rank(s)" in proc.stderr
+    _assert_on_trajectory(ref, run, recipe, 5)
 
 
 def test_aux_loss_free_bias_survives_a_resume_at_another_layout(ref, tmp_path):
@@ -269,10 +292,7 @@ def test_checkpoint_info_lists_what_the_checkpoint_holds_and_where_it_resumes(re
              "autoep EP 1 (ZeRO 0-3); autoep EP 2 (ZeRO 0-3); autoep EP 4 (ZeRO 0-3)"}
     copy = _stopped_copy(ref.run, tmp_path / "run", STEPS)
     ck = ckpt.latest_complete(copy)
-    shard = ck / "reference" / "rank00001.pt"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one byte changed, same size
-    shard.write_bytes(bytes(data))
+    _damage(ck / "reference" / "rank00001.pt")
     assert cli.main(["checkpoint", "info", str(copy)]) == 0
     assert cli.main(["checkpoint", "info", str(copy), "--verify"]) == 1
     assert "has another SHA-256 than when written" in capsys.readouterr().out
