@@ -143,7 +143,7 @@ def _child(mode: str, arg: str, sets: list[str]) -> dict[str, Any]:
     out = subprocess.run([sys.executable, __file__, "--child", mode, arg, "--sets", json.dumps(sets)],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     if out.returncode:
-        raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
+        raise SystemExit(f"{mode} failed (exit {out.returncode}):\n{out.stdout[-1500:]}\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

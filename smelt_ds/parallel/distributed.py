@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import torch
 
@@ -48,7 +49,37 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, int]:
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
+    if backend == "gloo":
+        release_cpu_allreduce_buffer()
     return dist.get_rank(), local_rank, dist.get_world_size()
+
+
+def cpu_allreduce_buffer() -> Path:
+    """This rank's shared-memory file of DeepSpeed's CPU collectives: ``deepspeed_allreduce_buffer_
+    <uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` in ``/dev/shm`` (``csrc/cpu/comm/shm.cpp``, 66 MB),
+    created by ``deepspeed.init_distributed`` on the CPU accelerator when every rank is on one host
+    (``LOCAL_SIZE`` equals the world size, as the deepspeed launcher sets it)."""
+    return Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                               f"{os.environ.get('MASTER_PORT', '')}_{os.environ.get('RANK', '0')}")
+
+
+def release_cpu_allreduce_buffer() -> None:
+    """Remove the name of this rank's :func:`cpu_allreduce_buffer` once every rank has mapped every
+    peer's (collective: a barrier; DeepSpeed maps them inside ``init_distributed``, and never again).
+
+    DeepSpeed never unlinks these files (``shared_close`` is not called), so each CPU run on one
+    host left 66 MB per rank in ``/dev/shm``, a tmpfs that counts against memory, until a machine
+    running tests ran out of it. The mappings stay valid; the memory is freed when the last rank
+    exits. Nothing to do (and no barrier) on one rank or when the file does not exist."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    path = cpu_allreduce_buffer()
+    exists = path.exists()
+    dist.barrier()  # every rank's init_distributed returned: each has opened all the peers' buffers
+    if exists:
+        path.unlink(missing_ok=True)
 
 
 def on_rank0(rank: int, fn):

@@ -162,6 +162,11 @@ def _logged_steps(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
 
 
+def _cpu_allreduce_buffers() -> set[str]:
+    """The names DeepSpeed's CPU collectives create in /dev/shm (smelt_ds.parallel.distributed)."""
+    return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")}
+
+
 @pytest.mark.distributed
 def test_ctrl_c_under_nproc_2_saves_a_checkpoint_and_exits_143(tmp_path, recipe):
     """Ctrl-C sends SIGINT to the terminal's foreground process group: the wrapper forwards it,
@@ -169,6 +174,7 @@ def test_ctrl_c_under_nproc_2_saves_a_checkpoint_and_exits_143(tmp_path, recipe)
     from smelt_ds.runs import checkpoint as ckpt
 
     run_dir = recipe.parent / "run"
+    shm_before = _cpu_allreduce_buffers()
     with (tmp_path / "out.txt").open("w") as out, (tmp_path / "err.txt").open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "smelt_ds.cli", "train", str(recipe), "--nproc", "2",
                                  "--set", "train.max_steps=100000", "--set", "train.log_every=1",
@@ -182,6 +188,8 @@ def test_ctrl_c_under_nproc_2_saves_a_checkpoint_and_exits_143(tmp_path, recipe)
                 proc.kill()
                 raise AssertionError("no training step logged in time")
             time.sleep(0.2)
+        # DeepSpeed's CPU collectives' shared-memory files (66 MB a rank) lose their names once mapped
+        assert _cpu_allreduce_buffers() - shm_before == set()
         os.killpg(proc.pid, signal.SIGINT)
         rc = proc.wait(scaled_timeout(120))
     stderr = (tmp_path / "err.txt").read_text()
