@@ -12,9 +12,12 @@ timing each. A second, fresh process builds the engine at another layout (ZeRO-0
 state into it (:func:`smelt_ds.runs.reshard.load_resharded`), timing it and sampling its memory
 every 2 ms from ``/proc/self/status``:
 
-* ``RssAnon``: anonymous memory, what the conversion allocates. Its peak above the level before the
-  load, as a ratio to the largest tensor's state (weight + two moments, fp32), is the bound the
-  design promises: the shards are memory-mapped and each parameter's values are read when written.
+* ``RssAnon``: anonymous memory. Its peak above the level before the load includes the new
+  engine's own Adam moments, which the load creates (a fresh engine allocates them at its first
+  step anyway: 8 bytes per parameter); that peak minus those moments is what the conversion
+  itself holds, and its ratio to the largest tensor's state (weight + two moments, fp32) is the
+  bound the design promises: the shards are memory-mapped and each parameter's values are read
+  when written.
 * ``RssFile``: file pages of the mapped shards, page cache the kernel reclaims under pressure; it
   grows with the checkpoint, which is what a memory-mapped read is.
 
@@ -131,7 +134,11 @@ def load_side(ckpt_dir: str, sets: list[str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     with _Peak() as peak:
         load_resharded(built, Path(ckpt_dir), cfg.moe_runtime.backend)
-    return {"load_s": time.perf_counter() - t0, "anon_peak": peak.peak[0] - peak.base[0],
+    opt = built.engine.optimizer
+    state = getattr(opt, "optimizer", opt).state  # ZeRO-0: the torch optimizer (maybe wrapped)
+    moments = sum(t.nbytes for st in state.values() for t in st.values() if hasattr(t, "nbytes") and t.dim() > 0)
+    return {"load_s": time.perf_counter() - t0, "anon_peak": peak.peak[0] - peak.base[0] - moments,
+            "moments_bytes": moments,
             "file_peak": peak.peak[1] - peak.base[1]}
 
 
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                          "anon_over_largest": loaded["anon_peak"] / state,
                          "file_over_shards": loaded["file_peak"] / saved["shard_bytes"]})
     print(f"{'width':>5} {'params':>11} {'largest':>9} {'shards':>10} {'save+/save':>10} {'load s':>7} "
-          f"{'anon peak':>10} {'/largest':>8} {'file peak':>10} {'/shards':>7}")
+          f"{'conv peak':>10} {'/largest':>8} {'file peak':>10} {'/shards':>7}")
     for r in rows:
         print(f"{r['width']:>5} {r['params']:>11,} {r['largest_numel']:>9,} {r['shard_bytes'] / 2**20:>8.1f}MB "
               f"{r['save_s_with'] / r['save_s_without']:>10.2f} {r['load_s']:>7.2f} {r['anon_peak'] / 2**20:>8.1f}MB "
@@ -198,8 +205,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
         print(f"load seconds ~ params^{slope:.2f} on these stand-ins; extrapolated (one CPU process, same machine):")
         last = rows[-1]
+        rate = last["shard_bytes"] / last["load_s"]  # the largest size's bytes per second: linear, an upper bound
         for name, n in recipe_params().items():
-            print(f"  {name:>2}: {n:>15,} params -> {last['load_s'] * (n / last['params']) ** slope:,.0f} s")
+            print(f"  {name:>2}: {n:>15,} params -> {last['load_s'] * (n / last['params']) ** slope:,.0f} s by the fit; "
+                  f"{12 * n / rate:,.0f} s linear in the state's bytes ({12 * n / 1e9:,.0f} GB at "
+                  f"{rate / 1e9:.2f} GB/s), divided among the ranks that read it")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return rows
