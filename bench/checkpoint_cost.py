@@ -115,7 +115,7 @@ def measure(rank: int, world: int, opts: dict[str, Any], backend: str) -> dict[s
     if rank != 0:
         return None
     with_s, without_s = statistics.median(seconds[True]), statistics.median(seconds[False])
-    return {"backend": backend, "zero_stage": cfg.deepspeed.effective_zero_stage, "ep_size": CELLS[backend][2],
+    return {"backend": backend, "zero_stage": cfg.deepspeed.zero_stage, "ep_size": CELLS[backend][2],
             "ranks": world, "params": reference_params(cfg), "deepspeed_bytes": sizes[False]["deepspeed"],
             "client_bytes": sizes[False]["client"], "shard_bytes": sizes[True]["shards"],
             "bytes_with": sum(sizes[True].values()), "bytes_without": sum(sizes[False].values()),

@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         last = rows[-1]
         rate = last["shard_bytes"] / last["load_s"]  # the largest size's bytes per second: linear, an upper bound
         for name, n in recipe_params().items():
-            print(f"  {name:>2}: {n:>15,} params -> {last['load_s'] * (n / last['params']) ** slope:,.0f} s by the fit; "
+            fit = last["load_s"] * (n / last["params"]) ** slope
+            print(f"  {name:>2}: {n:>15,} params -> {fit:,.0f} s by the fit; "
                   f"{12 * n / rate:,.0f} s linear in the state's bytes ({12 * n / 1e9:,.0f} GB at "
                   f"{rate / 1e9:.2f} GB/s), divided among the ranks that read it")
     if args.json:

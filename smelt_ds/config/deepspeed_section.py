@@ -12,29 +12,25 @@ from pydantic import Field
 from smelt_ds.config.schema import StrictModel
 from smelt_ds.errors import fail
 
-__all__ = ["DeepSpeedSection", "check_offload"]
+__all__ = ["DeepSpeedSection", "OWNED_KEYS", "check_offload", "check_passthrough"]
 
 
 class DeepSpeedSection(StrictModel):
-    """DeepSpeed settings. ``config`` is merged last into the DeepSpeed JSON, unchanged."""
+    """DeepSpeed settings. ``config`` is merged last into the DeepSpeed JSON, unchanged, except
+    that the keys a field owns (:data:`OWNED_KEYS`) are refused when the recipe is loaded: each
+    DeepSpeed setting has one value, which every reader (the engine, ``smelt-ds memory``,
+    ``render-job``, the checkpoint layout) takes from the field."""
 
     zero_stage: Literal[0, 1, 2, 3] = Field(
-        0, description="ZeRO stage: 0 (nothing partitioned), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters); "
-                       "deepspeed.config.zero_optimization.stage wins when set")
+        0, description="ZeRO stage: 0 (nothing partitioned), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)")
     offload_optimizer: Literal["none", "cpu"] = Field("none", description="ZeRO offload of optimizer states")
     offload_param: Literal["none", "cpu"] = Field("none", description="ZeRO-3 offload of parameters")
     template: str | None = Field(None, description="ds_configs/ template name; default from zero_stage/offload")
     zero3_loop_tuning: Literal["auto", "off"] = Field(
         "auto", description="derive ZeRO-3 reuse distance / live parameters from the visit plan")
     comms_logger: bool = Field(False, description="enable DeepSpeed's comms logger")
-    config: dict[str, Any] = Field(default_factory=dict, description="raw DeepSpeed keys, passed through")
-
-    @property
-    def effective_zero_stage(self) -> int:
-        """The ZeRO stage DeepSpeed will see: ``config.zero_optimization.stage`` (merged last into
-        the DeepSpeed JSON) wins over ``zero_stage``."""
-        raw = self.config.get("zero_optimization", {}) or {}
-        return int(raw.get("stage", self.zero_stage))
+    config: dict[str, Any] = Field(default_factory=dict, description="raw DeepSpeed keys, merged last into the "
+                                   "DeepSpeed JSON; keys a recipe field owns are refused, naming the field")
 
 
 def check_offload(ds: DeepSpeedSection) -> None:
@@ -46,3 +42,39 @@ def check_offload(ds: DeepSpeedSection) -> None:
     if ds.offload_optimizer != "none" and ds.zero_stage == 0:
         fail("deepspeed.offload_optimizer", ds.offload_optimizer, "needs ZeRO stage 1-3",
               "set deepspeed.zero_stage >= 1 or offload_optimizer: none")
+
+
+#: DeepSpeed JSON keys (paths) that a recipe field owns, and the field to set instead. A key of the
+#: ``deepspeed.config`` pass-through at one of these paths (or inside one) is refused at load time
+#: (:func:`check_passthrough`), so no reader can see one value while DeepSpeed runs another.
+OWNED_KEYS: dict[tuple[str, ...], str] = {
+    ("zero_optimization", "stage"): "deepspeed.zero_stage",
+    ("zero_optimization", "offload_optimizer", "device"): "deepspeed.offload_optimizer",
+    ("zero_optimization", "offload_param", "device"): "deepspeed.offload_param",
+    ("train_micro_batch_size_per_gpu",): "train.micro_batch_size",
+    ("gradient_accumulation_steps",): "train.gradient_accumulation_steps (or train.global_batch_tokens)",
+    ("train_batch_size",): "train.global_batch_tokens (or train.gradient_accumulation_steps)",
+    ("gradient_clipping",): "train.grad_clip",
+    ("bf16",): "train.precision",
+    ("fp16",): "train.precision (fp32 or bf16; smelt-ds does not train in fp16)",
+    ("expert_parallel",): "moe_runtime.backend: autoep with moe_runtime.ep_size",
+    ("comms_logger", "enabled"): "deepspeed.comms_logger",
+    ("optimizer",): "train.lr, train.betas, train.eps and train.weight_decay (AdamW; deepspeed.offload_optimizer "
+                    "selects DeepSpeed's CPU Adam)",
+    ("scheduler",): "train.schedule, train.warmup_steps (the LR schedule smelt-ds steps)",
+}
+
+
+def check_passthrough(ds: DeepSpeedSection) -> None:
+    """Refuse the keys of ``deepspeed.config`` that a recipe field owns (:data:`OWNED_KEYS`).
+    Raises ConfigError naming the key, its value and the field to set instead."""
+    for path, field in OWNED_KEYS.items():
+        node: Any = ds.config
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                break
+            node = node[key]
+        else:
+            dotted = ".".join(path)
+            fail(f"deepspeed.config.{dotted}", node, f"is set by the recipe field {field}, not passed through",
+                 f"remove it from deepspeed.config and set {field.split(' (')[0].split(',')[0]} instead")

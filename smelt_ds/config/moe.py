@@ -76,7 +76,7 @@ def check_moe(moe: MoEConfig) -> None:
 
 def check_moe_backend(moe: MoEConfig, rt: MoERuntimeConfig, zero_stage: int) -> None:
     """What ``moe_runtime.backend`` can run, given the architecture and the ZeRO stage
-    (``DeepSpeedSection.effective_zero_stage``). One ConfigError per rule, naming field, value
+    (``deepspeed.zero_stage``). One ConfigError per rule, naming field, value
     and fix. Checked at load time; :func:`smelt_ds.parallel.moe_backends.apply_backend` repeats
     it for an explicit ZeRO stage and adds the runtime checks (tutel installed, world size).
 
@@ -116,9 +116,9 @@ def check_moe_backend(moe: MoEConfig, rt: MoERuntimeConfig, zero_stage: int) -> 
               "set moe.aux_loss_free_bias to false, or use moe_runtime.backend 'reference'")
     if b == "deepspeed":
         if zero_stage == 3:
-            fail("moe_runtime.backend", b, "does not support ZeRO stage 3 (`deepspeed.zero_stage` or "
-                  "`deepspeed.config.zero_optimization.stage`; DeepSpeed raises 'Native DeepSpeed MoE is not "
-                  "supported with ZeRO Stage 3')", "use moe_runtime.backend 'autoep' (ZeRO 0-3), or ZeRO stage <= 2")
+            fail("moe_runtime.backend", b, "does not support ZeRO stage 3 (`deepspeed.zero_stage`; DeepSpeed "
+                  "raises 'Native DeepSpeed MoE is not supported with ZeRO Stage 3')",
+                 "use moe_runtime.backend 'autoep' (ZeRO 0-3), or ZeRO stage <= 2")
         if moe.score_func != "softmax":
             fail("moe.score_func", moe.score_func, "is not supported by moe_runtime.backend 'deepspeed' (TopKGate "
                   "is softmax-only)", "set moe.score_func to 'softmax', or use moe_runtime.backend 'autoep' or "

@@ -23,7 +23,7 @@ from pydantic import Field, model_validator
 
 from smelt_ds.config.cluster import ClusterConfig
 from smelt_ds.config.data import DataConfig
-from smelt_ds.config.deepspeed_section import DeepSpeedSection, check_offload
+from smelt_ds.config.deepspeed_section import DeepSpeedSection, check_offload, check_passthrough
 from smelt_ds.config.eval import EvalConfig
 from smelt_ds.config.loop import LoopConfig
 from smelt_ds.config.model import ModelConfig, check_model
@@ -74,12 +74,13 @@ class RunConfig(StrictModel):
 
 def check_run_config(cfg: RunConfig) -> None:
     """The checks of a parsed config, each section's own (:func:`check_model`, :func:`check_moe`,
-    :func:`check_train`, :func:`check_offload`) and those between sections (the MoE backend against
-    the ZeRO stage, the sequence length against the model's, compilation, the loop ranges against
-    the depth). Raises ConfigError naming the field path."""
+    :func:`check_train`, :func:`check_offload`, :func:`check_passthrough`) and those between
+    sections (the MoE backend against the ZeRO stage, the sequence length against the model's,
+    compilation, the loop ranges against the depth). Raises ConfigError naming the field path."""
     check_model(cfg.model)
     check_moe(cfg.moe)
-    check_moe_backend(cfg.moe, cfg.moe_runtime, cfg.deepspeed.effective_zero_stage)
+    check_passthrough(cfg.deepspeed)  # first: the rules below read the fields that own those keys
+    check_moe_backend(cfg.moe, cfg.moe_runtime, cfg.deepspeed.zero_stage)
     if cfg.train.seq_len > cfg.model.max_seq_len:
         fail("train.seq_len", cfg.train.seq_len, f"must be <= `model.max_seq_len` ({cfg.model.max_seq_len})",
               "raise model.max_seq_len or shorten train.seq_len")
@@ -101,7 +102,7 @@ def _check_compile(cfg: RunConfig) -> None:
         fail("train.compile", "model", f"cannot compile moe_runtime.backend {cfg.moe_runtime.backend!r} into one "
              "graph (its all-to-all collectives and capacity bookkeeping stay eager)",
              "use train.compile: layers (the expert layer eager, the rest of each layer compiled)")
-    if cfg.deepspeed.effective_zero_stage == 3:
+    if cfg.deepspeed.zero_stage == 3:
         fail("train.compile", "model", "does not run under ZeRO stage 3 (its parameter hooks on every submodule "
              "are excluded from compilation and split a whole-model graph everywhere)",
              "use train.compile: layers (each layer compiled; under ZeRO-3 its graph breaks at DeepSpeed's "

@@ -196,7 +196,7 @@ def plan_zero3(cfg: RunConfig, zero: dict[str, Any], world_size: int,
     checkpointed = checkpointed_visits(cfg, schedule)
     params = [layer_params(cfg, layer) for layer in range(cfg.model.num_layers)]
     numel = [_gathered_numel(cfg, p) for p in params]
-    stage = cfg.deepspeed.effective_zero_stage
+    stage = cfg.deepspeed.zero_stage
     user = {k: v for k, v in (cfg.deepspeed.config.get("zero_optimization", {}) or {}).items() if k in KEYS}
     base = _base_values(zero)
     sizes = [numel[v.layer] for v in schedule.plan]

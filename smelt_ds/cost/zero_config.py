@@ -64,10 +64,8 @@ def _option_cfg(cfg: RunConfig, stage: int | None, offload_optimizer: bool | Non
     stage = ds.zero_stage if stage is None else stage
     off_opt = (ds.offload_optimizer != "none") if offload_optimizer is None else offload_optimizer
     off_param = (ds.offload_param != "none") if offload_param is None else offload_param
-    user_zero = {**(ds.config.get("zero_optimization") or {}), "stage": stage}
     new = ds.model_copy(update={"zero_stage": stage, "offload_optimizer": "cpu" if off_opt else "none",
-                                "offload_param": "cpu" if off_param else "none",
-                                "config": {**ds.config, "zero_optimization": user_zero}})
+                                "offload_param": "cpu" if off_param else "none"})
     return cfg.model_copy(update={"deepspeed": new}), option_template_name(stage, off_opt, off_param)
 
 

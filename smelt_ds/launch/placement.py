@@ -104,7 +104,7 @@ def zero3_decision(cfg: RunConfig, layout: ClusterLayout, world_size: int):
     """The loop-aware ZeRO-3 decision (:func:`smelt_ds.cost.zero_config.zero3_plan`) DeepSpeed's config
     will get on ``world_size`` GPUs of the layout's memory, or None below ZeRO-3."""
 
-    if cfg.deepspeed.effective_zero_stage != 3:
+    if cfg.deepspeed.zero_stage != 3:
         return None
     return zero3_plan(cfg, world_size, int(layout.device_memory_gib * GiB))
 

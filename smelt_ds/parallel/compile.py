@@ -47,7 +47,7 @@ def compile_layers(model: torch.nn.Module, cfg: RunConfig) -> int:
     if cfg.train.compile != "layers":
         return 0
     layers = [m for m in model.modules() if isinstance(m, Block)]
-    zero3 = cfg.deepspeed.effective_zero_stage == 3
+    zero3 = cfg.deepspeed.zero_stage == 3
     for layer in layers:
         layer.compile_layer(backend=cfg.train.compile_backend, fullgraph=not zero3)
     for m in model.modules():

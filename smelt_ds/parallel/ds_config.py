@@ -20,7 +20,6 @@ from smelt_ds.config.run import RunConfig
 from smelt_ds.config.train import resolve_batch
 from smelt_ds.cost.precision import resolve_precision
 from smelt_ds.cost.zero_config import load_template, template_name, zero_section
-from smelt_ds.errors import ConfigError
 from smelt_ds.parallel.grad_norm import EP_BACKENDS
 
 __all__ = ["AUTOEP_LAYER_PATTERN", "build_ds_config", "gradient_clipping", "expert_parallel_section",
@@ -44,9 +43,8 @@ def build_ds_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
 
     Raises:
         ConfigError: an unknown template, an inconsistent global batch
-            (:func:`smelt_ds.config.train.resolve_batch`), bf16 on a GPU without it, or
-            ``deepspeed.config.gradient_clipping`` where smelt-ds clips itself
-            (:func:`gradient_clipping`).
+            (:func:`smelt_ds.config.train.resolve_batch`) or bf16 on a GPU without it. Keys of
+            ``deepspeed.config`` that a recipe field owns were refused when the recipe was loaded.
     """
     clipping = gradient_clipping(cfg)
     optional = {"expert_parallel": expert_parallel_section(cfg), "comms_logger": comms_logger_section(cfg),
@@ -67,22 +65,11 @@ def gradient_clipping(cfg: RunConfig) -> float:
     """The ``gradient_clipping`` value: ``train.grad_clip``, except 0.0 (off) for an EP backend at
     ZeRO stage 0, where :func:`smelt_ds.parallel.grad_norm.clip_before_step` clips with the true
     global norm instead (DeepSpeed's ZeRO-0 norm is wrong with expert parameters: the module
-    docstring of :mod:`smelt_ds.parallel.grad_norm`).
-
-    Raises:
-        ConfigError: EP backend at ZeRO-0 and ``deepspeed.config.gradient_clipping`` is set
-            to a non-zero value (it would re-enable DeepSpeed's wrong clipping).
-    """
-    clip = cfg.train.grad_clip
-    if cfg.moe_runtime.backend not in EP_BACKENDS or cfg.deepspeed.effective_zero_stage != 0:
-        return clip
-    raw = (cfg.deepspeed.config or {}).get("gradient_clipping")
-    if raw:
-        raise ConfigError(f"`deepspeed.config.gradient_clipping` ({raw!r}) with moe_runtime.backend "
-                          f"'{cfg.moe_runtime.backend}' at ZeRO stage 0 would turn on DeepSpeed's own clipping, "
-                          "whose norm is wrong with expert parameters: remove it and set train.grad_clip instead "
-                          "(smelt clips with the true global norm)")
-    return 0.0
+    docstring of :mod:`smelt_ds.parallel.grad_norm`). ``deepspeed.config.gradient_clipping`` is
+    refused when the recipe is loaded (:func:`smelt_ds.config.deepspeed_section.check_passthrough`)."""
+    if cfg.moe_runtime.backend in EP_BACKENDS and cfg.deepspeed.zero_stage == 0:
+        return 0.0
+    return cfg.train.grad_clip
 
 
 def _fits_grouped_mm(cfg: RunConfig) -> bool:

@@ -456,7 +456,7 @@ def run_layout(cfg, world_size: int) -> dict[str, Any]:
     Stored in the ``COMPLETE`` marker."""
     rt = cfg.moe_runtime  # the marker keeps its pre-issue-14 key names, so old checkpoints still load
     accum, _ = resolve_batch(cfg.train, world_size)
-    return {"world_size": world_size, "zero_stage": cfg.deepspeed.effective_zero_stage, "moe_backend": rt.backend,
+    return {"world_size": world_size, "zero_stage": cfg.deepspeed.zero_stage, "moe_backend": rt.backend,
             "ep_size": rt.ep_size if rt.backend != "reference" else 1,
             "micro_batch_size": cfg.train.micro_batch_size,
             "global_batch_samples": cfg.train.micro_batch_size * accum * world_size}

@@ -132,7 +132,7 @@ def _consolidate(ckpt_dir: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
     backend = meta.get("moe_backend", cfg.moe_runtime.backend)
     if backend != "reference":
         raise _no_reference_weights(ckpt_dir, meta, backend)
-    if int(meta.get("zero_stage", cfg.deepspeed.effective_zero_stage)) == 0:
+    if int(meta.get("zero_stage", cfg.deepspeed.zero_stage)) == 0:
         files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
         if not files:
             raise ConfigError(f"{ckpt_dir}: no mp_rank_*_model_states.pt; is this a DeepSpeed checkpoint?")

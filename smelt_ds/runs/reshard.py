@@ -144,7 +144,7 @@ def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
         return cfg, None
     meta = _marker(path)
     rt = cfg.moe_runtime  # the layout alone: the recipe's batch may not resolve on world_size ranks (checked below)
-    new = {"world_size": world_size, "zero_stage": cfg.deepspeed.effective_zero_stage, "moe_backend": rt.backend,
+    new = {"world_size": world_size, "zero_stage": cfg.deepspeed.zero_stage, "moe_backend": rt.backend,
            "ep_size": rt.ep_size if rt.backend != "reference" else 1}
     changes = layout_change(meta, new)
     what = "; ".join(f"{_WORDS[k]} {a} in the checkpoint vs {b} now" for k, (a, b) in changes.items())

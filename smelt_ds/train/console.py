@@ -73,7 +73,7 @@ def banner(cfg: RunConfig, *, run_dir: str | Path, world: int, accum: int, budge
     """
     t, rt, ds = cfg.train, cfg.moe_runtime, cfg.deepspeed
     ep = rt.ep_size if rt.backend != "reference" else 1
-    zero = f"ZeRO-{ds.effective_zero_stage}"
+    zero = f"ZeRO-{ds.zero_stage}"
     offload = [f"{what} offload {where}" for what, where in (("optimizer", ds.offload_optimizer),
                                                              ("parameter", ds.offload_param)) if where != "none"]
     if offload:

@@ -235,7 +235,7 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
     # a resume keeps the run's global batch; at another layout it converts the checkpoint (runs/reshard.py)
     asked = cfg.train.gradient_accumulation_steps
     cfg, plan = plan_resume(cfg, out_dir, resume, world)
-    accum = cfg.train.gradient_accumulation_steps
+    accum = cfg.train.gradient_accumulation_steps or 1
     if rank == 0 and plan is None and asked not in (None, accum):  # a layout change prints its own line
         print(f"train.gradient_accumulation_steps: the recipe's {asked} -> {accum} on {world} rank(s), which keeps the "
               f"run's global batch of {cfg.train.micro_batch_size * accum * world} samples (a resume keeps the run's "
@@ -250,7 +250,7 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
         print(f"train.compile: {cfg.train.compile} (backend {cfg.train.compile_backend}): the first step compiles, and "
               "the first validation compiles its no-grad graphs (tens of seconds on a CPU; inductor caches kernels "
               "under $TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>)", file=sys.stderr)
-    if rank == 0 and built.ds_config.get("zero_optimization", {}).get("stage") == 3:  # loop-aware ZeRO-3
+    if rank == 0 and cfg.deepspeed.zero_stage == 3:  # loop-aware ZeRO-3
         write_zero3_tuning(out_dir, cfg, world, built.ds_config)
     guard = StepGuardState(cfg.train.step_guard)
     step, tokens_seen, plan = _restore(built, data, out_dir, resume, guard, cfg, plan)

@@ -66,7 +66,7 @@ def test_old_moe_key_given_with_set_is_refused_naming_the_override(tmp_path):
     ({"moe_runtime": {"backend": "deepspeed"}, "deepspeed": {"zero_stage": 3}},
      r"`moe_runtime\.backend` \('deepspeed'\) does not support ZeRO stage 3.*use moe_runtime\.backend 'autoep'"),
     ({"moe_runtime": {"backend": "deepspeed"}, "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}},
-     r"`moe_runtime\.backend` \('deepspeed'\) does not support ZeRO stage 3"),  # the effective stage
+     r"`deepspeed\.config\.zero_optimization\.stage` \(3\) is set by the recipe field deepspeed\.zero_stage"),
     ({"moe": {"score_func": "sigmoid"}, "moe_runtime": {"backend": "deepspeed"}},
      r"`moe\.score_func` \('sigmoid'\) is not supported by moe_runtime\.backend 'deepspeed'"),
     ({"moe": {"aux_loss_free_bias": True}, "moe_runtime": {"backend": "autoep"}},

@@ -167,12 +167,9 @@ def test_gradient_clipping_per_backend_and_stage():
             assert gradient_clipping(make_cfg(backend, stage)) == want, (backend, stage)
     assert build_ds_config(make_cfg("autoep", 0), 2)["gradient_clipping"] == 0.0
     assert build_ds_config(make_cfg("autoep", 2), 2)["gradient_clipping"] == CLIP
-    # the stage passed through in deepspeed.config wins
-    passthrough = make_cfg("deepspeed", 2, config={"zero_optimization": {"stage": 0}})
-    assert gradient_clipping(passthrough) == 0.0
-    with pytest.raises(ConfigError, match=r"`deepspeed.config.gradient_clipping` \(0.5\).*'autoep'.*train.grad_clip"):
-        gradient_clipping(make_cfg("autoep", 0, config={"gradient_clipping": 0.5}))
-    assert gradient_clipping(make_cfg("reference", 0, config={"gradient_clipping": 0.5})) == CLIP
+    with pytest.raises(ConfigError, match=r"`deepspeed.config.gradient_clipping` \(0.5\) is set by the recipe "
+                                          r"field train.grad_clip"):
+        make_cfg("autoep", 0, config={"gradient_clipping": 0.5})
 
 
 def test_expert_parallel_section_fields():

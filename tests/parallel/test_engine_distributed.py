@@ -208,20 +208,24 @@ def test_zero3_releases_looped_parameters_and_memory_is_flat():
         assert live[4] <= live[1], live  # no growth from step 2 to step 5
 
 
-def _engine_error(rank, world, raw):
+def _engine_error(rank, world, raw, passthrough):
+    """The engine's error for ``raw`` with ``passthrough`` as ``deepspeed.config``, set after the
+    recipe's checks (which refuse the keys a field owns): what reaches DeepSpeed unchecked."""
     from smelt_ds.errors import ConfigError
+    from smelt_ds.train.build import build
 
+    cfg = config_from_dict(raw)
+    cfg = cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(update={"config": passthrough})})
     try:
-        _engine(raw, world)
+        build(cfg, world)
     except ConfigError as e:
         return str(e)
     return None
 
 
 def test_deepspeed_config_assertion_becomes_a_config_error():
-    """A passthrough key DeepSpeed rejects (a train_batch_size that contradicts micro-batch x
+    """A config DeepSpeed rejects with an assert (a train_batch_size that contradicts micro-batch x
     accumulation x world) is a ConfigError naming `deepspeed.config`, not a bare AssertionError."""
-    raw = _raw(deepspeed={"config": {"train_batch_size": 3}})
-    msg = run_distributed(_engine_error, 1, args=(raw,), timeout=300)[0]
+    msg = run_distributed(_engine_error, 1, args=(_raw(), {"train_batch_size": 3}), timeout=300)[0]
     assert msg is not None and "DeepSpeed refused" in msg and "`deepspeed.config`" in msg
     assert "train_batch_size is not equal" in msg          # DeepSpeed's own reason is kept

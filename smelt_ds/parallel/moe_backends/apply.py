@@ -27,7 +27,7 @@ def check_backend_runtime(cfg, zero_stage: int | None = None, world_size: int | 
     (:func:`smelt_ds.config.moe.check_moe_backend`); this adds:
 
     * ``zero_stage``: the ZeRO stage of the DeepSpeed config actually used, when it is not the
-      recipe's (``cfg.deepspeed.effective_zero_stage``): the load-time rules are rerun for it;
+      recipe's (``cfg.deepspeed.zero_stage``): the load-time rules are rerun for it;
     * ``world_size``: the number of ranks, when known (``moe_runtime.ep_size`` must divide it);
     * ``use_tutel`` with the ``deepspeed`` backend: the optional ``tutel`` package must be importable.
 
@@ -35,7 +35,7 @@ def check_backend_runtime(cfg, zero_stage: int | None = None, world_size: int | 
         cfg: a :class:`smelt_ds.config.run.RunConfig`.
     """
     moe, rt = cfg.moe, cfg.moe_runtime
-    if zero_stage is not None and zero_stage != cfg.deepspeed.effective_zero_stage:
+    if zero_stage is not None and zero_stage != cfg.deepspeed.zero_stage:
         check_moe_backend(moe, rt, zero_stage)
     if rt.backend == "reference":
         return

@@ -33,9 +33,6 @@ def test_config_errors_name_field_and_fix():
     apply_backend reruns those rules for an explicit ZeRO stage and adds the runtime ones."""
     with pytest.raises(ConfigError, match=r"moe_runtime\.backend.*ZeRO stage 3.*autoep"):
         config_from_dict({"moe_runtime": {"backend": "deepspeed"}, "deepspeed": {"zero_stage": 3}})
-    with pytest.raises(ConfigError, match=r"moe_runtime\.backend.*ZeRO stage 3.*autoep"):  # passed-through keys
-        config_from_dict({"moe_runtime": {"backend": "deepspeed"},
-                          "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}})
     with pytest.raises(ConfigError, match=r"moe\.score_func.*softmax"):
         tiny_cfg(backend="deepspeed", score_func="sigmoid")
     with pytest.raises(ConfigError, match=r"moe\.norm_topk_prob.*false"):
