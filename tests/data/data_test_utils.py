@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
-WIKITEXT = SHARED_DATA / "wikitext-2" / "valid.txt"
-SHAKESPEARE = SHARED_DATA / "tinyshakespeare" / "input.txt"
+CORPORA = Path(__file__).resolve().parent / "corpora"  # slices of public corpora: corpora/README.md
+WIKITEXT = CORPORA / "wikitext-2-valid-head.txt"
+SHAKESPEARE = CORPORA / "tinyshakespeare-head.txt"
 PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 
 
 def require(path: Path) -> Path:
-    """Skip the calling test when a shared corpus is absent."""
+    """``path``, a corpus slice the repository ships; a clear failure when it is missing."""
     if not path.is_file():
-        pytest.skip(f"shared corpus {path.name} is absent (expected in ../shared/data/ beside the repository, "
-                    "described by its README.md)")
+        pytest.fail(f"test corpus {path} is missing: it is part of the repository (tests/data/corpora/README.md "
+                    "says how to regenerate it)")
     return path
 
 
