@@ -1,4 +1,4 @@
-"""The package's import layering (DESIGN §2, docs/architecture.md), read from the source with ``ast``.
+"""The package's import layering (docs/architecture.md), read from the source with ``ast``.
 
 Layers, bottom to top: ``base`` (errors, package data, argparse conventions) -> ``config`` -> ``model`` ->
 ``cost`` -> ``parallel`` -> ``runs`` (the run directory and its artifacts) -> ``run`` (data, train, eval,
@@ -258,7 +258,7 @@ def test_every_module_has_a_layer():
 
 def test_no_new_upward_import():
     new = upward_imports(_graph()) - KNOWN_UPWARD
-    assert not new, f"imports pointing up the layers (DESIGN §2): {sorted(new)}"
+    assert not new, f"imports pointing up the layers (docs/architecture.md): {sorted(new)}"
 
 
 def test_known_upward_imports_still_exist_or_are_removed_from_the_list():
@@ -271,7 +271,7 @@ def test_no_import_cycle_at_module_level():
 
 
 def test_no_import_cycle_between_packages():
-    assert package_cycles(_graph()) == [], "packages of one floor importing each other (DESIGN §2: no cycle)"
+    assert package_cycles(_graph()) == [], "packages of one floor importing each other (docs/architecture.md: no cycle)"
 
 
 def test_no_import_by_name_of_own_modules():

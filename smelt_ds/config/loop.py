@@ -1,5 +1,5 @@
-"""The ``loop`` section of a recipe: which unique layers are looped (DESIGN §1), and the loop of
-a test-time loop count (:func:`loop_with_repeats`).
+"""The ``loop`` section of a recipe: which unique layers are looped (SMELT's and the ablations':
+docs/recipes.md), and the loop of a test-time loop count (:func:`loop_with_repeats`).
 
 The visit plan a loop section means is :mod:`smelt_ds.config.schedule`'s; its rules (ranges
 inside the depth, no overlap, a preset that is not empty) are checked when the plan is built,
@@ -31,7 +31,7 @@ class LoopRange(StrictModel):
 
 
 class LoopConfig(StrictModel):
-    """Which unique layers are looped (DESIGN §1).
+    """Which unique layers are looped; SMELT loops the middle half twice (docs/recipes.md).
 
     ``position`` picks a preset range for depth L and ``fraction`` f (floor(f*L) layers):
     ``none`` (Baseline), ``uniform`` [0, L), ``bottom`` [0, w), ``middle`` [(L-w)//2, +w),

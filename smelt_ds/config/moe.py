@@ -2,7 +2,7 @@
 
 ``moe`` is the Mixture-of-Experts architecture (router and experts: what the model is);
 ``moe_runtime`` is how the MoE layers run (backend, expert parallelism, capacity), which is not
-model architecture (DESIGN §2). :func:`check_moe_backend` holds the rules between the two and the
+model architecture (docs/architecture.md). :func:`check_moe_backend` holds the rules between the two and the
 ZeRO stage; :func:`check_moved_keys` refuses the older layout that kept the runtime knobs and
 loss coefficients in ``moe:`` (:data:`MOVED_MOE_KEYS`).
 """

@@ -1,4 +1,4 @@
-"""The recipe schema: one validated config tree per run (DESIGN §7).
+"""The recipe schema: one validated config tree per run (docs/architecture.md).
 
 A recipe is a YAML file whose top-level keys are the sections of :class:`RunConfig`; each section
 lives in its own module beside the checks between its own fields: ``model``

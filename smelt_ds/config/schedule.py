@@ -1,4 +1,4 @@
-"""The visit plan of a loop config (DESIGN §1): pure Python, no torch.
+"""The visit plan of a loop config (the ``loop`` section of docs/configuration.md): pure Python, no torch.
 
 A :class:`LoopSchedule` turns the ``loop`` config and the number of unique layers L into the
 **visit plan**: the ordered list of :class:`Visit` ``(layer, visit)`` pairs one forward pass runs.

@@ -16,7 +16,7 @@ __all__ = ["ActivationCheckpointing", "StepGuard", "TrainConfig", "Watchdog", "c
 
 
 class ActivationCheckpointing(StrictModel):
-    """Which visits recompute their activations in backward (DESIGN §5)."""
+    """Which visits recompute their activations in backward (docs/memory.md)."""
 
     policy: Literal["none", "full", "looped", "every_n"] = Field(
         "none", description="none | full (every visit) | looped (visits of looped layers) | every_n")

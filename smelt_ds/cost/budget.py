@@ -1,6 +1,6 @@
 """The three budgets of SMELT vs Baseline, computed from a config and its visit plan, and the matcher.
 
-Budgets (DESIGN §1):
+Budgets (docs/budgets.md):
 
 1. **Per-token FLOPs** of the forward pass; training = 3 x forward (backward = 2 x forward,
    Kaplan et al. 2020 §2.1). Convention: matrix multiplies only, 2 FLOPs per multiply-add.

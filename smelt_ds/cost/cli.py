@@ -107,7 +107,7 @@ def parse_ranges(text: str) -> list[dict[str, int]]:
     return out
 
 
-PAPER_TOLERANCE = 0.01  # SMELT matches its Baseline within 1% on each budget (DESIGN.md section 1)
+PAPER_TOLERANCE = 0.01  # SMELT matches its Baseline within 1% on each budget (docs/budgets.md)
 
 
 def run_match(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ prefetched ahead along the trace.
 
 For a looped block in ``order: block`` the uses of a layer's module on consecutive visits are
 separated by every other module of the loop range once, so the needed reuse distance is the
-looped block's parameter count (DESIGN §5). In the backward pass, a checkpointed visit runs its
+looped block's parameter count (docs/memory.md). In the backward pass, a checkpointed visit runs its
 recompute and its backward back to back, so between the backward of visit 2 and visit 1 of a
 layer the other layers of a checkpointed block appear twice: about twice the block. This module
 simulates the trace at visit granularity (:func:`reuse_distance_needed`) instead of assuming.

@@ -1,4 +1,4 @@
-"""The looping block manager: runs the visit plan over the unique layers (DESIGN §3).
+"""The looping block manager: runs the visit plan over the unique layers (docs/architecture.md).
 
 The plan itself is :mod:`smelt_ds.config.schedule`'s :class:`LoopSchedule` (re-exported here with
 :class:`Visit`, :class:`LoopSpan`, :func:`preset_ranges`). Layers do not know they are looped:

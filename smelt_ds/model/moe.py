@@ -1,8 +1,8 @@
 """The reference Mixture-of-Experts FFN: the router (:mod:`smelt_ds.model.router`), the experts
 (:mod:`smelt_ds.model.experts`) and the auxiliary losses (:mod:`smelt_ds.model.losses`) composed.
 
-Layout (DESIGN §4, the Qwen3-MoE / Mixtral layout of transformers 5, so that AutoEP and
-transformers' sparse block can take the same weights)::
+Layout (the Qwen3-MoE / Mixtral layout of transformers 5, so that AutoEP and transformers' sparse
+block can take the same weights; the backends that run it: docs/training.md)::
 
     mlp.gate.weight                 [E, H]       router, no bias
     mlp.experts.gate_up_proj        [E, 2F, H]   gate and up projections of every expert

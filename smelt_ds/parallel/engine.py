@@ -1,7 +1,7 @@
 """DeepSpeed side of a run: optimizer parameter groups, LR schedule, activation-checkpointing
 wiring, and ``deepspeed.initialize``.
 
-The model never imports DeepSpeed; this module does (DESIGN §2, §7). The engine consumes the
+The model never imports DeepSpeed; this module does (docs/architecture.md). The engine consumes the
 DeepSpeed config as :func:`smelt_ds.parallel.ds_config.build_ds_config` assembles it.
 """
 

@@ -130,8 +130,8 @@ def test_matcher_within_one_percent(depth, hidden, position, ep):
     assert abs(b.non_embedding_params / base.non_embedding_params - 1) <= 0.01
 
 
-def test_middle_twice_follows_design_formula():
-    """DESIGN §1: L_S = 2 L_B / 3 and E_S ~= 1.5 E_B + 0.5 attn_params / expert_params."""
+def test_middle_twice_follows_the_matching_formula():
+    """Matching (docs/budgets.md), middle x2: L_S = 2 L_B / 3 and E_S ~= 1.5 E_B + 0.5 attn_params / expert_params."""
     raw = _baseline_raw(24, 1024)
     res = match_baseline(raw, "middle", ep_size=1)
     assert res.config.model.num_layers == 16

@@ -1,4 +1,4 @@
-"""Visit plans and the looping block manager (DESIGN §1, §3)."""
+"""Visit plans (docs/configuration.md, ``loop``) and the looping block manager (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def build_lm(cfg) -> SmeltLM:
 # visit plans
 # --------------------------------------------------------------------------------------------
 
-# Written out by hand for L=8 (DESIGN §1). asymmetric = the middle range split at its centre,
-# lower half run 3 times, upper half twice.
+# Written out by hand for L=8 (positions: docs/configuration.md, `loop`). asymmetric = the middle range
+# split at its centre, lower half run 3 times, upper half twice.
 PLANS_L8 = {
     ("none", "block"): [0, 1, 2, 3, 4, 5, 6, 7],
     ("none", "layer"): [0, 1, 2, 3, 4, 5, 6, 7],

@@ -1,6 +1,6 @@
 """Per-architecture Chinchilla scaling laws from finished runs, and the compute a looped model saves.
 
-The study (DESIGN §1; the SMELT paper's headline): fit a separate
+The study (docs/scaling.md; the SMELT paper's headline): fit a separate
 
     L(N, D) = E + A / N^alpha + B / D^beta
 

@@ -1,6 +1,6 @@
 """The ``deepspeed`` MoE backend (smelt_ds/parallel/moe_backends/deepspeed_moe.py) against the reference
-backend (DESIGN §4): conversion, capacity statistics and decoding, the fused experts against DeepSpeed's
-loop, tutel, and expert parallelism 1 vs 2 on 2 gloo ranks (tiny model: backend_helpers.py)."""
+backend (docs/deepspeed_notes.md): conversion, capacity statistics and decoding, the fused experts against
+DeepSpeed's loop, tutel, and expert parallelism 1 vs 2 on 2 gloo ranks (tiny model: backend_helpers.py)."""
 
 from __future__ import annotations
 
