@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 from tests.markers import slow_fixture
@@ -16,20 +14,14 @@ TINY = {
 }
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 @pytest.fixture
 def tiny_cfg():
     """``tiny_cfg({"loop": {...}})`` -> a validated RunConfig of a 4-layer, 32-wide model."""
     from smelt_ds.config.loading import config_from_dict
+    from smelt_ds.mappings import deep_merge
 
     def make(overrides: dict | None = None):
-        return config_from_dict(_merge(TINY, overrides or {}))
+        return config_from_dict(deep_merge(TINY, overrides or {}))
 
     return make
 

@@ -27,7 +27,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "smelt_ds"
 
 LAYERS = {
-    "base": ["errors", "files", "resources", "arguments", "import_hooks"],
+    "base": ["errors", "files", "mappings", "resources", "arguments", "import_hooks"],
     "config": ["config"],
     "model": ["model"],
     "cost": ["cost"],

@@ -27,8 +27,9 @@ from smelt_ds.arguments import looks_like_override, override_hint
 from smelt_ds.config.moe import MOVED_MOE_KEYS
 from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
+from smelt_ds.mappings import deep_merge
 
-__all__ = ["KeyLines", "load_config", "read_recipe", "read_yaml_mapping", "read_yaml_with_lines", "deep_merge",
+__all__ = ["KeyLines", "load_config", "read_recipe", "read_yaml_mapping", "read_yaml_with_lines",
            "apply_overrides", "config_from_dict", "validate_model", "config_diff", "config_to_dict", "dump_config"]
 
 
@@ -371,18 +372,6 @@ def read_yaml_with_lines(path: str | Path, what: str = "recipe file", example: s
     if not isinstance(raw, dict):
         raise ConfigError(f"{what} {str(path)!r} must be a YAML mapping of sections, got {type(raw).__name__}")
     return raw, dict(getattr(loader, "key_lines", {}))
-
-
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Recursive dict merge; values of ``override`` win (dicts merge, everything else, lists
-    included, replaces)."""
-    out = copy.deepcopy(base)
-    for k, v in override.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
 
 
 def _replaced_paths(base: Any, override: Any, path: str = "") -> list[str]:

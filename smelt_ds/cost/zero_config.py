@@ -7,23 +7,23 @@ last the recipe's own ``deepspeed.config.zero_optimization`` keys (they win). Si
 elements, as DeepSpeed reads them. One builder for every consumer: the DeepSpeed config of a run
 (:func:`smelt_ds.parallel.ds_config.build_ds_config`), the memory table's rows for other ZeRO
 options (:func:`smelt_ds.cost.memory.estimate`), the job plans and recipe table
-(:mod:`smelt_ds.launch.placement`) and ``zero3_tuning.json`` in a run directory.
+(:mod:`smelt_ds.launch.placement`) and ``zero3_tuning.json`` in a run directory
+(:mod:`smelt_ds.runs.zero3_record`).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from smelt_ds.config.loading import deep_merge
 from smelt_ds.config.run import RunConfig
-from smelt_ds.cost.zero3_tuning import KEYS, Zero3Tuning, plan_zero3
+from smelt_ds.cost.zero3_tuning import Zero3Tuning, plan_zero3
 from smelt_ds.errors import ConfigError
+from smelt_ds.mappings import deep_merge
 from smelt_ds.resources import DS_CONFIG_DIR
 
 __all__ = ["option_template_name", "template_name", "load_template", "zero_section",
-           "zero3_plan", "write_zero3_tuning"]
+           "zero3_plan"]
 
 
 def option_template_name(stage: int, offload_optimizer: bool, offload_param: bool) -> str:
@@ -103,15 +103,3 @@ def zero_section(cfg: RunConfig, world_size: int, device_memory_bytes: int | Non
     decision = plan_zero3(option_cfg, base, world_size, device_memory_bytes)
     tuned = {k: v for k, v in decision.values.items() if k not in decision.user} if decision.applied else {}
     return deep_merge({**base, **tuned}, option_cfg.deepspeed.config.get("zero_optimization") or {})
-
-
-def write_zero3_tuning(run_dir: str | Path, cfg: RunConfig, world_size: int, ds_config: dict[str, Any]) -> Path:
-    """Write ``zero3_tuning.json`` into ``run_dir``: the decision and its reason
-    (:func:`zero3_plan`), and ``final``, the three values in ``ds_config`` (the config DeepSpeed
-    got: :func:`smelt_ds.parallel.ds_config.build_ds_config`). Returns the path."""
-    data = zero3_plan(cfg, world_size).as_dict()
-    zero = ds_config.get("zero_optimization", {})
-    data["final"] = {k: zero.get(k) for k in KEYS}
-    path = Path(run_dir) / "zero3_tuning.json"
-    path.write_text(json.dumps(data, indent=2))
-    return path

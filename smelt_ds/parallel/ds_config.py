@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from smelt_ds.config.loading import deep_merge
 from smelt_ds.config.run import RunConfig
 from smelt_ds.config.train import resolve_batch
 from smelt_ds.cost.precision import resolve_precision
 from smelt_ds.cost.zero_config import load_template, template_name, zero_section
+from smelt_ds.mappings import deep_merge
 from smelt_ds.parallel.grad_norm import EP_BACKENDS
 
 __all__ = ["AUTOEP_LAYER_PATTERN", "build_ds_config", "gradient_clipping", "expert_parallel_section",

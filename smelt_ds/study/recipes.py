@@ -27,12 +27,13 @@ from typing import Any
 import yaml
 
 from smelt_ds import resources
-from smelt_ds.config.loading import config_from_dict, deep_merge
+from smelt_ds.config.loading import config_from_dict
 from smelt_ds.config.run import RunConfig
 from smelt_ds.config.train import resolve_batch
 from smelt_ds.cost.budget import Budget, compute_budget, deviations, match_baseline
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.placement import MIN_HEADROOM, load_raw, memory_report, resolve, zero_option
+from smelt_ds.mappings import deep_merge
 from smelt_ds.model.looping import LoopSchedule
 
 __all__ = ["REPO_ROOT", "RECIPES_DIR", "DOCS_TABLE", "SIZES", "VARIANTS", "POSITIONS", "RecipeEntry", "shipped_recipes",

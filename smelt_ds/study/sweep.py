@@ -62,7 +62,6 @@ from smelt_ds.config.loading import (
     config_diff,
     config_from_dict,
     config_to_dict,
-    deep_merge,
     read_yaml_mapping,
     validate_model,
 )
@@ -77,6 +76,7 @@ from smelt_ds.data.prepare import PreparedData, prepare_from_config, prepared_pa
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.jobs import LAUNCHERS_DIR, JobOptions, JobPlan, fill_template, k8s_pod_command, plan_job, render
 from smelt_ds.launch.placement import load_raw
+from smelt_ds.mappings import deep_merge
 from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.study.recipes import REPO_ROOT
 from smelt_ds.train.guards import common_keys

@@ -30,7 +30,6 @@ from smelt_ds.config.loading import dump_config, load_config
 from smelt_ds.config.run import RunConfig
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.cost.precision import resolve_precision
-from smelt_ds.cost.zero_config import write_zero3_tuning
 from smelt_ds.errors import ConfigError
 from smelt_ds.model.router import TopKRouter
 from smelt_ds.parallel.build_lock import check_build_lock
@@ -42,6 +41,7 @@ from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.runs.checkpoint import CheckpointWriteError
 from smelt_ds.runs.provenance import init_from_tokenizer, record_run_tokenizer
 from smelt_ds.runs.reshard import ResumePlan, engine_counters, load_resharded, plan_resume
+from smelt_ds.runs.zero3_record import write_zero3_tuning
 from smelt_ds.train.build import Built, build
 from smelt_ds.train.console import Console, banner, step_line, val_line
 from smelt_ds.train.data import build_data

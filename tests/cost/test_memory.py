@@ -25,6 +25,7 @@ from smelt_ds.model import SmeltLM
 from smelt_ds.parallel.engine import configure_activation_checkpointing
 from smelt_ds.study import memory_profile
 from smelt_ds.train.objective import total_loss
+from tests.threads import one_thread
 
 SMELT, BASELINE = "recipes/tiny/smelt.yaml", "recipes/tiny/baseline.yaml"
 SHORT = ["train.seq_len=32", "train.micro_batch_size=2"]
@@ -34,10 +35,8 @@ SHORT = ["train.seq_len=32", "train.micro_batch_size=2"]
 def _one_thread():
     """One intra-op thread (before the module-scoped fixtures): a 2-thread pool on a busy 2-core
     machine spins for seconds per op."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield
 
 
 def _variant(path=SMELT, **sections):

@@ -17,8 +17,9 @@ import torch
 from smelt_ds.config.loading import config_from_dict
 from smelt_ds.cost import zero_config
 from smelt_ds.cost.zero3_tuning import KEYS, plan_zero3, reuse_distance_needed, trace, visit_numel
-from smelt_ds.cost.zero_config import write_zero3_tuning, zero_section
+from smelt_ds.cost.zero_config import zero_section
 from smelt_ds.parallel.ds_config import build_ds_config
+from smelt_ds.runs.zero3_record import write_zero3_tuning
 from smelt_ds.testing import run_distributed
 from tests.markers import slow_fixture
 

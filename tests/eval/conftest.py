@@ -9,17 +9,15 @@ import pytest
 import torch
 
 from tests.markers import slow_fixture
+from tests.threads import one_thread
 
 
 @pytest.fixture(autouse=True)
 def _one_thread(monkeypatch, tmp_path):
     """One intra-op thread (tiny tensors on a shared 2-core machine) and no writes to ~/.cache."""
     monkeypatch.setenv("SMELT_DS_CACHE", str(tmp_path / "default-cache"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(before)
+    with one_thread(seed=0):
+        yield
 
 
 @pytest.fixture(scope="session")

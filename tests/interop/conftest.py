@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.threads import one_thread
+
 
 @pytest.fixture(autouse=True)
 def _one_thread(monkeypatch, tmp_path):
@@ -15,11 +17,8 @@ def _one_thread(monkeypatch, tmp_path):
     monkeypatch.setenv("SMELT_DS_CACHE", str(tmp_path / "default-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(before)
+    with one_thread(seed=0):
+        yield
 
 
 @pytest.fixture(scope="session")

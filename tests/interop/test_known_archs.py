@@ -33,6 +33,7 @@ from smelt_ds.interop.known_archs import (
 )
 from smelt_ds.model.lm import SmeltLM
 from tests.numerics import assert_close_chain, greedy_tie_point, lm_chain_length
+from tests.threads import one_thread
 
 EOT, PAD = 0, 1
 SEQ = 40  # the longest sequence run here (prompt 8 + 32 new tokens)
@@ -43,11 +44,8 @@ _MOE_KEYS = {"num_experts", "top_k", "expert_ffn_size", "shared_expert_ffn_size"
 
 @pytest.fixture(autouse=True)
 def _one_thread_seeded():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(before)
+    with one_thread(seed=0):
+        yield
 
 
 def _cfg(loop: dict | None = None, **kw: Any) -> RunConfig:

@@ -38,8 +38,10 @@ from smelt_ds.interop.smelt_format import (
     to_hf_state_dict,
     write_hf_dir,
 )
+from smelt_ds.mappings import deep_merge
 from smelt_ds.model import SmeltLM
 from tests.numerics import assert_close_chain, greedy_tie_point, lm_chain_length, prob_tol
+from tests.threads import one_thread
 
 V, PROMPT, NEW = 96, 8, 32
 SEQ = PROMPT + NEW  # the longest sequence attended over
@@ -77,15 +79,8 @@ CASES = {
 }
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = json.loads(json.dumps(base))
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def make_cfg(overrides: dict):
-    return config_from_dict(_merge(BASE, overrides))
+    return config_from_dict(deep_merge(BASE, overrides))
 
 
 @torch.no_grad()
@@ -129,10 +124,8 @@ def assert_greedy_rows(ours: torch.Tensor, theirs: torch.Tensor, smelt: SmeltLM,
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

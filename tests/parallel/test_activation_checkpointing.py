@@ -24,6 +24,7 @@ from smelt_ds.testing import run_distributed
 from smelt_ds.train.objective import total_loss
 from tests.markers import slow_fixture
 from tests.numerics import assert_close_chain, lm_chain_length, prob_tol
+from tests.threads import one_thread
 
 POLICIES = ("full", "looped", "every_n")
 
@@ -31,10 +32,8 @@ POLICIES = ("full", "looped", "every_n")
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """One intra-op thread: a 2-thread pool on a busy 2-core machine spins for seconds per op."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield
 
 
 def _raw(policy="none", impl="torch", **ac):
