@@ -76,11 +76,13 @@ for _p in (str(BENCH), str(ROOT)):  # smelt_ds and bench/moe_layer.py importable
 JSON_NAME, TEXT_NAME, LOG_DIR = "gpu_check.json", "gpu_check.txt", "logs"
 
 #: sections in the order they run; the shares of ``--budget-s`` each may use
-SECTIONS = ("sdpa", "moe_layer", "train_eager", "memory", "train_compiled")
-BUDGET_SHARE = {"sdpa": 0.06, "moe_layer": 0.11, "train_eager": 0.23, "memory": 0.18, "train_compiled": 0.40}
+SECTIONS = ("sdpa", "moe_layer", "eval_device", "train_eager", "memory", "train_compiled")
+BUDGET_SHARE = {"sdpa": 0.06, "moe_layer": 0.11, "eval_device": 0.04, "train_eager": 0.23, "memory": 0.18,
+                "train_compiled": 0.36}
 #: importable modules each section needs (checked before it starts; nothing is installed)
 NEEDS = {"sdpa": ("torch", "yaml", "pydantic"),
          "moe_layer": ("torch", "yaml", "pydantic", "transformers"),
+         "eval_device": ("torch", "yaml", "pydantic"),
          "train_eager": ("torch", "yaml", "pydantic", "deepspeed", "hjson"),
          "memory": ("torch", "yaml", "pydantic", "deepspeed", "hjson"),
          "train_compiled": ("torch", "yaml", "pydantic", "deepspeed", "hjson")}
@@ -301,6 +303,51 @@ def section_moe_layer(plan: dict[str, Any]) -> dict[str, Any]:
                     "ratio < 1: ours faster than transformers' fastest experts implementation at that shape"}
 
 
+def section_eval_device(plan: dict[str, Any]) -> dict[str, Any]:
+    """(e) ``smelt-ds eval --device``: the tiny SMELT (random weights, seed 0) scored on the same
+    random windows by the evaluation's own loss and in-context functions
+    (:func:`smelt_ds.eval.loss.token_losses`, :func:`smelt_ds.eval.icl.score_episodes`) on the CPU
+    in float32 (the reference) and on the plan's device in float32 and in the dtype
+    ``--dtype auto`` picks there (:mod:`smelt_ds.eval.device`). Relative differences of the mean
+    loss: float32 on another device differs by reduction order only (~1e-6); bfloat16 by its
+    8-bit significand (~1e-3 to 1e-2)."""
+    import copy
+
+    import torch
+
+    from smelt_ds.config.loading import load_config
+    from smelt_ds.eval.device import resolve_device, resolve_dtype
+    from smelt_ds.eval.icl import Episode, score_episodes
+    from smelt_ds.eval.loss import token_losses
+    from smelt_ds.model import SmeltLM
+
+    cfg = load_config(ROOT / "recipes" / "tiny" / "smelt.yaml", ["train.seq_len=64"])
+    torch.manual_seed(0)
+    ref = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
+    g = torch.Generator().manual_seed(0)
+    V, S = cfg.model.vocab_size, 64
+    ids = torch.randint(0, V, (4, S + 1), generator=g)
+    episodes = [Episode(tokens=torch.randint(0, V, (S,), generator=g).tolist(), answer_start=S - 8, answer_len=8)
+                for _ in range(8)]
+
+    def score(model) -> dict[str, float]:
+        nll, mask = token_losses(model, ids[:, :-1], ids[:, 1:])
+        icl = score_episodes(model, episodes, pad_id=0)
+        return {"loss": float(nll.sum() / mask.sum()), "icl_nats": icl["nats"], "icl_correct": icl["correct_tokens"]}
+
+    dev = resolve_device(plan["device"])
+    want = score(ref)
+    legs = {"reference: cpu float32": want}
+    # on a GPU: float32 and what --dtype auto picks there; on the CPU (dry run): float32 and bfloat16
+    for dtype in ("float32", "auto" if dev.type == "cuda" else "bfloat16"):
+        dt = resolve_dtype(dtype, dev)
+        legs[f"{dev} {str(dt).removeprefix('torch.')} (--dtype {dtype})"] = score(
+            copy.deepcopy(ref).to(device=dev, dtype=dt))
+    rel = {k: abs(v["loss"] - want["loss"]) / abs(want["loss"]) for k, v in legs.items()}
+    return {"device": str(dev), "legs": legs, "loss_rel_diff_to_cpu_float32": rel,
+            "note": "the same model and windows; the float32 leg on the device must match the CPU to ~1e-6"}
+
+
 def _train_step(engine, cfg, batches: list, i: int):
     """One optimizer step as ``smelt_ds.train.loop._train_step`` runs it: per micro-batch forward,
     ``total_loss``, ``engine.backward``, at the boundary the gradient norm before clipping
@@ -487,6 +534,7 @@ def section_memory(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 SECTION_FUNCS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "eval_device": section_eval_device,
     "sdpa": section_sdpa, "moe_layer": section_moe_layer, "train_eager": section_train_eager,
     "memory": section_memory, "train_compiled": section_train_compiled}
 
@@ -767,6 +815,9 @@ def summarize(state: dict[str, Any]) -> dict[str, Any]:
     sdpa = _ok(state, "sdpa")
     if sdpa:
         s["sdpa_default_backend"] = sdpa["default_backend"]
+    ev = _ok(state, "eval_device")
+    if ev:
+        s["eval_loss_rel_diff_to_cpu"] = ev["loss_rel_diff_to_cpu_float32"]
     s["sections_ok"] = [n for n, r in state["sections"].items() if r.get("status") == "ok"]
     s["sections_not_ok"] = [n for n, r in state["sections"].items() if r.get("status") != "ok"]
     return s
@@ -880,10 +931,17 @@ def _render_sdpa(sdpa: dict[str, Any]) -> list[str]:
     return L
 
 
+def _render_eval(ev: dict[str, Any]) -> list[str]:
+    return [f"(e) smelt-ds eval --device: the tiny SMELT's loss on {ev['device']} against the CPU in float32"] + _table(
+        ["leg", "loss", "rel_diff_to_cpu", "icl_correct"],
+        [[k, v["loss"], ev["loss_rel_diff_to_cpu_float32"][k], v["icl_correct"]] for k, v in ev["legs"].items()])
+
+
 def render_text(state: dict[str, Any]) -> str:
     """``gpu_check.txt``: the machine, the section statuses and one table per section."""
     L = _render_header(state) + _render_train(state)
-    for name, render in (("moe_layer", _render_moe), ("memory", _render_memory), ("sdpa", _render_sdpa)):
+    for name, render in (("moe_layer", _render_moe), ("memory", _render_memory), ("sdpa", _render_sdpa),
+                         ("eval_device", _render_eval)):
         r = _ok(state, name)
         if r is not None:
             L += render(r)

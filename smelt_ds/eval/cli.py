@@ -30,6 +30,7 @@ from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval import benchmarks, harness
 from smelt_ds.eval.data import corpus_config, open_eval_data
+from smelt_ds.eval.device import DTYPES, place_runs, resolve_device, resolve_dtype
 from smelt_ds.eval.generation import encode_prompt, generate_text
 from smelt_ds.eval.humaneval import add_humaneval_arguments, humaneval_markdown, humaneval_settings, run_humaneval
 from smelt_ds.eval.icl import TASK_NAMES, check_task_names, parse_shots
@@ -156,6 +157,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "domain per path (its file or directory stem); one path per flag, repeatable: "
                         "--corpus a --corpus b reads both")
     e.add_argument("--micro-batch", type=int, default=None, help="windows per micro-batch (default 8)")
+    e.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                   help="where every pass runs the models (default auto: CUDA when available, else the CPU)")
+    e.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
+                   help="the models' dtype (default auto: bfloat16 on a CUDA device that supports it, else float32); "
+                        "losses are reduced in fp64 on the CPU either way")
     e.add_argument("--buckets", default=None, action=CommaList, help="position bucket ends in tokens, e.g. 64,256,1024 "
                                                    "(default: powers of two from 8)")
     e.add_argument("--shots", default=None, action=CommaList,
@@ -233,7 +239,11 @@ def _comma_list(text: str | None) -> list[str] | None:
 
 def _load(args):
 
+    if getattr(args, "device", None) is not None:  # refused before the (long) loading
+        resolve_dtype(args.dtype, resolve_device(args.device))
     runs = load_runs(args.runs, args.set, _comma_list(args.names), args.allow_other_tokenizer)
+    if getattr(args, "device", None) is not None:
+        place_runs(runs, args.device, args.dtype)
     if getattr(args, "corpus", None):
 
         for r in runs:

@@ -48,6 +48,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Iterator
@@ -62,8 +63,9 @@ from smelt_ds.config.loop import LoopConfig, loop_with_repeats
 from smelt_ds.config.schedule import build_schedule
 from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError
-from smelt_ds.eval.benchmarks import tasks_dir_for
+from smelt_ds.eval.benchmarks import BENCHMARKS, tasks_dir_for
 from smelt_ds.eval.data import open_eval_data
+from smelt_ds.eval.device import parse_device
 from smelt_ds.runs.load import load_run
 from smelt_ds.runs.tokenizer_file import load_tokenizer, tokenizer_hash
 
@@ -128,12 +130,7 @@ def _device_opt(value) -> torch.device | None:
     if value is None:
         return None
     text = str(value).strip()
-    try:
-        dev = torch.device(text)
-    except RuntimeError:
-        raise ConfigError(f"model argument `device` ({text!r}) is not a device: use cpu or cuda[:i]") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"model argument `device` ({text!r}) is not supported: use cpu or cuda[:i]")
+    dev = parse_device(text, "model argument `device`", "cpu or cuda[:i]")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         fallback = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         log.warning("device %r is not present (%d CUDA devices): using %s", text, torch.cuda.device_count(), fallback)
@@ -712,13 +709,52 @@ def run_harness(lm: SmeltHarnessLM, tasks: list[str], include_path: str | None =
     samples = _sorted_samples(samples)
     tm = task_manager(names, include_path)
     lm.seed = seed
-    with _in_process_bootstrap():
+    with _in_process_bootstrap(), downloads_named(names):
         results = lm_eval.evaluator.simple_evaluate(
             model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, samples=samples, log_samples=log_samples,
             task_manager=tm, bootstrap_iters=bootstrap_iters, random_seed=seed, numpy_random_seed=seed,
             torch_random_seed=seed, fewshot_random_seed=seed)
     assert results is not None  # rank 0 of one process
     return dict(results)
+
+
+@contextlib.contextmanager
+def downloads_named(tasks: list[str]) -> Iterator[None]:
+    """Inside: a failure to download the data of harness ``tasks`` (lm-eval loads a Hub task's data
+    when the task is built) becomes :func:`unreachable_data_error`'s ConfigError; anything else
+    passes unchanged."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - only a download failure is translated; the rest is re-raised
+        unreachable = unreachable_data_error(tasks, e)
+        if unreachable is None:
+            raise
+        raise unreachable from None
+
+
+def unreachable_data_error(tasks: list[str], error: BaseException) -> ConfigError | None:
+    """The ConfigError for a harness run whose task data could not be downloaded (``datasets``'
+    "Couldn't reach ... on the Hub", a connection error, offline mode), naming the tasks' offline
+    twins (:data:`smelt_ds.eval.benchmarks.BENCHMARKS`: ``arc_easy`` -> ``arc_easy_val``) and
+    ``smelt-ds eval fetch-benchmarks``; None for any other error."""
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = " | ".join(f"{type(x).__name__}: {x}" for x in chain)
+    if not any(isinstance(x, ConnectionError) for x in chain) and not re.search(
+            r"Couldn't reach|LocalEntryNotFound|OfflineModeIsEnabled|offline mode|Failed to resolve", text):
+        return None
+    twins = {b.task.removesuffix("_val"): b.task for b in BENCHMARKS}
+    named = [f"{t} -> {twins[t]}" for t in tasks if t in twins]
+    hint = (f"run their offline twins instead ({', '.join(named)}): `smelt-ds eval fetch-benchmarks` stores them "
+            f"once, then `--harness {','.join(twins.get(t, t) for t in tasks)}`" if named else
+            "run offline tasks instead: `smelt-ds eval fetch-benchmarks` stores smelt_benchmarks (arc_easy_val, "
+            "hellaswag_val, ...), `smelt-ds eval build-tasks` writes smelt_offline")
+    first = str(chain[0]).splitlines()[0][:200] if str(chain[0]) else type(chain[0]).__name__
+    return ConfigError(f"harness task(s) {', '.join(tasks)}: their data could not be downloaded ({first}); this "
+                       f"machine cannot reach the Hugging Face Hub, or the Hub is set offline: {hint}")
 
 
 def evaluate_model(model: SmeltLM, tokenizer: Tokenizer, eot_id: int, tasks: list[str], include_path: str | None = None,
@@ -746,7 +782,8 @@ def own_lengths(lm: SmeltHarnessLM, tasks: list[str], include_path: str | None =
     ``generate_until``, the whole string for ``loglikelihood_rolling`` (tokens of
     :meth:`SmeltHarnessLM.tok_encode`). ``limit`` / ``samples``: the documents, as :func:`run_harness`."""
     tm = task_manager(_check_tasks(tasks), include_path)
-    loaded = tm.load(_check_tasks(tasks))
+    with downloads_named(_check_tasks(tasks)):
+        loaded = tm.load(_check_tasks(tasks))
     samples = _sorted_samples(samples)
     out: dict[tuple[str, int], int] = {}
     for name, task in loaded["tasks"].items():

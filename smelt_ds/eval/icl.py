@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from smelt_ds.errors import ConfigError
+from smelt_ds.eval.device import model_device
 
 __all__ = ["Episode", "ICLTask", "KVRecallTask", "PatternTask", "WordCaseTask", "LineCompletionTask",
            "word_token_ids", "build_tasks", "episode_batch", "score_episodes", "evaluate_task", "parse_shots",
@@ -263,6 +264,8 @@ def score_episodes(model, episodes: list[Episode], pad_id: int, batch_size: int 
     out = {"nats": 0.0, "tokens": 0, "correct_tokens": 0, "exact": 0, "episodes": len(episodes)}
     for i in range(0, len(episodes), batch_size):
         ids, labels = episode_batch(episodes[i:i + batch_size], pad_id)
+        dev = model_device(model)
+        ids, labels = ids.to(dev), labels.to(dev)
         logits = model(ids).logits.float()
         mask = labels != -100
         nll = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")

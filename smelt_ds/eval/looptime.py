@@ -24,6 +24,7 @@ from smelt_ds.config.loop import LoopConfig, loop_with_repeats
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.data import open_eval_data
+from smelt_ds.eval.device import model_device
 from smelt_ds.eval.loss import evaluate_domain
 from smelt_ds.model.attention import KVCache
 from smelt_ds.runs.load import LoadedRun
@@ -56,7 +57,7 @@ def has_loop(run: LoadedRun) -> bool:
 def _kv_slots(model) -> int:
     """KV-cache slots a forward of one token creates: one per visit of the current plan."""
     cache = KVCache()
-    model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
+    model(torch.zeros(1, 1, dtype=torch.long, device=model_device(model)), kv_cache=cache)
     return len(cache.slots)
 
 

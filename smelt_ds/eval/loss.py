@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from smelt_ds.errors import ConfigError
+from smelt_ds.eval.device import model_device
 from smelt_ds.runs.validation_loss import DomainLoss
 
 __all__ = ["token_losses", "position_buckets", "parse_buckets", "evaluate_domain"]
@@ -18,11 +19,14 @@ __all__ = ["token_losses", "position_buckets", "parse_buckets", "evaluate_domain
 
 @torch.no_grad()
 def token_losses(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token cross-entropy (nats) and mask, both ``(B, S)``; ignored labels (-100) give 0."""
-    logits = model(input_ids).logits.float()
+    """Per-token cross-entropy (nats) and mask, both ``(B, S)`` on the CPU; ignored labels (-100)
+    give 0. ``input_ids`` and ``labels`` (CPU) go to the model's device; the logits are read in
+    fp32 there, whatever the model's dtype (:mod:`smelt_ds.eval.device`)."""
+    dev = model_device(model)
+    logits = model(input_ids.to(dev)).logits.float()
     B, S, V = logits.shape
-    nll = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="none")
-    return nll.view(B, S).double(), labels != -100
+    nll = F.cross_entropy(logits.reshape(-1, V), labels.to(dev).reshape(-1), ignore_index=-100, reduction="none")
+    return nll.view(B, S).double().cpu(), labels != -100
 
 
 def position_buckets(seq_len: int, edges: list[int] | None = None) -> list[tuple[int, int]]:

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-SECTIONS = ["sdpa", "moe_layer", "train_eager", "memory", "train_compiled"]
+SECTIONS = ["sdpa", "moe_layer", "eval_device", "train_eager", "memory", "train_compiled"]
 
 
 def _env(**extra: str) -> dict[str, str]:

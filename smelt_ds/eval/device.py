@@ -1,0 +1,83 @@
+"""Where ``smelt-ds eval`` runs its models: ``--device`` and ``--dtype``.
+
+Runs are opened as CPU fp32 models (:mod:`smelt_ds.runs.load`); :func:`place_runs` moves them to
+the device and dtype asked for before any pass. Every pass then feeds the model on its own device
+(:func:`model_device`) and reads the results back to the CPU, so the numbers are reduced in fp64
+on the CPU whatever the device (:func:`smelt_ds.eval.loss.token_losses`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from smelt_ds.errors import ConfigError
+
+__all__ = ["DEVICES", "DTYPES", "parse_device", "resolve_device", "resolve_dtype", "place_runs", "model_device"]
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_device(text: str, what: str, choices: str = "cpu, cuda or cuda:N") -> torch.device:
+    """``text`` as a CPU or CUDA ``torch.device`` (its index is not checked). Raises ConfigError
+    naming ``what`` (the flag or model argument), the value and ``choices``."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise ConfigError(f"{what} ({text!r}) is not a device: use {choices}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{what} ({text!r}) is not supported: use {choices}")
+    return dev
+
+
+def resolve_device(text: str) -> torch.device:
+    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises ConfigError naming ``--device`` for another value, for CUDA on a machine without it, and
+    for a CUDA index this machine lacks."""
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = parse_device(text, "`--device`", "auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"`--device` ({text!r}): CUDA is not available on this machine "
+                              "(torch.cuda.is_available() is False): use --device cpu (or auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"`--device` ({text!r}): this machine has {torch.cuda.device_count()} CUDA "
+                              f"device(s): use cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return dev
+
+
+def resolve_dtype(text: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on a CUDA device that supports it (what the SMELT recipes train in on
+    GPUs), else float32; ``float32`` or ``bfloat16`` as asked (bfloat16 also on the CPU, slowly).
+    Raises ConfigError naming ``--dtype`` for another value, or bfloat16 on a GPU without it."""
+    if text not in DTYPES:
+        raise ConfigError(f"`--dtype` ({text!r}) is unknown: use auto, float32 or bfloat16")
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if text == "auto":
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    if text == "bfloat16" and device.type == "cuda" and not cuda_bf16:
+        raise ConfigError("`--dtype` ('bfloat16') is not supported by this GPU: use float32 or auto")
+    dtype = DTYPES[text]
+    assert dtype is not None
+    return dtype
+
+
+def place_runs(runs, device: str = "cpu", dtype: str = "auto", log=print) -> tuple[torch.device, torch.dtype]:
+    """Move every run's model (``LoadedRun.model``) to ``device`` in ``dtype`` (see
+    :func:`resolve_device`, :func:`resolve_dtype`), in place; says where when it is not CPU fp32.
+    Returns the device and dtype. Raises ConfigError as those do."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    for r in runs:
+        r.model.to(device=dev, dtype=dt)
+    if (dev.type, dt) != ("cpu", torch.float32):
+        log(f"evaluating on {dev} in {str(dt).removeprefix('torch.')} (--device {device}, --dtype {dtype}); "
+            "losses are reduced in fp64 on the CPU")
+    return dev, dt
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s parameters (where its inputs must go)."""
+    return next(model.parameters()).device
