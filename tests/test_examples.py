@@ -44,6 +44,7 @@ import fnmatch
 import importlib.util
 import io
 import itertools
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -159,7 +160,8 @@ EXPENSIVE = {
     "smelt-ds scaling fit runs/sweeps/micro -o docs/scaling-micro": _E2E_SWEEP,
     "smelt-ds sweep recipes/sweeps/micro.yaml --steps-scale 0.05": _E2E_SWEEP,
     "smelt-ds sweep recipes/sweeps/ladder.yaml": _E2E_SWEEP,
-    "smelt-ds scaling fit runs/sweeps/ladder -o docs/scaling-ladder": _LADDER_FIT,
+    "smelt-ds scaling fit docs/scaling-ladder/runs -o docs/scaling-ladder": _LADDER_FIT,
+    "smelt-ds scaling fit runs/sweeps/ladder -o evals/ladder": _LADDER_FIT,
     # docs/results/ladder.md: the ladder's largest pair (item 3 of issue 28)
     "smelt-ds eval runs/sweeps/ladder/baseline/h80-c3.2e13 runs/sweeps/ladder/smelt/h80-c3.2e13 --harness "
     "smelt_benchmarks --num-fewshot 0,1,2,4,8 --samples-per-task 100 -o evals/ladder-h80":
@@ -770,6 +772,9 @@ def check_other(ex: Example) -> str:
     program = words[0]
     if program in ("python", "bash") and len(words) > 1 and Path(words[1]).parts[0] in _SCRIPT_FOLDERS:
         assert (ROOT / words[1]).is_file(), f"{what}: {words[1]} does not exist"
+        return "script"
+    if Path(program).parts[0] in _SCRIPT_FOLDERS:  # an executable script of the checkout, run directly
+        assert (ROOT / program).is_file() and os.access(ROOT / program, os.X_OK), f"{what}: {program} is not executable"
         return "script"
     if program == "python" and words[1:2] == ["-m"]:
         program = f"python -m {words[2]}"
