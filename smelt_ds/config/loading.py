@@ -137,8 +137,15 @@ def _validation_problems(err: ValidationError, root: type[BaseModel], origin: _O
             paths = [f"{parent}.{k}" if parent else k for k in bad]
             out.append((blame, f"unknown keys in `{parent or '<top level>'}`: {sorted(bad)}"
                                f"{'' if blame else origin.at(paths)}; allowed keys: {allowed}: remove or rename "
-                               f"{'it' if len(bad) == 1 else 'them'}"))
+                               f"{'it' if len(bad) == 1 else 'them'}" + (_DEEPSPEED_HINT if parent == "deepspeed"
+                                                                        else "")))
     return out + values
+
+
+#: after an unknown key of the ``deepspeed`` section: where DeepSpeed's own JSON keys go
+_DEEPSPEED_HINT = (" (the ZeRO stage is deepspeed.zero_stage, offloading deepspeed.offload_optimizer / "
+                   "offload_param; DeepSpeed's other JSON keys go under deepspeed.config, e.g. "
+                   "--set deepspeed.config.zero_optimization.reduce_bucket_size=500000000)")
 
 
 def _join_problems(problems: list[tuple[str | None, str]], source: str) -> str:

@@ -264,9 +264,12 @@ def _positive(name: str, value: Any) -> None:
         raise ConfigError(f"`{name}` ({value!r}) must be a positive integer, e.g. {name} 2")
 
 
-def _recipe_arg(path: Path, workdir: str) -> str:
+def _recipe_arg(path: Path, workdir: str, scheduler: str) -> str:
+    """The recipe as the job names it: relative to ``workdir`` (where the job runs) when it lies
+    inside, else absolute. Kubernetes pods run in the image's copy of the checkout, so there a
+    recipe of the checkout is also named relative to it (:data:`DATA_ROOT`)."""
     p = path.resolve()
-    for base in (Path(workdir), DATA_ROOT):
+    for base in (Path(workdir), *((DATA_ROOT,) if scheduler == "k8s" else ())):
         try:
             return str(p.relative_to(Path(base).resolve()))
         except ValueError:
@@ -349,8 +352,8 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
             raise ConfigError("--run-dir '' is empty: name the run directory, e.g. --run-dir runs/m-smelt-pile")
         train_args += ["--run-dir", o.run_dir]
     master = hosts[0].name if hosts else ("127.0.0.1" if nodes == 1 else "")
-    return JobPlan(o, res.path, _recipe_arg(res.path, workdir), workdir, cfg, res.layout_name, layout, nodes, gpus,
-                   train_args, pl.accumulation, pl.global_batch_tokens, hosts, master, _parse_env(o.env),
+    return JobPlan(o, res.path, _recipe_arg(res.path, workdir, o.scheduler), workdir, cfg, res.layout_name, layout,
+                   nodes, gpus, train_args, pl.accumulation, pl.global_batch_tokens, hosts, master, _parse_env(o.env),
                    _job_name(cfg, o.job_name), mem, zero3_decision(cfg, layout, nodes * gpus), notes,
                    _run_dir_in_job(cfg, o.run_dir, workdir))
 
@@ -441,7 +444,8 @@ def _render_slurm(plan: JobPlan) -> dict[str, str]:
         raise ConfigError(f"`--max-requeues` ({o.max_requeues!r}) must be 0 (never requeue a failed job) or a "
                           "positive integer, e.g. --max-requeues 3")
     return {**_shell_common(plan), "JOB_NAME": plan.job_name, "TIME": o.time, "SIGNAL_LEAD_S": str(o.signal_lead_s),
-            "LOG_DIR": log_dir, "EXTRA_SBATCH": "\n".join(extra), "MAX_REQUEUES": str(o.max_requeues)}
+            "LOG_DIR": log_dir, "EXTRA_SBATCH": "\n".join(extra), "MAX_REQUEUES": str(o.max_requeues),
+            "PYTHON": shlex.quote(sys.executable)}  # the interpreter that has smelt-ds: the one rendering the job
 
 
 def _render_deepspeed(plan: JobPlan) -> dict[str, str]:
@@ -508,7 +512,7 @@ def _launch_lines(plan: JobPlan, output: str | None) -> list[str]:
                  f"launch        deepspeed --num_nodes {plan.nodes} --num_gpus {plan.gpus_per_node} --master_addr "
                  f"{plan.master_addr} --master_port {o.master_port}{hostfile} --module smelt_ds.train {train}"]
     else:
-        where = {"slurm": "first host of $SLURM_JOB_NODELIST, port 20000 + $SLURM_JOB_ID % 20000",
+        where = {"slurm": "first host of $SLURM_JOB_NODELIST, port 10000 + $SLURM_JOB_ID % 20000",
                  "k8s": f"the Master pod's Service ({plan.job_name}-master-0), port set by the operator"}[o.scheduler]
         lines = [f"master        {where}", f"per node      {per_node_command(plan)}"]
     return lines + [f"submit        {submit_command(plan, output)}"]

@@ -66,9 +66,10 @@ def resolve(path: str | Path, layout: str | None = None, overrides: list[str] | 
     recipe after the overrides.
     """
     path = Path(path)
-    raw = load_raw(path)
+    raw, lines = read_recipe(path, "recipe file", "recipes/xl/smelt.yaml")
     user = list(overrides or [])
-    first = config_from_dict(apply_overrides(raw, user), source=str(path))
+    # a bad value is blamed on its --set item, or on the recipe file's line (as `smelt-ds config show` does)
+    first = config_from_dict(apply_overrides(raw, user), source=str(path), overrides=user, key_lines=lines)
     layouts = first.cluster.layouts
     if not layouts:
         if layout not in (None, "cpu"):
@@ -82,7 +83,8 @@ def resolve(path: str | Path, layout: str | None = None, overrides: list[str] | 
                               "choose one of them")
         lay = layouts[name]
     merged = list(lay.overrides) + user
-    cfg = config_from_dict(apply_overrides(raw, merged), source=f"{path} (layout {name})")
+    cfg = config_from_dict(apply_overrides(raw, merged), source=f"{path} (layout {name})", overrides=merged,
+                           key_lines=lines)
     return Resolved(path, cfg, name, lay, merged)
 
 

@@ -88,7 +88,8 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
 def check_trackers(cfg: RunConfig) -> None:
     """Raise ConfigError, before training starts, for a tracker of ``tracking.trackers`` whose
     package cannot be imported (naming ``pip install 'smelt-ds[wandb]'`` / ``[mlflow]``), and for
-    an MLflow tracking URI whose store MLflow's client refuses (see :func:`mlflow_client`)."""
+    an MLflow tracking URI whose store MLflow's client refuses (see :func:`mlflow_client`) or
+    whose server does not answer (:func:`check_mlflow_server`)."""
     for name in cfg.tracking.trackers:
         module, hint = INSTALL_HINTS[name]
         try:
@@ -99,6 +100,37 @@ def check_trackers(cfg: RunConfig) -> None:
                               "tracking.trackers") from None
     if "mlflow" in cfg.tracking.trackers:
         mlflow_client(cfg.tracking.mlflow)
+        check_mlflow_server(cfg.tracking.mlflow)
+
+
+#: seconds an MLflow tracking server has to answer before training starts (MLflow's own client
+#: retries 7 times with exponential backoff and a 120 s timeout each: many minutes of silence)
+MLFLOW_PROBE_TIMEOUT_S = 10.0
+
+
+def check_mlflow_server(section: MlflowSection, timeout_s: float = MLFLOW_PROBE_TIMEOUT_S) -> None:
+    """For an ``http(s)://`` tracking URI (``tracking.mlflow.tracking_uri``, else
+    ``MLFLOW_TRACKING_URI``): one request to the server's ``/health`` within ``timeout_s`` seconds.
+    Any HTTP answer (even 401 or 404) is a reachable server. Raises ConfigError naming the URI,
+    what failed (name resolution, refused connection, timeout) and the fix, instead of the
+    minutes MLflow's client would spend retrying in silence. Other stores are not probed."""
+    import urllib.error
+    import urllib.request
+
+    uri = section.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
+            return
+    except urllib.error.HTTPError:
+        return  # the server answered
+    except (urllib.error.URLError, OSError) as e:
+        why = getattr(e, "reason", e)
+        raise ConfigError(f"`tracking.mlflow.tracking_uri` ({uri}): no MLflow server answered within {timeout_s:g} s "
+                          f"({type(why).__name__}: {why}): start the server or fix the address (a login node "
+                          "may reach hosts the compute nodes cannot), or leave mlflow out of tracking.trackers "
+                          "(metrics.jsonl and TensorBoard are always written)") from None
 
 
 def mlflow_client(section: MlflowSection):

@@ -100,3 +100,21 @@ def test_memory_and_render_job_refuse_the_stage_passed_through(command, capsys):
     err = capsys.readouterr().err
     assert "`deepspeed.config.zero_optimization.stage` (0) is set by the recipe field deepspeed.zero_stage" in err
     assert "set deepspeed.zero_stage instead" in err
+
+
+def test_a_deepspeed_json_key_at_the_section_level_points_to_the_field_and_the_pass_through(capsys):
+    """``--set deepspeed.zero_optimization.stage=3`` (DeepSpeed's JSON path, one level too high)
+    names ``deepspeed.zero_stage`` and ``deepspeed.config``, not only the allowed keys."""
+    assert cli_main(["config", "show", str(ROOT / "recipes" / "tiny" / "smelt.yaml"),
+                     "--set", "deepspeed.zero_optimization.stage=3"]) == 2
+    err = capsys.readouterr().err
+    assert "--set deepspeed.zero_optimization.stage=3: unknown keys in `deepspeed`: ['zero_optimization']" in err
+    assert "the ZeRO stage is deepspeed.zero_stage" in err and "go under deepspeed.config" in err
+
+
+def test_render_job_blames_a_bad_override_on_the_set_not_the_recipe(capsys):
+    """render-job names the ``--set`` item a bad value came from, as ``config show`` does."""
+    assert cli_main(["render-job", str(ROOT / "recipes" / "tiny" / "smelt.yaml"), "--scheduler", "slurm",
+                     "--nodes", "1", "--gpus-per-node", "2", "--set", "moe_runtime.ep_size=3", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --set moe_runtime.ep_size=3: `moe_runtime.ep_size` (3) needs an expert-parallel backend" in err

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -63,6 +64,7 @@ def test_rendered_slurm_and_k8s_jobs(case, tmp_path):
     assert "#SBATCH --requeue\n" in text and "#SBATCH --partition=gpu\n" in text
     assert "--resume auto" in text and "export NCCL_SOCKET_IFNAME=ib0\n" in text
     assert f"SMELT_RECIPE=recipes/{path.parent.name}/{path.name}\n" in text
+    assert f"SMELT_PYTHON=${{SMELT_PYTHON:-{shlex.quote(sys.executable)}}}\n" in text  # the rendering interpreter
     if layout == "h200":  # the layout's overrides reach smelt_ds.train
         assert "--set train.micro_batch_size=" in text
 
@@ -189,6 +191,27 @@ def test_fill_template_fills_every_field_and_refuses_a_missing_one():
         fill_template("{{B}}", {}, "t.sh", by="smelt-ds sweep")
 
 
+def test_a_job_rendered_outside_the_checkout_names_the_recipe_it_can_open(tmp_path, monkeypatch):
+    """Rendered from a work directory with the checkout's recipe given by its absolute path, the
+    Slurm job runs in that work directory, so it names the recipe absolutely (relative to the
+    checkout it named a file the job could not open); a recipe inside the work directory stays
+    relative to it. A Kubernetes pod runs in the image's checkout, so there the checkout's recipe
+    stays relative to the checkout."""
+    recipe = ROOT / "recipes" / "tiny" / "smelt.yaml"
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for workdir in (None, str(work)):
+        plan = _plan(recipe, "slurm", nodes=1, gpus_per_node=1, workdir=workdir)
+        assert plan.recipe_arg == str(recipe.resolve())
+        assert f"SMELT_RECIPE={shlex.quote(str(recipe.resolve()))}\n" in render(plan)
+    own = work / "mine.yaml"
+    own.write_text(f"base: {recipe}\n")
+    assert _plan(own, "slurm", nodes=1, gpus_per_node=1).recipe_arg == "mine.yaml"
+    k8s = _plan(recipe, "k8s", nodes=1, gpus_per_node=1, image="registry.example.org/smelt-ds:1.0")
+    assert k8s.recipe_arg == "recipes/tiny/smelt.yaml"
+
+
 def test_cli_dry_run_and_errors(tmp_path, capsys):
     rc = cli_main(["render-job", "recipes/xl/smelt.yaml", "--scheduler", "slurm", "--layout", "h200", "--dry-run",
                    "-o", str(tmp_path / "job.sbatch")])
@@ -262,7 +285,7 @@ def test_slurm_script_checkpoints_on_signal_and_requeues_near_the_time_limit(tmp
     assert ("scontrol requeue 777" in lines) == expect_requeue
     srun = next(line for line in lines if line.startswith("srun "))
     assert "--ntasks-per-node=1" in srun and "--cpus-per-task=32" in srun
-    assert "--master-addr=node-a --master-port=20777" in srun and "--nnodes=4" in srun
+    assert "--master-addr=node-a --master-port=10777" in srun  # 10000 + 777 % 20000 and "--nnodes=4" in srun
 
 
 FAKE_SRUN_EXITS = """#!/bin/bash
@@ -363,8 +386,8 @@ def test_two_nodes_on_loopback_train_the_tiny_recipe_with_zero3(tmp_path, cache)
     """Render the Slurm job for 2 nodes x 1 rank and run its per-node step twice, as srun would on two
     nodes (SLURM_NODEID 0 and 1, the same SLURM_JOB_NODELIST and SLURM_JOB_ID): the script derives
     MASTER_ADDR and MASTER_PORT, torchrun starts one rank per node, and the ranks train together."""
-    port = _free_port_in(20000, 40000)
-    job_id = 300000 + port - 20000  # the script's port: 20000 + job id % 20000
+    port = _free_port_in(10000, 30000)
+    job_id = 300000 + port - 10000  # the script's port: 10000 + job id % 20000
     run_dir = tmp_path / "run"
     sets = TINY_SETS + [f"data.cache_dir={cache}", f"train.run_dir={run_dir}"]
     plan = _plan(ROOT / "recipes/tiny/smelt.yaml", "slurm", nodes=2, gpus_per_node=1, workdir=str(ROOT),

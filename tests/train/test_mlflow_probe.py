@@ -1,0 +1,76 @@
+"""An MLflow tracking server that does not answer stops ``smelt-ds train`` at start with one
+message naming the URI, within the probe's timeout, instead of MLflow's silent retries (minutes)."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from smelt_ds.config.tracking import MlflowSection
+from smelt_ds.errors import ConfigError
+from smelt_ds.train.trackers import check_mlflow_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: nothing listens there
+
+
+def test_a_refused_connection_is_named_with_the_uri_and_the_fix():
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(ConfigError, match=rf"`tracking.mlflow.tracking_uri` \({uri}\): no MLflow server answered "
+                                          r"within 10 s \(ConnectionRefusedError.*leave mlflow out of "
+                                          r"tracking.trackers"):
+        check_mlflow_server(MlflowSection(tracking_uri=uri))
+
+
+def test_a_server_that_never_answers_ends_at_the_timeout():
+    """A listening socket that accepts nothing: the request waits, and the probe gives up after
+    its timeout (1 s here) rather than MLflow's retries."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(0)
+        uri = f"http://127.0.0.1:{s.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match=r"no MLflow server answered within 1 s"):
+            check_mlflow_server(MlflowSection(tracking_uri=uri), timeout_s=1.0)
+        assert time.monotonic() - t0 < 30  # one timeout, not a retry schedule (generous for a loaded machine)
+
+
+def test_any_http_answer_is_a_reachable_server_and_other_stores_are_not_probed(tmp_path):
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        check_mlflow_server(MlflowSection(tracking_uri=f"http://127.0.0.1:{server.server_port}"))
+    finally:
+        server.shutdown()
+    check_mlflow_server(MlflowSection(tracking_uri=f"file:{tmp_path / 'mlruns'}"))
+
+
+def test_train_refuses_before_the_run_directory_exists(tmp_path, capsys):
+    """The journey of the issue: ``smelt-ds train`` with an unreachable server exits 2 at once,
+    naming the URI, and leaves no run directory."""
+    from smelt_ds.cli import main
+
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    run = tmp_path / "run"
+    assert main(["train", str(ROOT / "recipes" / "tiny" / "smelt.yaml"), "--run-dir", str(run),
+                 "--set", "tracking.trackers=[mlflow]", "--set", f"tracking.mlflow.tracking_uri={uri}"]) == 2
+    assert f"`tracking.mlflow.tracking_uri` ({uri}): no MLflow server answered" in capsys.readouterr().err
+    assert not run.exists()
