@@ -7,9 +7,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import sys
 from pathlib import Path
 
+from smelt_ds.config.data import TOKEN_KINDS
+from smelt_ds.data.cache import is_complete
+from smelt_ds.data.prepare import prepared_path
+from smelt_ds.data.prepared import PreparedData, check_compatible
+from smelt_ds.data.token_sources import resolve_token_paths
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.jobs import MIN_HEADROOM, SCHEDULERS, JobOptions, JobPlan, plan_job, render, summary
 from smelt_ds.train.trackers import check_trackers
@@ -35,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="recipe override, passed on to smelt_ds.train (wins over the layout's overrides)")
     p.add_argument("-o", "--output", default=None, help="write the job file here (default: print it)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved plan only; write nothing")
+    p.add_argument("--no-data-check", action="store_true",
+                   help="do not check the recipe's data here (sources missing here only warn; prepared data that "
+                        "do not fit model.vocab_size are refused)")
     p.add_argument("--force", action="store_true",
                    help="write the job even when the memory verdict says it does not fit")
     p.add_argument("--workdir", default=None,
@@ -111,10 +121,59 @@ def warn_missing_trackers(plan: JobPlan) -> None:
               "at start)", file=sys.stderr)
 
 
+def check_data_here(plan: JobPlan) -> None:
+    """What training checks at start about its data, checked before the queue for a Slurm or
+    deepspeed job (whose nodes usually see the filesystem this command sees; a Kubernetes pod
+    sees its own mounts, so nothing is checked for it).
+
+    - A ``megatron``, ``tokens`` or ``path`` source that does not exist here (relative paths in
+      the job's working directory) is a warning on stderr naming the field: the data may exist
+      only on the compute nodes (node-local disks), which this command cannot know.
+    - Prepared data (``smelt-ds data prepare --recipe``) of file and token sources whose tokenizer
+      or largest token id does not fit ``model.vocab_size``
+      (:func:`smelt_ds.data.prepared.check_compatible`) is refused: ConfigError naming both values
+      and the fix. (Built-in, ladder and Hub sources are not looked up: that would build or
+      download them here.)
+    """
+    if plan.options.scheduler == "k8s":
+        return
+    cfg = plan.config
+    workdir = Path(plan.workdir)
+    missing = False
+    with contextlib.chdir(workdir if workdir.is_dir() else Path.cwd()):
+        for i, src in enumerate(cfg.data.sources):
+            kind = src.kind()
+            problem = None
+            if kind in TOKEN_KINDS:
+                try:
+                    resolve_token_paths(src, f"data.sources[{i}]")
+                except ConfigError as e:
+                    problem = str(e)
+            elif kind == "path" and not glob.has_magic(str(src.path)) and not Path(str(src.path)).expanduser().exists():
+                problem = (f"`data.sources[{i}].path` ({src.path!r}): no such file or directory (working directory "
+                           f"{str(workdir)!r}): fix the path")
+            if problem:
+                missing = True
+                print(f"smelt-ds render-job: warning: {problem} (checked here; if the data exist only on the compute "
+                      "nodes, training finds them there; --no-data-check silences this)", file=sys.stderr)
+        # the preparation key reads the sources: with one missing there is nothing prepared to check,
+        # and built-in, ladder or Hub sources would be built or downloaded here (render-job writes nothing)
+        if missing or any(src.kind() not in (*TOKEN_KINDS, "path") for src in cfg.data.sources):
+            return
+        prepared = prepared_path(cfg.data)
+        if is_complete(prepared):
+            try:
+                check_compatible(PreparedData.load(prepared, verify="size"), cfg.model.vocab_size)
+            except ConfigError as e:
+                raise ConfigError(f"{e} (the data prepared for this recipe, checked before the queue)") from None
+
+
 def run_render_job(args: argparse.Namespace) -> int:
     plan = plan_job(args.recipe, options_from_args(args))
     text = render(plan)  # also on --dry-run: bad scheduler options fail here, not at submission
     warn_missing_trackers(plan)
+    if not args.no_data_check:
+        check_data_here(plan)
     if args.dry_run:
         print(summary(plan, args.output))
         return 0

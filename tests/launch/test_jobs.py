@@ -761,3 +761,37 @@ def test_a_tracker_missing_here_is_a_warning_naming_the_extra(monkeypatch, capsy
     assert "pip install 'smelt-ds[wandb]'" in err and "the job's environment must have it" in err
     monkeypatch.delitem(sys.modules, "wandb")  # the dev extra installs it: no warning
     assert cli_main(argv) == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_render_job_refuses_before_the_queue_what_training_refuses_at_start(tmp_path, capsys):
+    """Issue 40's cases before the queue: prepared data (after `smelt-ds data prepare --recipe`)
+    whose tokenizer is larger than model.vocab_size is refused (exit 2), as training refuses it at
+    start; a misspelled source path is a warning naming the field (the data may exist only on the
+    compute nodes; --no-data-check silences it); the micro-batch passed through deepspeed.config is
+    refused when the recipe is loaded."""
+    from smelt_ds.config.loading import load_config
+    from smelt_ds.data.prepare import prepare_from_config
+
+    recipe = str(ROOT / "recipes" / "tiny" / "smelt.yaml")
+    base = ["render-job", recipe, "--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "2", "--dry-run",
+            "--workdir", str(tmp_path)]
+    typo = ["--set", "data.sources=[{path: corpora/web-typo, domain: web}]"]
+    assert cli_main(base + typo) == 0
+    err = capsys.readouterr().err
+    assert "warning: `data.sources[0].path` ('corpora/web-typo'): no such file or directory" in err
+    assert cli_main(base + typo + ["--no-data-check"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+    text = tmp_path / "shakespeare.txt"  # a file source, as on a cluster (built-in sources are not looked up)
+    text.write_text((ROOT / "tests" / "data" / "corpora" / "tinyshakespeare-head.txt").read_text())
+    sets = [s for s in TINY_SETS if not s.startswith("model.vocab_size")] + [
+        f"data.cache_dir={tmp_path / 'cache'}", f"data.sources=[{{path: {text}, sample_by: paragraph}}]"]
+    prepare_from_config(load_config(recipe, sets).data)          # what `smelt-ds data prepare --recipe` leaves
+    args = base + [x for s in sets for x in ("--set", s)]
+    assert cli_main(args + ["--set", "model.vocab_size=256"]) == 2
+    assert "`model.vocab_size` (256) is smaller than the tokenizer of the prepared data (512 tokens" in \
+        capsys.readouterr().err
+    assert cli_main(args + ["--set", "model.vocab_size=512"]) == 0
+    capsys.readouterr()
+    assert cli_main(args + ["--set", "deepspeed.config.train_micro_batch_size_per_gpu=4"]) == 2
+    assert "is set by the recipe field train.micro_batch_size" in capsys.readouterr().err
