@@ -33,7 +33,7 @@ LAYERS = {
     "cost": ["cost"],
     "parallel": ["parallel"],
     "runs": ["runs"],  # the run directory and its artifacts: written by train, read by eval, interop, study
-    "run": ["data", "train", "eval", "interop"],
+    "workflows": ["data", "train", "eval", "interop"],
     "study": ["study", "launch"],
     "cli": ["cli"],
     "testing": ["testing"],  # test helpers: may import any production module, none may import them

@@ -16,7 +16,7 @@ __all__ = ["EvalConfig"]
 class EvalConfig(StrictModel):
     """Evaluation during training: validation loss every ``train.eval_every`` steps, and in-loop
     downstream evaluation with lm-evaluation-harness tasks every ``harness_interval`` steps
-    (:mod:`smelt_ds.train.harness_eval`; OLMo-core's in-loop evaluator callback in spirit).
+    (:mod:`smelt_ds.train.in_loop_harness`; OLMo-core's in-loop evaluator callback in spirit).
 
     The harness fields are checked here, at load time: ``harness_tasks`` and ``harness_interval``
     come together, and ``harness_include_path`` must be an existing directory. Whether each task

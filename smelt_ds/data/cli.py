@@ -23,7 +23,8 @@ import yaml
 from smelt_ds.config.loading import apply_overrides, config_from_dict, load_config
 from smelt_ds.data.builtin import build_builtin_corpus
 from smelt_ds.data.ladder import PINNED, build_ladder_corpus, fetch_packages, ladder_corpus_dir, packages_dir
-from smelt_ds.data.prepare import PreparedData, build_tokenizer, check_compatible, prepare_from_config
+from smelt_ds.data.prepare import build_tokenizer, prepare_from_config
+from smelt_ds.data.prepared import PreparedData, check_compatible
 from smelt_ds.data.token_files import ScanStats, TokenFile
 from smelt_ds.data.token_sources import check_ids, check_token_file_ids, inspect_file, open_any
 from smelt_ds.data.tokenizer import tokenizer_id_space

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from smelt_ds.data.distributed import rank_info
-from smelt_ds.data.prepare import PreparedData, check_compatible
+from smelt_ds.data.prepared import PreparedData, check_compatible
 from smelt_ds.data.token_sources import PackedTokens
 from smelt_ds.errors import ConfigError
 

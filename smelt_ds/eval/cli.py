@@ -28,7 +28,7 @@ from smelt_ds.arguments import CommaList
 from smelt_ds.config.loop import loop_with_repeats
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
-from smelt_ds.eval import benchmarks, harness
+from smelt_ds.eval import benchmarks, harness, harness_report
 from smelt_ds.eval.data import corpus_config, open_eval_data
 from smelt_ds.eval.device import DTYPES, place_runs, resolve_device, resolve_dtype
 from smelt_ds.eval.generation import encode_prompt, generate_text
@@ -157,8 +157,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "domain per path (its file or directory stem); one path per flag, repeatable: "
                         "--corpus a --corpus b reads both")
     e.add_argument("--micro-batch", type=int, default=None, help="windows per micro-batch (default 8)")
-    e.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
-                   help="where every pass runs the models (default auto: CUDA when available, else the CPU)")
+    e.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="where every pass runs the models: auto (the default: CUDA when available, else the CPU), "
+                        "cpu, cuda or cuda:N")
     e.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="the models' dtype (default auto: bfloat16 on a CUDA device that supports it, else float32); "
                         "losses are reduced in fp64 on the CPU either way")
@@ -474,7 +475,7 @@ def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, lo
                           "the documents: pass one of them")
     _check_offline_tasks(args.include_path, tasks, ks)
     samples = (None if args.samples_per_task is None
-               else harness.spread_samples(tasks, args.samples_per_task, args.include_path))
+               else harness_report.spread_samples(tasks, args.samples_per_task, args.include_path))
     _clear_old_outputs(out)
     repeats = parse_repeats(args.loop_repeats)
     if loop_opts and not any(has_loop(r) for r in runs):
@@ -491,11 +492,11 @@ def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, lo
                                                    seed=args.seed)
             column = run.name if not label else f"{run.name} ({label})"
             budget = compute_budget(run.cfg.model_copy(update={"loop": lm.loop_cfg}))  # of the plan run
-            lengths = harness.own_lengths(lm, tasks, args.include_path, args.limit, samples)
+            lengths = harness_report.own_lengths(lm, tasks, args.include_path, args.limit, samples)
             for k in ks:
                 res = harness.run_harness(lm, tasks, args.include_path, k, args.limit, log_samples=True,
                                           seed=args.seed, samples=samples)
-                over, per_task = harness.truncated_examples(lm, res)
+                over, per_task = harness_report.truncated_examples(lm, res)
                 truncation.setdefault(column, {})["task default" if k is None else str(k)] = per_task
                 res.setdefault("config", {}).update(
                     model="smelt-ds", model_args={"pretrained": str(run.export_dir),
@@ -512,18 +513,18 @@ def _harness_pass(runs: list[LoadedRun], args: argparse.Namespace, out: Path, lo
                                 "results": res, "results_file": str(path.relative_to(out))})
                 # an example whose request did not fit the window was not scored with its k examples whole:
                 # it leaves the per-example records (the stratified report), not the harness's own means
-                for rec in harness.harness_records(res, column, k, lengths, skip=over):
+                for rec in harness_report.harness_records(res, column, k, lengths, skip=over):
                     key = (rec["run"], rec["task"], rec["num_fewshot"], rec["doc_id"], rec["metric"])
                     if key not in seen:  # a task fixed at k=0 (rolling) runs the same at every requested k
                         seen.add(key)
                         records.append(rec)
-                summary = ", ".join(f"{t} {m} {c['value']:.4f}" for t, ms in harness.metric_table(res).items()
+                summary = ", ".join(f"{t} {m} {c['value']:.4f}" for t, ms in harness_report.metric_table(res).items()
                                     for m, c in ms.items())
                 print(f"[{column}] k={'task default' if k is None else k}: {summary}")
-    report = harness.harness_report(entries)
+    report = harness_report.harness_report(entries)
     report["truncation"] = truncation
     write_json_atomic(out / "harness.json", report)
-    md = harness.harness_markdown(report)
+    md = harness_report.harness_markdown(report)
     write_text_atomic(out / "harness.md", md)
     print(md)
     written = ["harness.json", "harness.md"]

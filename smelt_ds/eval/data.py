@@ -23,7 +23,7 @@ from smelt_ds.errors import ConfigError
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from smelt_ds.data.prepare import PreparedData
+    from smelt_ds.data.prepared import PreparedData
 
 __all__ = ["EvalData", "bytes_to_unicode", "token_byte_lengths", "open_eval_data"]
 

@@ -75,7 +75,8 @@ import numpy as np
 import smelt_ds
 from smelt_ds.config.loading import load_config
 from smelt_ds.config.run import RunConfig
-from smelt_ds.data.prepare import PreparedData, prepare_from_config
+from smelt_ds.data.prepare import prepare_from_config
+from smelt_ds.data.prepared import PreparedData
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import write_atomic
 from smelt_ds.resources import RECIPES_DIR

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from smelt_ds.errors import ConfigError
-from smelt_ds.interop.export import export_hf
+from smelt_ds.interop.hf_export import export_hf
 from smelt_ds.interop.import_hf import import_hf
 from smelt_ds.runs.export import export_checkpoint
 
@@ -62,7 +62,7 @@ def _add_hf_export_arguments(e: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """``smelt-ds export``: the reference-layout export (:func:`smelt_ds.runs.export.export_checkpoint`),
-    or with ``--format hf`` a Hugging Face directory (:func:`smelt_ds.interop.export.export_hf`).
+    or with ``--format hf`` a Hugging Face directory (:func:`smelt_ds.interop.hf_export.export_hf`).
     Raises ConfigError for an ``hf``-format option without ``--format hf``."""
     if args.format == "hf":
         return _run_export_hf(args)

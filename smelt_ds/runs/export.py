@@ -166,7 +166,7 @@ def _no_reference_weights(ckpt_dir: Path, meta: dict, backend: str) -> ConfigErr
 #: ``sha256sum`` line of model.pt, written with it and checked whenever an export is loaded
 WEIGHTS_DIGEST = "model.pt.sha256"
 EXPORT_FILES = frozenset({"model.pt", WEIGHTS_DIGEST, "config.yaml", "SOURCE", "tokenizer.json"})
-#: the file `smelt-ds export --format hf` writes last (smelt_ds.interop.export): a directory holding
+#: the file `smelt-ds export --format hf` writes last (smelt_ds.interop.hf_export): a directory holding
 #: it is an earlier export, which an export may replace
 HF_MARKER = "smelt_ds_export.json"
 

@@ -46,7 +46,7 @@ from smelt_ds.train.build import Built, build
 from smelt_ds.train.console import Console, banner, step_line, val_line
 from smelt_ds.train.data import build_data
 from smelt_ds.train.guards import check_run_dir, lock_run_dir, remove_refused_new_run
-from smelt_ds.train.harness_eval import check_harness_tasks, harness_due, run_harness_eval
+from smelt_ds.train.in_loop_harness import check_harness_tasks, harness_due, run_harness_eval
 from smelt_ds.train.metrics import (
     IntervalMeans,
     MetricsWriter,

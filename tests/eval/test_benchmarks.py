@@ -198,7 +198,7 @@ def test_tasks_say_their_split_and_the_missing_data_error_names_the_command(benc
 
 def test_in_loop_evaluation_accepts_the_benchmark_names(eval_cache, monkeypatch, tmp_path):
     from smelt_ds.config.loading import config_from_dict
-    from smelt_ds.train.harness_eval import check_harness_tasks
+    from smelt_ds.train.in_loop_harness import check_harness_tasks
     from tests.eval.eval_test_utils import tiny_raw
 
     cfg = config_from_dict(tiny_raw(eval_cache, eval={"harness_tasks": ["arc_easy_val", bm.GROUP],
@@ -286,7 +286,7 @@ def tiny_export(tmp_path_factory, eval_cache, eval_data):
 @pytest.fixture(scope="module")
 def tiny_hf(tiny_export) -> Path:
     """The Hugging Face export of :func:`tiny_export` (model_type smelt, its own modeling code)."""
-    from smelt_ds.interop.export import export_hf
+    from smelt_ds.interop.hf_export import export_hf
 
     src = tiny_export[1]
     return export_hf(src, src.parent / "hf").out
@@ -370,8 +370,9 @@ def test_spread_samples_and_truncated_examples_are_those_the_window_cut(tiny_exp
     lost context tokens in the model's own window (:meth:`SmeltHarnessLM._window`), at a
     ``max_length`` (the median request) that cuts some examples and not others; ``harness_records``
     leaves those out."""
-    from smelt_ds.eval.harness import SmeltHarnessLM, harness_records, request_tokens, run_harness, spread_samples
-    from smelt_ds.eval.harness import truncated_examples as truncated
+    from smelt_ds.eval.harness import SmeltHarnessLM, run_harness
+    from smelt_ds.eval.harness_report import harness_records, request_tokens, spread_samples
+    from smelt_ds.eval.harness_report import truncated_examples as truncated
 
     tasks = ["arc_easy_val", "humaneval_bpb"]
     samples = spread_samples(tasks, 5)

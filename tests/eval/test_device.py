@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from smelt_ds.errors import ConfigError
+from smelt_ds.eval.benchmarks import unreachable_data_error
 from smelt_ds.eval.device import resolve_device, resolve_dtype
-from smelt_ds.eval.harness import unreachable_data_error
 from smelt_ds.testing import scaled_timeout
 
 SEQ, MICRO, BATCHES = 32, 2, 2

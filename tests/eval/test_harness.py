@@ -29,14 +29,8 @@ from lm_eval.api.instance import Instance
 from smelt_ds.config.loop import loop_with_repeats
 from smelt_ds.config.schedule import build_schedule
 from smelt_ds.errors import ConfigError
-from smelt_ds.eval.harness import (
-    SmeltHarnessLM,
-    evaluate_model,
-    harness_records,
-    metric_table,
-    own_lengths,
-    run_harness,
-)
+from smelt_ds.eval.harness import SmeltHarnessLM, evaluate_model, run_harness
+from smelt_ds.eval.harness_report import harness_records, metric_table, own_lengths
 from smelt_ds.runs.load import load_run
 from tests.numerics import BF16_U, chain_tol, model_chain_length, prob_tol
 

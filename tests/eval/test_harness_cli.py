@@ -16,7 +16,8 @@ import pytest
 from smelt_ds.config.loop import loop_with_repeats
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.eval.data import open_eval_data
-from smelt_ds.eval.harness import evaluate_model, metric_table
+from smelt_ds.eval.harness import evaluate_model
+from smelt_ds.eval.harness_report import metric_table
 from smelt_ds.runs.load import load_run
 from tests.eval.eval_test_utils import png_not_blank, png_size
 from tests.eval.test_harness import offline, write_tasks  # noqa: F401  (offline: autouse fixture)

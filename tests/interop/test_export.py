@@ -13,7 +13,7 @@ import torch
 from smelt_ds.cli import main
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.offline_tasks import validation_documents
-from smelt_ds.interop.export import HF_MARKER, export_hf
+from smelt_ds.interop.hf_export import HF_MARKER, export_hf
 from smelt_ds.runs.export import load_exported
 from tests.numerics import assert_close_chain, model_chain_length, prob_tol
 
@@ -247,7 +247,7 @@ def test_an_export_of_the_other_format_is_not_replaced(make_export, tmp_path, ca
 
 
 def test_parse_shard_size():
-    from smelt_ds.interop.export import parse_shard_size
+    from smelt_ds.interop.hf_export import parse_shard_size
 
     assert parse_shard_size("5GB") == 5 * 10**9 and parse_shard_size("500MiB") == 500 * 2**20
     assert parse_shard_size(2_000_000) == 2_000_000 and parse_shard_size("1.5GB") == 1_500_000_000

@@ -16,7 +16,7 @@ import yaml
 from smelt_ds.cli import main
 from smelt_ds.config.loading import load_config
 from smelt_ds.errors import ConfigError
-from smelt_ds.interop.export import export_hf
+from smelt_ds.interop.hf_export import export_hf
 from smelt_ds.interop.import_hf import RECIPE_HEADER, import_hf
 from smelt_ds.model import SmeltLM
 from smelt_ds.runs.export import export_checkpoint, load_initial_weights

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from smelt_ds.model.router import TopKRouter
 from smelt_ds.train.objective import total_loss
 from tests.model.moe_helpers import BY_HAND_RTOL, constructed_moe
 
@@ -174,3 +175,20 @@ def test_tied_router_check_fails_when_recompute_breaks_ties_differently(monkeypa
     assert torch.equal(got["loss"], ref["loss"])  # the forward is the reference's
     bad = _tie_mismatches(got, ref)
     assert any(b.startswith("layers.") for b in bad), bad  # gradients changed
+
+
+def test_router_jitter_applies_in_training_only():
+    """``moe.router_jitter`` multiplies the router's input by U(1 - j, 1 + j) noise in training
+    (Switch Transformer) and never in evaluation: in eval mode the router's output equals a
+    jitter-free router's exactly (validation, eval and export numbers must not be random), while
+    in training mode it differs from it."""
+    torch.manual_seed(0)
+    plain, jittered = TopKRouter(16, 8, 2), TopKRouter(16, 8, 2, jitter=0.5)
+    torch.nn.init.normal_(plain.weight)
+    jittered.load_state_dict(plain.state_dict())
+    x = torch.randn(32, 16)
+    jittered.eval()
+    for got, want in zip(jittered(x), plain.eval()(x), strict=True):
+        assert torch.equal(got, want)
+    jittered.train()
+    assert not torch.equal(jittered(x)[0], plain(x)[0])  # logits: the noise changed them

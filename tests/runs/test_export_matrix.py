@@ -208,7 +208,7 @@ def test_export_eval_generate_init_from(tmp_path, cache, backend, zero, ep, caps
     # (e) the Hugging Face export of the run (issue 16): transformers' model equals the live engine
     from transformers import AutoModelForCausalLM
 
-    from smelt_ds.interop.export import export_hf
+    from smelt_ds.interop.hf_export import export_hf
 
     hf_dir = export_hf(tmp_path / "run", tmp_path / "hf").out
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True, dtype=torch.float32)

@@ -1,5 +1,5 @@
 """In-loop lm-evaluation-harness evaluation (``eval.harness_tasks`` every ``eval.harness_interval``
-steps, :mod:`smelt_ds.train.harness_eval`), on real processes.
+steps, :mod:`smelt_ds.train.in_loop_harness`), on real processes.
 
 The reference for every number is :func:`smelt_ds.eval.harness.evaluate_model` on the export
 (``smelt-ds export``) of the checkpoint of the same step, tokenised with the export's
@@ -108,7 +108,7 @@ def _export_metrics(export: Path, tasks: Path) -> dict[str, float]:
 
     from smelt_ds.eval.harness import evaluate_model
     from smelt_ds.runs.export import load_exported
-    from smelt_ds.train.harness_eval import harness_metrics
+    from smelt_ds.train.in_loop_harness import harness_metrics
 
     cfg = config_from_dict(yaml.safe_load((export / "config.yaml").read_text()))
     tok = Tokenizer.from_file(str(export / "tokenizer.json"))
@@ -170,7 +170,7 @@ def _untouched_worker(rank: int, world: int, raw: dict) -> dict:
     from smelt_ds.model import SmeltLM
     from smelt_ds.train.build import build
     from smelt_ds.train.data import build_data
-    from smelt_ds.train.harness_eval import run_harness_eval
+    from smelt_ds.train.in_loop_harness import run_harness_eval
 
     cfg = config_from_dict(raw)
     data = build_data(cfg, rank, world)
@@ -281,7 +281,7 @@ def test_bad_interval_and_repeated_task_are_refused(tmp_path):
 
 def test_unknown_task_name_is_named_before_training(tmp_path):
     """A typo fails when training starts (rank 0 reads lm-eval's task index), naming the field."""
-    from smelt_ds.train.harness_eval import check_harness_tasks
+    from smelt_ds.train.in_loop_harness import check_harness_tasks
 
     tasks = write_task(tmp_path)
     check_harness_tasks(_cfg(tmp_path, harness_tasks=[TASK], harness_interval=2, harness_include_path=str(tasks)))
@@ -292,7 +292,7 @@ def test_unknown_task_name_is_named_before_training(tmp_path):
 
 
 def test_harness_metrics_names_and_drops_non_numbers():
-    from smelt_ds.train.harness_eval import harness_due, harness_metrics
+    from smelt_ds.train.in_loop_harness import harness_due, harness_metrics
 
     results = {"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": "N/A", "ppl,none": float("inf"),
                                  "exact_match,strict-match": 0.25, "flag,none": True}}}
