@@ -11,7 +11,8 @@
 # PyTorch's wheel index for your CUDA version (TORCH_INDEX, default cu128: pick the one your driver
 # supports, see PyTorch's install selector), then smelt-ds against it with the tested set of every
 # other package (constraints.txt; its torch==2.13.0 admits the +cuXXX build). DeepSpeed's ops are
-# built on first use (DS_BUILD_OPS=0), into TORCH_EXTENSIONS_DIR when set. tutel is not on the
+# built on first use (DS_BUILD_OPS=0, the default; DS_BUILD_OPS=1 prebuilds them, untested), into
+# TORCH_EXTENSIONS_DIR when set. tutel is not on the
 # package index: add it yourself (pip install git+https://github.com/microsoft/tutel@main).
 set -euo pipefail
 
@@ -33,4 +34,4 @@ elif [[ $version != 3.11 ]]; then
   echo "scripts/install_gpu.sh: Python $version is untested (the suite ran on 3.11); going on" >&2
 fi
 "$PYTHON" -m pip install 'torch==2.13.0' --index-url "$TORCH_INDEX"
-DS_BUILD_OPS=0 "$PYTHON" -m pip install -e ".${EXTRAS:+[$EXTRAS]}" -c constraints.txt
+DS_BUILD_OPS=${DS_BUILD_OPS:-0} "$PYTHON" -m pip install -e ".${EXTRAS:+[$EXTRAS]}" -c constraints.txt

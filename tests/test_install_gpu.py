@@ -31,7 +31,8 @@ def _run(tmp_path: Path, version: tuple[int, int], *args: str, **env: str) -> tu
     tmp_path.mkdir(exist_ok=True)
     stub = _stand_in(tmp_path, version)
     proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHON": str(stub), **env})
+                          env={**{k: v for k, v in os.environ.items() if k != "DS_BUILD_OPS"}, "PYTHON": str(stub),
+                               **env})
     log = tmp_path / "pip.log"
     return proc, (log.read_text().splitlines() if log.exists() else [])
 
@@ -45,6 +46,11 @@ def test_the_script_installs_the_cuda_torch_then_smelt_ds_with_the_tested_set(tm
     assert pip[-2:] == ["DS_BUILD_OPS=unset -m pip install torch==2.13.0 --index-url "
                         "https://download.pytorch.org/whl/cu130",
                         "DS_BUILD_OPS=0 -m pip install -e .[dev] -c constraints.txt"]
+
+
+def test_a_prebuild_of_deepspeeds_ops_is_passed_on(tmp_path):
+    _, pip = _run(tmp_path, (3, 11), DS_BUILD_OPS="1")
+    assert pip[-1] == "DS_BUILD_OPS=1 -m pip install -e .[wandb,mlflow] -c constraints.txt"
 
 
 def test_python_older_than_3_11_is_refused_and_a_newer_one_is_called_untested(tmp_path):

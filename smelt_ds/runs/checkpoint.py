@@ -42,8 +42,8 @@ from smelt_ds.config.train import resolve_batch
 from smelt_ds.errors import ConfigError
 from smelt_ds.runs.reference_weights import REFERENCE_DIR, gather_reference_shard, shard_path
 
-__all__ = ["checkpoint_dir", "save", "choose", "load", "load_from", "latest_complete", "rng_state", "restore_rng",
-           "MARKER", "run_layout",
+__all__ = ["checkpoint_dir", "save", "choose", "load", "load_from", "latest_complete", "read_marker", "verify",
+           "rng_state", "restore_rng", "MARKER", "run_layout",
            "check_layout", "REFERENCE_CHOICES", "offline_exportable", "writes_reference", "reference_files",
            "newest_with_reference"]
 
@@ -417,6 +417,20 @@ def _complete(root: Path, tag: str, gathered: list[Any], meta: dict[str, Any], k
     return None
 
 
+def read_marker(ckpt: str | Path) -> dict[str, Any]:
+    """The ``COMPLETE`` marker of checkpoint directory ``ckpt``. Raises ConfigError naming the
+    file when it is not a JSON object with a ``step`` and (when present) a ``files`` mapping: a
+    damaged marker (markers are written atomically, so only a damaged disk or a hand edit makes one)."""
+    f = Path(ckpt) / MARKER
+    try:
+        meta = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{f} is damaged: not JSON ({type(e).__name__}: {str(e)[:80]})") from None
+    if not isinstance(meta, dict) or "step" not in meta or not isinstance(meta.get("files", {}), dict):
+        raise ConfigError(f"{f} is damaged: not a checkpoint marker (a JSON object with step, layout and files)")
+    return meta
+
+
 def verify(path: str | Path, rank: int | None = None, names: list[str] | None = None,
            world_size: int | None = None) -> list[str]:
     """Problems of checkpoint ``path`` against the digests in its ``COMPLETE`` marker.
@@ -428,7 +442,10 @@ def verify(path: str | Path, rank: int | None = None, names: list[str] | None = 
     size, wrong SHA-256), naming the file; an empty list when everything matches or the marker
     predates checksums."""
     path = Path(path)
-    files = json.loads((path / MARKER).read_text()).get("files")
+    try:
+        files = read_marker(path).get("files")
+    except ConfigError as e:
+        return [str(e)]
     if files is None:
         return []
     problems = []

@@ -8,7 +8,6 @@ is the marker's, not the model's.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -107,7 +106,12 @@ def checkpoint_info(path: Path, recipe: str | None = None, max_ranks: int = 64,
         lines += [f"complete      no: no {ckpt.MARKER} marker (a save that did not finish: --resume auto skips it)",
                   f"files         {len(files)}, {total:,} bytes"]
         return "\n".join(lines), 1
-    meta = json.loads((ck / ckpt.MARKER).read_text())
+    try:
+        meta = ckpt.read_marker(ck)
+    except ConfigError as e:
+        lines += [f"complete      marker present, but damaged: {e} (--resume auto sets it aside and takes the next "
+                  "newest)", f"files         {len(files)}, {total:,} bytes"]
+        return "\n".join(lines), 1
     status = 0
     problems = ckpt.verify(ck) if verify else []
     missing = [f for f in meta.get("files", {}) if not (ck / f).is_file()]

@@ -26,7 +26,6 @@ local experts') weights and moments beyond its engine.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,7 +108,7 @@ class ResumePlan:
 
 
 def _marker(path: Path) -> dict[str, Any]:
-    return json.loads((path / ckpt.MARKER).read_text())
+    return ckpt.read_marker(path)
 
 
 def _peek(out_dir: Path, resume: str) -> Path | None:
@@ -142,7 +141,10 @@ def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
     path = _peek(out_dir, resume)
     if path is None:
         return cfg, None
-    meta = _marker(path)
+    try:
+        meta = _marker(path)
+    except ConfigError:  # a damaged marker: checkpoint.choose sets the checkpoint aside, and the plan is redone
+        return cfg, None
     rt = cfg.moe_runtime  # the layout alone: the recipe's batch may not resolve on world_size ranks (checked below)
     new = {"world_size": world_size, "zero_stage": cfg.deepspeed.zero_stage, "moe_backend": rt.backend,
            "ep_size": rt.ep_size if rt.backend != "reference" else 1}

@@ -111,7 +111,8 @@ MLFLOW_PROBE_TIMEOUT_S = 10.0
 def check_mlflow_server(section: MlflowSection, timeout_s: float = MLFLOW_PROBE_TIMEOUT_S) -> None:
     """For an ``http(s)://`` tracking URI (``tracking.mlflow.tracking_uri``, else
     ``MLFLOW_TRACKING_URI``): one request to the server's ``/health`` within ``timeout_s`` seconds.
-    Any HTTP answer (even 401 or 404) is a reachable server. Raises ConfigError naming the URI,
+    An answer below 500 (even 401 or 404) is a reachable server; a 5xx (a proxy or gateway in
+    front of a stopped server) is not. Raises ConfigError naming the URI,
     what failed (name resolution, refused connection, timeout) and the fix, instead of the
     minutes MLflow's client would spend retrying in silence. Other stores are not probed."""
     import urllib.error
@@ -123,14 +124,17 @@ def check_mlflow_server(section: MlflowSection, timeout_s: float = MLFLOW_PROBE_
     try:
         with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
             return
-    except urllib.error.HTTPError:
-        return  # the server answered
+    except urllib.error.HTTPError as e:
+        if e.code < 500:
+            return  # the server answered (401, 403, 404: MLflow or a proxy in front of it)
+        why: object = f"HTTP {e.code} {e.reason}: a proxy or gateway answered, not MLflow"
     except (urllib.error.URLError, OSError) as e:
         why = getattr(e, "reason", e)
-        raise ConfigError(f"`tracking.mlflow.tracking_uri` ({uri}): no MLflow server answered within {timeout_s:g} s "
-                          f"({type(why).__name__}: {why}): start the server or fix the address (a login node "
-                          "may reach hosts the compute nodes cannot), or leave mlflow out of tracking.trackers "
-                          "(metrics.jsonl and TensorBoard are always written)") from None
+    what = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
+    raise ConfigError(f"`tracking.mlflow.tracking_uri` ({uri}): no MLflow server answered within {timeout_s:g} s "
+                      f"({what}): start the server or fix the address (a login node may reach hosts the compute "
+                      "nodes cannot), or leave mlflow out of tracking.trackers (metrics.jsonl and TensorBoard are "
+                      "always written)")
 
 
 def mlflow_client(section: MlflowSection):

@@ -21,11 +21,15 @@ CASES = [
     (("zero_optimization", "stage"), 0, "deepspeed.zero_stage"),
     (("zero_optimization", "offload_optimizer", "device"), "cpu", "deepspeed.offload_optimizer"),
     (("zero_optimization", "offload_param", "device"), "cpu", "deepspeed.offload_param"),
+    (("zero_optimization", "cpu_offload"), True, "deepspeed.offload_optimizer"),  # DeepSpeed's legacy names
+    (("zero_optimization", "cpu_offload_param"), True, "deepspeed.offload_param"),
     (("train_micro_batch_size_per_gpu",), 4, "train.micro_batch_size"),
     (("gradient_accumulation_steps",), 2, "train.gradient_accumulation_steps"),
     (("train_batch_size",), 16, "train.global_batch_tokens"),
     (("gradient_clipping",), 0.5, "train.grad_clip"),
     (("bf16",), {"enabled": True}, "train.precision"),
+    (("bfloat16",), {"enabled": True}, "train.precision"),
+    (("torch_autocast",), {"enabled": True}, "train.precision"),
     (("fp16",), {"enabled": True}, "train.precision"),
     (("expert_parallel",), {"enabled": True, "autoep_size": 2}, "moe_runtime.backend"),
     (("comms_logger", "enabled"), True, "deepspeed.comms_logger"),
@@ -74,7 +78,8 @@ def test_the_fields_own_what_deepspeed_reads():
     assert ds["train_batch_size"] == 4 and ds["gradient_clipping"] == cfg.train.grad_clip
     assert ds["bf16"] == {"enabled": False} and ds["expert_parallel"]["autoep_size"] == 2
     assert ds["comms_logger"]["enabled"] is True and ds["optimizer"]["params"]["lr"] == cfg.train.lr
-    assert "fp16" not in ds and "scheduler" not in ds
+    assert not {"fp16", "scheduler", "bfloat16", "torch_autocast"} & set(ds)
+    assert not {"cpu_offload", "cpu_offload_param"} & set(ds["zero_optimization"])
 
 
 def test_keys_next_to_owned_ones_pass_through():

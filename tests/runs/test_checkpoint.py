@@ -502,3 +502,19 @@ def test_fewer_ranks_than_wrote_a_checkpoint_check_every_file(tmp_path):
     got = run_distributed(_choose_worker, 2, args=(str(tmp_path),), init_deepspeed=False, timeout=60)
     assert got == ["step00000002", "step00000002"]
     assert (ckpt.checkpoint_dir(tmp_path) / "damaged-step00000004").is_dir()
+
+
+@pytest.mark.parametrize("marker", ["garbage", "[]", '{"step": 4, "files": "x"}'], ids=["not-json", "a-list", "files"])
+def test_a_damaged_marker_is_a_damaged_checkpoint_not_a_crash(tmp_path, marker, capsys):
+    """A COMPLETE marker that is not a checkpoint marker: verify names it (so --resume auto sets
+    the checkpoint aside like one with a damaged file) and `checkpoint info` says damaged, exit 1."""
+    from smelt_ds.cli import main
+    from smelt_ds.runs import checkpoint as ckpt
+
+    d = ckpt.checkpoint_dir(tmp_path) / "step00000004"
+    d.mkdir(parents=True)
+    (d / ckpt.MARKER).write_text(marker)
+    (problem,) = ckpt.verify(d)
+    assert problem.startswith(f"{d / ckpt.MARKER} is damaged")
+    assert main(["checkpoint", "info", str(d)]) == 1
+    assert "complete      marker present, but damaged:" in capsys.readouterr().out

@@ -45,19 +45,32 @@ def test_a_server_that_never_answers_ends_at_the_timeout():
         assert time.monotonic() - t0 < 30  # one timeout, not a retry schedule (generous for a loaded machine)
 
 
-def test_any_http_answer_is_a_reachable_server_and_other_stores_are_not_probed(tmp_path):
-    class NotFound(http.server.BaseHTTPRequestHandler):
+def _serve(code: int) -> http.server.HTTPServer:
+    class Answer(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            self.send_response(404)
+            self.send_response(code)
             self.end_headers()
 
         def log_message(self, *args):
             pass
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_4xx_answer_is_a_reachable_server_a_5xx_is_not_and_other_stores_are_not_probed(tmp_path):
+    """404 (or 401): MLflow, or a proxy in front of it, answered. 503: a gateway in front of a
+    stopped server, behind which MLflow's client would retry for minutes."""
+    server = _serve(404)
     try:
         check_mlflow_server(MlflowSection(tracking_uri=f"http://127.0.0.1:{server.server_port}"))
+    finally:
+        server.shutdown()
+    server = _serve(503)
+    try:
+        with pytest.raises(ConfigError, match=r"no MLflow server answered within 10 s \(HTTP 503 .*a proxy or gateway"):
+            check_mlflow_server(MlflowSection(tracking_uri=f"http://127.0.0.1:{server.server_port}"))
     finally:
         server.shutdown()
     check_mlflow_server(MlflowSection(tracking_uri=f"file:{tmp_path / 'mlruns'}"))
