@@ -380,7 +380,7 @@ def _dynamo_counters() -> dict[str, Any]:
 def _variant(cfg, plan: dict[str, Any], device_memory: int | None) -> dict[str, Any]:
     """What the single-GPU recipe is, its budgets and the memory estimate at its ZeRO stage."""
     from smelt_ds.cost.budget import compute_budget
-    from smelt_ds.cost.memory import estimate
+    from smelt_ds.parallel.memory import estimate
 
     b = compute_budget(cfg, cfg.train.seq_len)
     mem = device_memory or 141 * 10**9
@@ -423,8 +423,8 @@ def _train(plan: dict[str, Any], compile_mode: str) -> dict[str, Any]:
     import torch
 
     from smelt_ds.cost.budget import compute_budget
-    from smelt_ds.cost.precision import resolve_precision
     from smelt_ds.parallel.distributed import init_distributed
+    from smelt_ds.parallel.hardware import training_precision
     from smelt_ds.train.build import build
 
     if compile_mode != "none":  # the config key train.compile (none | layers | model) selects it
@@ -471,7 +471,7 @@ def _train(plan: dict[str, Any], compile_mode: str) -> dict[str, Any]:
     fpt = compute_budget(cfg, S).train_flops_per_token
     fpt_causal = compute_budget(cfg, S, attention_convention="causal").train_flops_per_token
     tflops = tps * fpt / 1e12
-    precision = resolve_precision(cfg)
+    precision = training_precision(cfg)
     on_gpu_bf16 = dev == "cuda" and precision == "bf16"
     peak, peak_source = _peak(torch.cuda.get_device_name()) if on_gpu_bf16 else (None, None)
     out: dict[str, Any] = {
@@ -523,11 +523,11 @@ def section_memory(plan: dict[str, Any]) -> dict[str, Any]:
     if dev == "cuda":
         measured, predicted = m.peak_allocated, m.predicted_total
         what = ("CUDA allocator peak (torch.cuda.max_memory_allocated) of 2 training steps through the DeepSpeed "
-                "engine vs smelt_ds.cost.memory.estimate's total (model states + activations + temporaries)")
+                "engine vs smelt_ds.parallel.memory.estimate's total (model states + activations + temporaries)")
     else:
         measured, predicted = m.saved_activations, m.predicted_activations
         what = ("CPU (no allocator peak): bytes autograd saved for backward (SavedTensorCounter) vs "
-                "smelt_ds.cost.memory.activation_bytes(...).stored, fp32, plain PyTorch AdamW (ZeRO-0)")
+                "smelt_ds.parallel.memory.activation_bytes(...).stored, fp32, plain PyTorch AdamW (ZeRO-0)")
     return {"policy": policy, "device": dev, "what": what, "measured_bytes": measured, "predicted_bytes": predicted,
             "ratio": measured / predicted if measured is not None and predicted else None,
             "measurement": m.as_dict(), "recipe": plan["recipe"], "overrides": overrides(plan)}

@@ -4,7 +4,7 @@ For each policy (none, full, looped, every_n) the same model (same weights, same
 forward + backward pass; rounds time every policy once, in a rotated order, and the median over
 rounds is reported as a ratio to ``none``. The saved-activation bytes (exact, through
 ``torch.autograd.graph.saved_tensors_hooks``, :class:`smelt_ds.study.memory_profile.SavedTensorCounter`) are
-reported as a ratio to ``none`` as well, next to the prediction of :mod:`smelt_ds.cost.memory`.
+reported as a ratio to ``none`` as well, next to the prediction of :mod:`smelt_ds.parallel.memory`.
 
 Targets (issue 5): ``full`` costs at most 1.4x ``none`` in step time (theory: recomputing every
 forward adds one forward to forward + backward = 3 forwards, 4/3 = 1.33x); ``looped`` saves at
@@ -25,9 +25,9 @@ import time
 import torch
 
 from smelt_ds.config.loading import config_from_dict, config_to_dict, load_config
-from smelt_ds.cost.memory import POLICIES, activation_bytes
 from smelt_ds.model import SmeltLM
 from smelt_ds.parallel.engine import configure_activation_checkpointing
+from smelt_ds.parallel.memory import POLICIES, activation_bytes
 from smelt_ds.study.memory_profile import SavedTensorCounter
 from smelt_ds.train.objective import total_loss
 

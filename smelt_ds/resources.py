@@ -2,7 +2,7 @@
 
 Three folders of the repository are read by the commands, not only by developers:
 
-* ``ds_configs/*.json``: the DeepSpeed config templates (:func:`smelt_ds.cost.zero_config.load_template`);
+* ``ds_configs/*.json``: the DeepSpeed config templates (:func:`smelt_ds.parallel.zero_section.load_template`);
 * ``launchers/``: the deepspeed / Slurm / Kubernetes job templates (``smelt-ds render-job``, ``smelt-ds sweep``);
 * ``recipes/``: the shipped recipes (``smelt-ds recipes table`` lists them; sweeps name them relatively).
 

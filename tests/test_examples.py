@@ -116,7 +116,7 @@ EXPENSIVE = {
     "smelt-ds train recipes/tiny/smelt.yaml --set train.compile=layers --set train.compile_backend=aot_eager":
         "tests/parallel/test_compile.py::test_compiled_layers_train_like_eager",
     "smelt-ds memory recipes/tiny/smelt.yaml --measure --seq-len 32 --micro-batch 2":
-        "tests/cost/test_memory.py::test_cli_table_json_and_errors",
+        "tests/parallel/test_memory.py::test_cli_table_json_and_errors",
     # docs/evaluation.md: evaluation, harness, HumanEval, test-time loop count
     "smelt-ds train recipes/tiny/baseline.yaml --set train.max_steps=300 --run-dir /tmp/runs/baseline":
         _RUN_EXPORT_INIT,

@@ -302,6 +302,52 @@ def test_model_and_cost_never_import_deepspeed():
     assert not bad, f"DeepSpeed imported under model/ or cost/ (pure PyTorch / analytic layers): {bad}"
 
 
+#: what the analytic layer may not do: ask the hardware or write files (its command module,
+#: ``cost/cli.py``, writes what the user names with ``-o``)
+DEVICE_QUERIES = ("torch.cuda", "psutil")
+FILE_WRITES = ("write_text", "write_bytes", "open", "mkdir")
+
+
+def device_or_file_uses(source: str) -> list[str]:
+    """Dotted names in ``source`` that query the device (:data:`DEVICE_QUERIES`) or write files
+    (:data:`FILE_WRITES`, as a called name or method)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            parts, cur = [node.attr], node.value
+            while isinstance(cur, ast.Attribute):
+                parts.insert(0, cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name):
+                name = ".".join([cur.id, *parts])
+                if name.startswith(DEVICE_QUERIES):
+                    found.append(name)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [m for m in mods if m.split(".")[0] == "psutil"]
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in FILE_WRITES:
+                found.append(name + "()")
+    return found
+
+
+def test_cost_never_queries_the_device_or_writes_files():
+    bad = {str(p.relative_to(PACKAGE)): uses for p in sorted((PACKAGE / "cost").glob("*.py"))
+           if p.name != "cli.py" and (uses := device_or_file_uses(p.read_text()))}
+    assert not bad, (f"cost/ is analytic: device queries or file writes {bad}; measure the device in "
+                     "parallel/hardware.py and write run files under runs/")
+
+
+def test_device_and_file_uses_are_caught():
+    src = ("import psutil\nimport torch\n\ndef f(p):\n    torch.cuda.is_available()\n"
+           "    p.write_text('x')\n    return open(p)\n")
+    assert sorted(set(device_or_file_uses(src))) == ["open()", "psutil", "torch.cuda", "torch.cuda.is_available",
+                                                      "write_text()"]
+    assert device_or_file_uses("import torch\n\ndef f(x):\n    return torch.zeros(x).cpu()\n") == []
+
+
 def test_no_function_level_import_of_own_modules():
     counts = function_level_counts(_graph())
     assert not counts, (f"imports of smelt_ds modules inside functions (module: count): {dict(counts)}; import "

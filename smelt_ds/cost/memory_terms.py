@@ -20,7 +20,7 @@ What a rank holds during training, split the way ZeRO thinks about it (Rajbhanda
   part (``P_dense`` on ``N`` GPUs, ``P_expert / ep`` on ``N / ep`` GPUs).
 * **Activations** saved for backward per micro-batch: a per-visit formula derived from what
   *our* code saves (each term is an autograd saved tensor of smelt_ds.model, checked against
-  ``torch.autograd.graph.saved_tensors_hooks`` by tests/cost/test_memory.py), in the spirit of
+  ``torch.autograd.graph.saved_tensors_hooks`` by tests/parallel/test_memory.py), in the spirit of
   Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
   (arXiv 2205.05198, §4.1: ``s b h (34 + 5 a s / h)`` bytes per GPT layer in fp16), adapted to
   RMSNorm computed in fp32, GQA (our attention repeats K/V to all query heads before SDPA, so
@@ -183,7 +183,7 @@ def _zero2_estimate(P: int, gpus_per_node: int, nodes: int, offload: bool) -> tu
     """``(cpu, gpu)`` bytes of DeepSpeed 0.19's ``estimate_zero2_model_states_mem_needs`` (bf16,
     ``deepspeed/runtime/zero/stage_1_and_2.py``), written out so that ``cost/`` needs no DeepSpeed
     import: GPU ``2 P + 18 P / N`` (``2 P`` with the optimizer offloaded); CPU ``4 P`` per GPU of the
-    node (``P * max(4 N, 16)`` offloaded), times 1.5. tests/cost/test_memory.py checks equality."""
+    node (``P * max(4 N, 16)`` offloaded), times 1.5. tests/parallel/test_memory.py checks equality."""
     N = gpus_per_node * nodes
     if offload:
         return int(P * max(4 * N, 16) * _DS_CPU_BUFFER_FACTOR), 2 * P
@@ -197,7 +197,7 @@ def _zero3_estimate(P: int, largest: int, gpus_per_node: int, nodes: int, off_op
     (``4 * largest`` with its gradient) plus ``18 P / N`` on the GPU (``2 P / N`` with the optimizer
     offloaded, nothing with the parameters offloaded too); CPU per node ``18 P / nodes``
     (``16 P / nodes`` optimizer-only offload; the largest layer per GPU without offload), times
-    1.5. tests/cost/test_memory.py checks equality with DeepSpeed's function."""
+    1.5. tests/parallel/test_memory.py checks equality with DeepSpeed's function."""
     N = gpus_per_node * nodes
     gathered = 4 * largest
     if off_opt and off_param:
@@ -444,7 +444,7 @@ def temporary_bytes(cfg: RunConfig, counts: ParamCounts, stage: int, micro_batch
       layer already in the model states.
 
     ``ds_zero`` is the ``zero_optimization`` section of the DeepSpeed config
-    (:func:`smelt_ds.cost.zero_config.zero_section`: the stage's template, loop tuning, the
+    (:func:`smelt_ds.parallel.zero_section.zero_section`: the stage's template, loop tuning, the
     recipe's own keys).
     """
     T, V, a = micro_batch * seq_len, cfg.model.vocab_size, act_bytes

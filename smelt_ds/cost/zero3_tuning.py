@@ -48,7 +48,6 @@ from smelt_ds.config.schedule import LoopSchedule
 from smelt_ds.cost import memory_terms
 from smelt_ds.cost.activation_checkpointing import checkpointed_visits
 from smelt_ds.cost.budget import layer_params
-from smelt_ds.cost.precision import resolve_precision
 from smelt_ds.model.looping import Visit
 
 __all__ = ["KEYS", "Zero3Tuning", "visit_numel", "trace", "reuse_distance_needed", "plan_zero3", "HEADROOM"]
@@ -155,24 +154,14 @@ def _base_values(zero: dict[str, Any]) -> dict[str, int]:
     return {k: int(zero.get(k, DEEPSPEED_DEFAULTS[k])) for k in KEYS}
 
 
-def _device_memory_bytes(world_size: int) -> int:
-    import torch
-
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    import psutil
-
-    return int(psutil.virtual_memory().total // max(1, min(world_size, 8)))
-
-
-def _room_to_gather(cfg: RunConfig, world_size: int, zero: dict[str, Any],
-                    device_memory_bytes: int | None) -> tuple[int, int, int]:
+def _room_to_gather(cfg: RunConfig, world_size: int, zero: dict[str, Any], device_memory_bytes: int,
+                    precision: str) -> tuple[int, int, int]:
     """``(bytes per parameter element, free bytes, device bytes)`` per GPU for ZeRO-3: the
-    device memory (``device_memory_bytes``, default this machine's) minus model states,
+    device memory (``device_memory_bytes``) minus model states,
     activation peak and buffers (without the ZeRO-3 window) of the recipe's own setting
     (:mod:`smelt_ds.cost.memory_terms`), keeping :data:`HEADROOM` free."""
-    pbytes = 2 if resolve_precision(cfg) == "bf16" else 4
-    mem = device_memory_bytes if device_memory_bytes is not None else _device_memory_bytes(world_size)
+    pbytes = 2 if precision == "bf16" else 4
+    mem = device_memory_bytes
     counts = memory_terms.param_counts(cfg)
     ds = cfg.deepspeed
     ep = cfg.moe_runtime.ep_size if world_size % cfg.moe_runtime.ep_size == 0 else 1
@@ -185,10 +174,13 @@ def _room_to_gather(cfg: RunConfig, world_size: int, zero: dict[str, Any],
     return pbytes, int(mem * (1 - HEADROOM)) - ms.gpu - act - sum(tmp.values()), mem
 
 
-def plan_zero3(cfg: RunConfig, zero: dict[str, Any], world_size: int,
-               device_memory_bytes: int | None = None) -> Zero3Tuning:
+def plan_zero3(cfg: RunConfig, zero: dict[str, Any], world_size: int, device_memory_bytes: int,
+               precision: str) -> Zero3Tuning:
     """Decide the three ZeRO-3 values for ``cfg`` given the ``zero_optimization`` section built so
-    far (template values = base). See the module docstring for the rules.
+    far (template values = base), on ``world_size`` ranks of ``device_memory_bytes`` bytes each,
+    training in ``precision`` (``bf16`` or ``fp32``: bytes per gathered element). See the module
+    docstring for the rules. Analytic: the caller measures the device
+    (:mod:`smelt_ds.parallel.hardware`) or names the target GPU.
 
     The facts come first (checkpointed visits, parameters per layer), then the decision; the
     memory check (:func:`_room_to_gather`) runs only where tuning applies."""
@@ -216,7 +208,7 @@ def plan_zero3(cfg: RunConfig, zero: dict[str, Any], world_size: int,
     out.needed = {"stage3_max_reuse_distance": reuse, "stage3_prefetch_bucket_size": prefetch,
                   "stage3_max_live_parameters": reuse + 2 * prefetch}
     wanted = {k: max(base[k], out.needed[k]) for k in KEYS}
-    pbytes, free, mem = _room_to_gather(cfg, world_size, zero, device_memory_bytes)
+    pbytes, free, mem = _room_to_gather(cfg, world_size, zero, device_memory_bytes, precision)
     extra = pbytes * max(0, wanted["stage3_max_reuse_distance"] + wanted["stage3_prefetch_bucket_size"]
                          - base["stage3_max_reuse_distance"] - base["stage3_prefetch_bucket_size"])
     out.extra_gathered_bytes, out.free_bytes, out.device_memory_bytes = extra, free, mem

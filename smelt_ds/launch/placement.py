@@ -26,9 +26,10 @@ from smelt_ds.config.cluster import ClusterLayout
 from smelt_ds.config.loading import apply_overrides, config_from_dict, read_recipe
 from smelt_ds.config.run import RunConfig
 from smelt_ds.config.train import resolve_batch
-from smelt_ds.cost.memory import ZERO_OPTIONS, Fix, GiB, MemoryReport, check_cluster, estimate, row_fits
-from smelt_ds.cost.zero_config import zero3_plan
+from smelt_ds.cost.precision import resolve_precision
 from smelt_ds.errors import ConfigError
+from smelt_ds.parallel.memory import ZERO_OPTIONS, Fix, GiB, MemoryReport, check_cluster, estimate, row_fits
+from smelt_ds.parallel.zero_section import zero3_plan
 
 __all__ = ["MIN_HEADROOM", "CPU_LAYOUT", "load_raw", "Resolved", "resolve", "zero_option", "zero3_decision",
            "memory_report", "Placement", "place", "check_world", "nodes_to_fit"]
@@ -89,7 +90,7 @@ def resolve(path: str | Path, layout: str | None = None, overrides: list[str] | 
 
 
 def zero_option(cfg: RunConfig) -> str:
-    """The :data:`smelt_ds.cost.memory.ZERO_OPTIONS` label of the recipe's ZeRO stage and offloads
+    """The :data:`smelt_ds.parallel.memory.ZERO_OPTIONS` label of the recipe's ZeRO stage and offloads
     (e.g. ``zero3+opt_off``). Raises ConfigError when the memory table has no such option."""
 
     ds = cfg.deepspeed
@@ -103,20 +104,22 @@ def zero_option(cfg: RunConfig) -> str:
 
 
 def zero3_decision(cfg: RunConfig, layout: ClusterLayout, world_size: int):
-    """The loop-aware ZeRO-3 decision (:func:`smelt_ds.cost.zero_config.zero3_plan`) DeepSpeed's config
-    will get on ``world_size`` GPUs of the layout's memory, or None below ZeRO-3."""
+    """The loop-aware ZeRO-3 decision (:func:`smelt_ds.parallel.zero_section.zero3_plan`) DeepSpeed's config
+    will get on ``world_size`` GPUs of the layout's memory in the precision the job will train in
+    (fp32 for a CPU layout, the recipe's on a GPU: ``auto`` is bf16), or None below ZeRO-3."""
 
     if cfg.deepspeed.zero_stage != 3:
         return None
-    return zero3_plan(cfg, world_size, int(layout.device_memory_gib * GiB))
+    precision = "fp32" if layout.gpu == "cpu" else resolve_precision(cfg)
+    return zero3_plan(cfg, world_size, int(layout.device_memory_gib * GiB), precision)
 
 
 def memory_report(cfg: RunConfig, layout: ClusterLayout, nodes: int | None = None,
                   gpus_per_node: int | None = None):
-    """``smelt_ds.cost.memory.estimate`` of the recipe's own ZeRO option and checkpointing policy on
+    """``smelt_ds.parallel.memory.estimate`` of the recipe's own ZeRO option and checkpointing policy on
     ``nodes x gpus_per_node`` GPUs (default: the layout's) of the layout's device memory. A CPU
     layout is estimated in fp32 for CPU processes. Under ZeRO-3 the loop-aware reuse distance the
-    job will run with at that world size (:func:`smelt_ds.cost.zero_config.zero_section`) is what
+    job will run with at that world size (:func:`smelt_ds.parallel.zero_section.zero_section`) is what
     the estimate's gathered window sees. ``report.fits(MIN_HEADROOM)`` is the verdict."""
 
     nodes, gpus = nodes or layout.nodes, gpus_per_node or layout.gpus_per_node
@@ -160,7 +163,7 @@ def check_world(cfg: RunConfig, layout_name: str, layout: ClusterLayout, nodes: 
                 from_layout: bool) -> tuple[int, int]:
     """Raise ConfigError when the run cannot use ``nodes x gpus`` GPUs: non-positive counts, more
     GPUs per node than a node of the layout has, a world size ``moe_runtime.ep_size`` does not
-    divide (:func:`smelt_ds.cost.memory.check_cluster`), more ranks than the global batch has
+    divide (:func:`smelt_ds.parallel.memory.check_cluster`), more ranks than the global batch has
     micro-batches. Returns ``(accumulation, global_batch_tokens)``."""
     check_cluster(cfg, nodes, gpus)
     world = nodes * gpus
@@ -220,7 +223,7 @@ def nodes_to_fit(pl: Placement, cfg: RunConfig, report: MemoryReport, min_headro
     ``--seq-len`` / ``--micro-batch`` applied) leaves ``min_headroom`` of the device memory free,
     re-estimated at each node count; None when there is none.
 
-    ``estimate_kwargs``: the other :func:`smelt_ds.cost.memory.estimate` arguments ``report`` was
+    ``estimate_kwargs``: the other :func:`smelt_ds.parallel.memory.estimate` arguments ``report`` was
     made with (precision, device). Model states per GPU shrink with the data-parallel size,
     activations per GPU do not: when the most nodes do not fit, no other count is tried;
     otherwise the counts are tried in order up to the first that fits.

@@ -1,12 +1,13 @@
 """The DeepSpeed config of a run, assembled in one place: :func:`build_ds_config`.
 
-Every consumer takes the config from here: the engine (:func:`smelt_ds.parallel.engine.initialize`),
-``ds_config.json`` and ``zero3_tuning.json`` in a run directory, the tests and benchmarks. The
-assembler writes the sections that follow from the recipe alone itself (:func:`gradient_clipping`,
-:func:`expert_parallel_section`, :func:`comms_logger_section`, :func:`optimizer_section`) and asks
-the layers below for facts: :mod:`smelt_ds.cost` for the precision, the ``ds_configs/`` template
-and the ``zero_optimization`` section with the loop-aware ZeRO-3 values
-(:func:`smelt_ds.cost.zero_config.zero_section`, the same section the memory table estimates),
+Every consumer takes the config from here: the engine
+(:func:`smelt_ds.parallel.engine.initialize`), ``ds_config.json`` and ``zero3_tuning.json`` in a
+run directory, the tests and benchmarks. The assembler writes the sections that follow from the
+recipe alone itself (:func:`gradient_clipping`, :func:`expert_parallel_section`,
+:func:`comms_logger_section`, :func:`optimizer_section`) and asks the modules beside and below it
+for facts: :mod:`smelt_ds.parallel.hardware` for the precision and the device memory, the
+``ds_configs/`` template and the ``zero_optimization`` section with the loop-aware ZeRO-3 values
+(:func:`smelt_ds.parallel.zero_section.zero_section`, the same section the memory table estimates),
 :mod:`smelt_ds.config` for the batch. Nothing below calls back up. What each key means and where
 its value comes from: ``ds_configs/README.md``.
 """
@@ -17,10 +18,10 @@ from typing import Any
 
 from smelt_ds.config.run import RunConfig
 from smelt_ds.config.train import resolve_batch
-from smelt_ds.cost.precision import resolve_precision
-from smelt_ds.cost.zero_config import load_template, template_name, zero_section
 from smelt_ds.mappings import deep_merge
 from smelt_ds.parallel.grad_norm import EP_BACKENDS
+from smelt_ds.parallel.hardware import device_memory_bytes, training_precision
+from smelt_ds.parallel.zero_section import load_template, template_name, zero_section
 
 __all__ = ["AUTOEP_LAYER_PATTERN", "build_ds_config", "gradient_clipping", "expert_parallel_section",
            "comms_logger_section", "optimizer_section"]
@@ -49,9 +50,9 @@ def build_ds_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     clipping = gradient_clipping(cfg)
     optional = {"expert_parallel": expert_parallel_section(cfg), "comms_logger": comms_logger_section(cfg),
                 "optimizer": optimizer_section(cfg)}
-    precision = resolve_precision(cfg)
+    precision = training_precision(cfg)
     template = load_template(template_name(cfg))
-    zero = zero_section(cfg, world_size)
+    zero = zero_section(cfg, world_size, device_memory_bytes(world_size), precision)
     accum, _ = resolve_batch(cfg.train, world_size)
     micro = cfg.train.micro_batch_size
     out = {**template, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,

@@ -19,7 +19,10 @@ from pathlib import Path
 
 from smelt_ds.arguments import CommaList, Once
 from smelt_ds.cost.budget import DTYPE_BYTES
-from smelt_ds.cost.memory import (
+from smelt_ds.errors import ConfigError
+from smelt_ds.files import write_or_check_generated
+from smelt_ds.launch.placement import CPU_LAYOUT, MIN_HEADROOM, Placement, nodes_to_fit, place
+from smelt_ds.parallel.memory import (
     POLICIES,
     ZERO_OPTIONS,
     GiB,
@@ -32,9 +35,6 @@ from smelt_ds.cost.memory import (
     row_fits,
     verdict,
 )
-from smelt_ds.errors import ConfigError
-from smelt_ds.files import write_or_check_generated
-from smelt_ds.launch.placement import CPU_LAYOUT, MIN_HEADROOM, Placement, nodes_to_fit, place
 from smelt_ds.study.memory_profile import measure
 from smelt_ds.study.recipes import DOCS_TABLE, recipes_table, write_variants
 from smelt_ds.study.scaling import analyse, collect_runs, measured_savings, summarize_exclusions, write_report

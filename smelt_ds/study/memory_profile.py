@@ -3,8 +3,8 @@
 :func:`measure` builds the model, the MoE backend, activation checkpointing and (on CUDA) the
 DeepSpeed engine as training does, runs a few steps on random tokens and reports the bytes
 autograd saved for backward (:class:`SavedTensorCounter`, exact on any device) and, on CUDA, the
-allocator peak, beside :func:`smelt_ds.cost.memory.activation_bytes`'s prediction. It sits above the
-analytic :mod:`smelt_ds.cost.memory` (the cost layer) because it needs an engine.
+allocator peak, beside :func:`smelt_ds.parallel.memory.activation_bytes`'s prediction. It sits above the
+analytic :mod:`smelt_ds.parallel.memory` (the cost layer) because it needs an engine.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import torch
 
 from smelt_ds.config.loading import config_from_dict, config_to_dict
 from smelt_ds.config.run import RunConfig
-from smelt_ds.cost.memory import POLICIES, activation_bytes, estimate, model_states, param_counts
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
 from smelt_ds.parallel.distributed import init_distributed
 from smelt_ds.parallel.engine import configure_activation_checkpointing
+from smelt_ds.parallel.memory import POLICIES, activation_bytes, estimate, model_states, param_counts
 from smelt_ds.train.build import build
 from smelt_ds.train.objective import total_loss
 

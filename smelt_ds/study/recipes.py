@@ -246,7 +246,7 @@ def _training_rows(entries: list[RecipeEntry]) -> list[list[str]]:
 def recipes_table(entries: list[RecipeEntry] | None = None) -> str:
     """The markdown of ``docs/recipes.md``: training setup per size, the three budgets of every
     recipe with deviations from its Baseline, and every recipe x layout with its memory per GPU
-    and verdict (``smelt_ds.cost.memory.estimate``). Deterministic: it depends only on the recipes and
+    and verdict (``smelt_ds.parallel.memory.estimate``). Deterministic: it depends only on the recipes and
     the estimators."""
     entries = entries if entries is not None else shipped_recipes()
     budgets, layouts = recipe_rows(entries)
@@ -275,8 +275,8 @@ def recipes_table(entries: list[RecipeEntry] | None = None) -> str:
           f"{r['deviation']['flops']:+.2%}", f"{r['deviation']['params']:+.2%}",
           f"{r['deviation']['kv_cache']:+.2%}"] for r in budgets])
     out += ["", "## Layouts and memory per GPU", "",
-            f"Estimated by `smelt-ds memory` (`smelt_ds.cost.memory.estimate`) for the recipe's own ZeRO option and "
-            f"activation-checkpointing policy with the layout's overrides applied; a layout fits when at least "
+            f"Estimated by `smelt-ds memory` (`smelt_ds.parallel.memory.estimate`) for the recipe's own ZeRO option "
+            f"and activation-checkpointing policy with the layout's overrides applied; a layout fits when at least "
             f"{MIN_HEADROOM:.0%} of the device memory stays free. GiB = 2^30 bytes. `smelt-ds render-job RECIPE "
             f"--layout NAME` renders the job; accumulation = global batch / (micro-batch x seq_len x GPUs). "
             f"Under ZeRO-3 "

@@ -29,12 +29,12 @@ import torch
 from smelt_ds.config.loading import dump_config, load_config
 from smelt_ds.config.run import RunConfig
 from smelt_ds.cost.budget import compute_budget
-from smelt_ds.cost.precision import resolve_precision
 from smelt_ds.errors import ConfigError
 from smelt_ds.model.router import TopKRouter
 from smelt_ds.parallel.build_lock import check_build_lock
 from smelt_ds.parallel.distributed import find_free_port, init_distributed, on_rank0
 from smelt_ds.parallel.grad_norm import clip_before_step, logged_grad_norm
+from smelt_ds.parallel.hardware import training_precision
 from smelt_ds.parallel.skip import skipping_update
 from smelt_ds.parallel.threads import ThreadChoice, apply_threads, thread_choice
 from smelt_ds.runs import checkpoint as ckpt
@@ -379,7 +379,7 @@ class _Fit:
         self.accum = built.engine.gradient_accumulation_steps()
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * self.accum * world
         self.budget = compute_budget(cfg, cfg.train.seq_len)
-        self.precision = resolve_precision(cfg)
+        self.precision = training_precision(cfg)
         self.result = RunResult(out_dir, step, tokens_seen, [], [], {}, [])
         trackers = on_rank0(rank, lambda: start_trackers(cfg, out_dir, step, self.budget.as_dict()))
         self.writer = MetricsWriter(out_dir, rank == 0, step, trackers or ())

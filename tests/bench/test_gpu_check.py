@@ -34,7 +34,7 @@ import torch
 
 from smelt_ds.config.loading import load_config
 from smelt_ds.cost.budget import compute_budget
-from smelt_ds.cost.memory import activation_bytes
+from smelt_ds.parallel.memory import activation_bytes
 from smelt_ds.testing.distributed import scaled_timeout, timeout_scale
 from tests.numerics import lm_chain_length, prob_tol
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from smelt_ds.config.loading import config_from_dict
-from smelt_ds.cost import zero_config
 from smelt_ds.cost.zero3_tuning import KEYS, plan_zero3, reuse_distance_needed, trace, visit_numel
-from smelt_ds.cost.zero_config import zero_section
+from smelt_ds.parallel import zero_section as zero_section_mod
 from smelt_ds.parallel.ds_config import build_ds_config
+from smelt_ds.parallel.zero_section import zero_section
 from smelt_ds.runs.zero3_record import write_zero3_tuning
 from smelt_ds.testing import run_distributed
 from tests.markers import slow_fixture
@@ -64,34 +64,37 @@ def test_reuse_distance_needed_from_the_visit_plan(kw, want):
 
 def test_auto_raises_values_never_lowers_and_user_values_win():
     big = 10 * 2 ** 30
-    d = plan_zero3(_cfg(), dict(SMALL), 2, big)
+    d = plan_zero3(_cfg(), dict(SMALL), 2, big, "fp32")
     assert d.applied and d.values == {"stage3_max_reuse_distance": P_SPAN, "stage3_prefetch_bucket_size": P_LAYER,
                                       "stage3_max_live_parameters": P_SPAN + 2 * P_LAYER}
     template = {k: 10 ** 9 for k in KEYS}
-    assert plan_zero3(_cfg(), template, 2, big).values == template  # DeepSpeed's 1e9 already covers it
-    user = plan_zero3(_cfg(zero={"stage3_max_reuse_distance": 5}), dict(SMALL), 2, big)
+    assert plan_zero3(_cfg(), template, 2, big, "fp32").values == template  # DeepSpeed's 1e9 already covers it
+    user = plan_zero3(_cfg(zero={"stage3_max_reuse_distance": 5}), dict(SMALL), 2, big, "fp32")
     assert user.values["stage3_max_reuse_distance"] == 5 and "user-set" in user.reason
-    off = plan_zero3(_cfg(tuning="off"), dict(SMALL), 2, big)
+    off = plan_zero3(_cfg(tuning="off"), dict(SMALL), 2, big, "fp32")
     assert not off.applied and off.values == SMALL
-    assert not plan_zero3(_cfg(stage=2), dict(SMALL), 2, big).applied
+    assert not plan_zero3(_cfg(stage=2), dict(SMALL), 2, big, "fp32").applied
 
 
 def test_auto_declines_when_the_block_does_not_fit():
-    d = plan_zero3(_cfg(), dict(SMALL), 2, device_memory_bytes=2 ** 20)  # 1 MiB GPU
+    d = plan_zero3(_cfg(), dict(SMALL), 2, device_memory_bytes=2 ** 20, precision="fp32")  # 1 MiB GPU
     assert not d.applied and d.values == SMALL and "re-gathered" in d.reason
-    assert d.extra_gathered_bytes == 4 * (P_SPAN + P_LAYER)  # fp32 on CPU
+    assert d.extra_gathered_bytes == 4 * (P_SPAN + P_LAYER)  # fp32: 4 bytes per gathered element
+    bf16 = plan_zero3(_cfg(), dict(SMALL), 2, device_memory_bytes=2 ** 20, precision="bf16")
+    assert bf16.extra_gathered_bytes == 2 * (P_SPAN + P_LAYER)  # the planned precision, not this machine's
 
 
 def test_build_ds_config_and_run_dir_file(tmp_path, monkeypatch):
-    orig = zero_config.load_template
-    monkeypatch.setattr(zero_config, "load_template", lambda name: _small_template(orig(name)))
+    orig = zero_section_mod.load_template
+    monkeypatch.setattr(zero_section_mod, "load_template", lambda name: _small_template(orig(name)))
     cfg = _cfg(zero={"stage3_param_persistence_threshold": 0})
     zero = build_ds_config(cfg, 2)["zero_optimization"]
     assert zero["stage3_max_reuse_distance"] == P_SPAN and zero["stage3_param_persistence_threshold"] == 0
     path = write_zero3_tuning(tmp_path, cfg, 2, build_ds_config(cfg, 2))
     data = json.loads(path.read_text())
     assert data["applied"] and data["final"]["stage3_max_reuse_distance"] == P_SPAN and data["reason"]
-    assert zero_section(_cfg(tuning="off"), 2)["stage3_max_reuse_distance"] == 0  # `off`: the template's
+    off = zero_section(_cfg(tuning="off"), 2, 10 * 2 ** 30, "fp32")
+    assert off["stage3_max_reuse_distance"] == 0  # `off`: the template's
 
 
 def _small_template(t):
@@ -121,8 +124,8 @@ def _comms_worker(rank, world, raws):
     from smelt_ds.train.build import build
     from smelt_ds.train.objective import total_loss
 
-    orig = zero_config.load_template
-    zero_config.load_template = lambda name: _small_template(orig(name))
+    orig = zero_section_mod.load_template
+    zero_section_mod.load_template = lambda name: _small_template(orig(name))
     res = []
     for raw in raws:
         cfg = config_from_dict(raw)

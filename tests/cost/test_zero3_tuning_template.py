@@ -26,8 +26,8 @@ import torch
 
 from smelt_ds.config.loading import config_from_dict, load_config
 from smelt_ds.cost.zero3_tuning import KEYS, plan_zero3, reuse_distance_needed, visit_numel
-from smelt_ds.cost.zero_config import load_template
 from smelt_ds.parallel.ds_config import build_ds_config
+from smelt_ds.parallel.zero_section import load_template
 from smelt_ds.testing import run_distributed
 
 P_LAYER, P_SPAN = 9408, 18816
@@ -60,7 +60,7 @@ def test_below_the_threshold_auto_builds_the_same_deepspeed_config_as_off():
     cfg_auto, cfg_off = config_from_dict(_raw("auto")), config_from_dict(_raw("off"))
     assert reuse_distance_needed(cfg_auto) == P_SPAN < _template_zero()["stage3_max_reuse_distance"]
     assert build_ds_config(cfg_auto, 2) == build_ds_config(cfg_off, 2)
-    d = plan_zero3(cfg_auto, _template_zero(), 2, 80 * GIB)
+    d = plan_zero3(cfg_auto, _template_zero(), 2, 80 * GIB, "bf16")
     assert d.applied and d.values == d.base and "already cover" in d.reason
 
 
@@ -70,7 +70,7 @@ def test_auto_changes_the_reuse_distance_exactly_above_the_templates(reuse, chan
     plan needs is kept; one element less is raised to the need (live and prefetch kept at 1e9 /
     5e7, which cover the test model)."""
     zero = {**_template_zero(), "stage3_max_reuse_distance": reuse}
-    d = plan_zero3(config_from_dict(_raw("auto")), zero, 2, 80 * GIB)
+    d = plan_zero3(config_from_dict(_raw("auto")), zero, 2, 80 * GIB, "bf16")
     assert d.values["stage3_max_reuse_distance"] == (P_SPAN if changes else reuse)
     assert (d.values != d.base) is changes
     assert d.values["stage3_max_live_parameters"] == 10 ** 9 and d.values["stage3_prefetch_bucket_size"] == 5 * 10 ** 7
@@ -87,7 +87,7 @@ def test_which_shipped_recipes_pass_the_threshold(path, raised):
     cfg = load_config(path, ["deepspeed.zero_stage=3"])
     layout = cfg.cluster.layouts[cfg.cluster.default or next(iter(cfg.cluster.layouts))]
     world = layout.nodes * layout.gpus_per_node
-    d = plan_zero3(cfg, _template_zero(), world, int(layout.device_memory_gib * GIB))
+    d = plan_zero3(cfg, _template_zero(), world, int(layout.device_memory_gib * GIB), "bf16")
     need = reuse_distance_needed(cfg)
     assert (need > 10 ** 9) is raised
     assert d.values["stage3_max_reuse_distance"] == (need if raised else 10 ** 9), d.reason

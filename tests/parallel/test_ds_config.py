@@ -17,10 +17,10 @@ import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from smelt_ds.config.loading import config_from_dict
-from smelt_ds.cost import zero_config
-from smelt_ds.cost.zero_config import template_name
 from smelt_ds.errors import ConfigError
+from smelt_ds.parallel import zero_section as zero_section_mod
 from smelt_ds.parallel.ds_config import build_ds_config, expert_parallel_section, gradient_clipping
+from smelt_ds.parallel.zero_section import template_name
 from smelt_ds.resources import DS_CONFIG_DIR
 from tests.parallel.moe_backends.backend_helpers import tiny_cfg
 from tests.parallel.test_engine import _cfg
@@ -65,7 +65,7 @@ def templates(tmp_path, monkeypatch):
         if t["zero_optimization"]["stage"] == 3:
             t["zero_optimization"].update(SMALL, reduce_bucket_size=1000)
         (tmp_path / path.name).write_text(json.dumps(t))
-    monkeypatch.setattr(zero_config, "DS_CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(zero_section_mod, "DS_CONFIG_DIR", tmp_path)
     return tmp_path
 
 

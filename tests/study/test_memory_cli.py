@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from smelt_ds.cli import main as cli_main
-from smelt_ds.cost.memory import GiB, estimate, param_counts
 from smelt_ds.launch.jobs import JobOptions, plan_job
 from smelt_ds.launch.placement import MIN_HEADROOM, resolve
+from smelt_ds.parallel.memory import GiB, estimate, param_counts
 from smelt_ds.study.recipes import shipped_recipes
 
 M = "recipes/m/smelt.yaml"

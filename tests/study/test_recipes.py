@@ -15,11 +15,11 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from smelt_ds.config.loading import load_config
 from smelt_ds.cost.budget import compute_budget, match_baseline
 from smelt_ds.cost.cli import parse_ranges
-from smelt_ds.cost.memory import GiB, estimate
-from smelt_ds.cost.zero_config import template_name
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.placement import MIN_HEADROOM, load_raw, resolve
 from smelt_ds.parallel.ds_config import build_ds_config
+from smelt_ds.parallel.memory import GiB, estimate
+from smelt_ds.parallel.zero_section import template_name
 from smelt_ds.study.recipes import (
     DOCS_TABLE,
     SIZES,

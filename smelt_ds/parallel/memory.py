@@ -3,7 +3,7 @@ policy per GPU, with a fits / does-not-fit verdict against the device memory.
 
 The terms (model states, activations, temporary buffers, KV cache) and their sources are in
 :mod:`smelt_ds.cost.memory_terms`; the ``zero_optimization`` section each option would run with
-comes from :func:`smelt_ds.cost.zero_config.zero_section`. Units: bytes unless a name says
+comes from :func:`smelt_ds.parallel.zero_section.zero_section`. Units: bytes unless a name says
 otherwise.
 """
 
@@ -33,8 +33,8 @@ from smelt_ds.cost.memory_terms import (
     with_policy,
 )
 from smelt_ds.cost.precision import resolve_precision
-from smelt_ds.cost.zero_config import zero_section
 from smelt_ds.errors import ConfigError
+from smelt_ds.parallel.zero_section import zero_section
 
 __all__ = ["GiB", "parse_bytes", "format_bytes", "ParamCounts", "param_counts", "ModelStates", "model_states",
            "ZERO_OPTIONS", "POLICIES", "visit_activation_terms", "outside_activation_terms", "ActivationEstimate",
@@ -51,8 +51,8 @@ SOURCES = {
     "model_states": "DeepSpeed estimate_zero2_model_states_mem_needs / estimate_zero3_model_states_mem_needs "
                     "(bf16: 2 B params + 18 B/param sharded); ZeRO-0/1 and fp32 by the same decomposition; "
                     "experts sharded over moe_runtime.ep_size, dense params over all ranks",
-    "activations": "per-visit saved-tensor formula of smelt_ds.cost.memory.visit_activation_terms, after Korthikanti "
-                   "et al. 2022 (arXiv 2205.05198) adapted to RMSNorm in fp32, GQA repeated K/V, SDPA "
+    "activations": "per-visit saved-tensor formula of smelt_ds.cost.memory_terms.visit_activation_terms, after "
+                   "Korthikanti et al. 2022 (arXiv 2205.05198) adapted to RMSNorm in fp32, GQA repeated K/V, SDPA "
                    "flash kernels, SwiGLU experts on T*K routed copies; checkpointed visits keep their input",
     "kv_cache": "visits * 2 * num_kv_heads * head_dim * bytes per token (smelt_ds.cost.budget)",
 }
@@ -198,7 +198,7 @@ def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memo
     check_cluster(cfg, nodes, gpus_per_node)
     dev_mem = parse_bytes(device_memory_bytes)
 
-    prec = resolve_precision(cfg, precision, target="gpu")  # a GPU target: `auto` is bf16
+    prec = resolve_precision(cfg, precision)  # a GPU target: `auto` is bf16
     a = 2 if prec == "bf16" else 4
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
     counts = param_counts(cfg)
@@ -220,7 +220,7 @@ def estimate(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 1, device_memo
         ms = model_states(counts, nodes, gpus_per_node, stage, off_opt, off_param, prec, cfg.moe_runtime.ep_size)
         for p in policy_list:
             # the ZeRO-3 loop tuning depends on the policy (recomputes lengthen backward reuse gaps)
-            zero = zero_section(with_policy(cfg, p), nodes * gpus_per_node, dev_mem, stage, off_opt, off_param)
+            zero = zero_section(with_policy(cfg, p), nodes * gpus_per_node, dev_mem, prec, stage, off_opt, off_param)
             tmp = sum(temporary_bytes(cfg, counts, stage, B, S, a, ds_zero=zero).values())
             total = ms.gpu + acts[p].peak + tmp
             rows.append(MemoryRow(label, stage, off_opt, off_param, p, ms.params, ms.grads, ms.optimizer,

@@ -1,14 +1,18 @@
 """The ZeRO option of a recipe: its ``ds_configs/`` template and its ``zero_optimization`` section.
 
-The section is, in order: the template's ``zero_optimization`` (``ds_configs/*.json``), the stage
-and offload devices, the loop-aware ZeRO-3 values (:func:`smelt_ds.cost.zero3_tuning.plan_zero3`,
-only with ``deepspeed.zero3_loop_tuning: auto`` at stage 3; keys the user set are never tuned) and
-last the recipe's own ``deepspeed.config.zero_optimization`` keys (they win). Sizes are in
-elements, as DeepSpeed reads them. One builder for every consumer: the DeepSpeed config of a run
+This is where the DeepSpeed settings of the ZeRO option are built (beside
+:mod:`smelt_ds.parallel.ds_config`, which assembles the rest); the decisions themselves are
+analytic (:mod:`smelt_ds.cost.zero3_tuning`). The section is, in order: the template's
+``zero_optimization`` (``ds_configs/*.json``), the stage and offload devices, the loop-aware ZeRO-3
+values (:func:`smelt_ds.cost.zero3_tuning.plan_zero3`, only with ``deepspeed.zero3_loop_tuning:
+auto`` at stage 3; keys the user set are never tuned) and last the recipe's own
+``deepspeed.config.zero_optimization`` keys (they win). Sizes are in elements, as DeepSpeed reads
+them. One builder for every consumer: the DeepSpeed config of a run
 (:func:`smelt_ds.parallel.ds_config.build_ds_config`), the memory table's rows for other ZeRO
-options (:func:`smelt_ds.cost.memory.estimate`), the job plans and recipe table
+options (:func:`smelt_ds.parallel.memory.estimate`), the job plans and recipe table
 (:mod:`smelt_ds.launch.placement`) and ``zero3_tuning.json`` in a run directory
-(:mod:`smelt_ds.runs.zero3_record`).
+(:mod:`smelt_ds.runs.zero3_record`). The caller names the memory per rank and the precision: this machine's for a run
+(:mod:`smelt_ds.parallel.hardware`), the target GPU's for a plan.
 """
 
 from __future__ import annotations
@@ -82,24 +86,26 @@ def _template_zero(cfg: RunConfig, name: str) -> dict[str, Any]:
     return zero
 
 
-def zero3_plan(cfg: RunConfig, world_size: int, device_memory_bytes: int | None = None,
+def zero3_plan(cfg: RunConfig, world_size: int, device_memory_bytes: int, precision: str,
                stage: int | None = None, offload_optimizer: bool | None = None,
                offload_param: bool | None = None) -> Zero3Tuning:
     """The loop-aware ZeRO-3 decision for ``cfg`` (or the given ZeRO option) on ``world_size``
-    ranks of ``device_memory_bytes`` each (default: this machine's device)."""
+    ranks of ``device_memory_bytes`` bytes each training in ``precision`` (``bf16`` / ``fp32``):
+    this machine's (:mod:`smelt_ds.parallel.hardware`) for a run, the target GPU's for a plan."""
     option_cfg, name = _option_cfg(cfg, stage, offload_optimizer, offload_param)
-    return plan_zero3(option_cfg, _template_zero(option_cfg, name), world_size, device_memory_bytes)
+    return plan_zero3(option_cfg, _template_zero(option_cfg, name), world_size, device_memory_bytes, precision)
 
 
-def zero_section(cfg: RunConfig, world_size: int, device_memory_bytes: int | None = None,
+def zero_section(cfg: RunConfig, world_size: int, device_memory_bytes: int, precision: str,
                  stage: int | None = None, offload_optimizer: bool | None = None,
                  offload_param: bool | None = None) -> dict[str, Any]:
     """The ``zero_optimization`` section a run of ``cfg`` (or of the given ZeRO option) gets on
-    ``world_size`` ranks of ``device_memory_bytes`` each: base, loop tuning (user-set keys are not
-    tuned), then ``deepspeed.config.zero_optimization`` merged last. Raises ConfigError for an
-    unknown template name (:func:`load_template`)."""
+    ``world_size`` ranks of ``device_memory_bytes`` bytes each in ``precision`` (as in
+    :func:`zero3_plan`): base, loop tuning (user-set keys are not tuned), then
+    ``deepspeed.config.zero_optimization`` merged last. Raises ConfigError for an unknown template
+    name (:func:`load_template`)."""
     option_cfg, name = _option_cfg(cfg, stage, offload_optimizer, offload_param)
     base = _template_zero(option_cfg, name)
-    decision = plan_zero3(option_cfg, base, world_size, device_memory_bytes)
+    decision = plan_zero3(option_cfg, base, world_size, device_memory_bytes, precision)
     tuned = {k: v for k, v in decision.values.items() if k not in decision.user} if decision.applied else {}
     return deep_merge({**base, **tuned}, option_cfg.deepspeed.config.get("zero_optimization") or {})

@@ -18,10 +18,10 @@ import torch
 
 from smelt_ds.cli import main as cli_main
 from smelt_ds.config.loading import config_from_dict, config_to_dict, load_config
-from smelt_ds.cost import memory
 from smelt_ds.cost.budget import kv_cache_bytes_per_token
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
+from smelt_ds.parallel import memory
 from smelt_ds.parallel.engine import configure_activation_checkpointing
 from smelt_ds.study import memory_profile
 from smelt_ds.train.objective import total_loss
