@@ -50,6 +50,11 @@ export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-600}
 {{ENV_EXPORTS}}
 
 cd "$SMELT_WORKDIR"
+if ! command -v deepspeed >/dev/null 2>&1; then
+  echo "smelt-ds: no deepspeed launcher on PATH on $(hostname): install smelt-ds with scripts/install_gpu.sh" \
+    "(README, docs/cluster.md) and activate that environment before running this script" >&2
+  exit 2
+fi
 mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")"  # the flight recorder writes into an existing directory
 DS_ENV_FILE=$(mktemp)
 export DS_ENV_FILE

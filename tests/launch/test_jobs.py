@@ -460,6 +460,38 @@ def test_deepspeed_script_calls_the_launcher_with_hostfile_and_overrides(tmp_pat
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1" in shipped and "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=600" in shipped
 
 
+def test_jobs_without_smelt_ds_on_the_node_stop_before_the_launcher_naming_the_install(tmp_path):
+    """A Slurm job whose SMELT_PYTHON cannot import smelt_ds, and a deepspeed script with no
+    deepspeed on PATH, exit 2 before srun / the launcher, naming the one install sequence."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, body in (("srun", FAKE_SRUN_EXITS), ("scontrol", FAKE_SCONTROL)):
+        (bindir / name).write_text(body)
+        (bindir / name).chmod(0o755)
+    bare = bindir / "bare-python"  # a Python without site-packages: no smelt_ds
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    bare.chmod(0o755)
+    job = tmp_path / "job.sbatch"
+    job.write_text(render(_plan(ROOT / "recipes/m/smelt.yaml", "slurm", log_dir=str(tmp_path / "logs"),
+                                run_dir=str(tmp_path / "run"))))
+    log = tmp_path / "fake.log"
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_SRUN_RC": "0",
+           "SLURM_JOB_NODELIST": "node-a", "SLURM_JOB_ID": "777", "SMELT_PYTHON": str(bare)}
+    r = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and not log.exists(), r.stderr  # srun never ran
+    assert f"{bare} cannot import smelt_ds" in r.stderr and "scripts/install_gpu.sh" in r.stderr
+    env.pop("SMELT_PYTHON")
+    assert subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=60).returncode == 0
+    assert log.read_text().startswith("srun ")  # with render-job's own interpreter the job starts
+
+    plan = _plan(ROOT / "recipes/m/smelt.yaml", "deepspeed", workdir=str(ROOT), run_dir=str(tmp_path / "run"),
+                 nodes=1, gpus_per_node=8)
+    (tmp_path / "run.sh").write_text(render(plan))
+    r = subprocess.run(["bash", str(tmp_path / "run.sh")], env={**os.environ, "PATH": "/usr/bin:/bin"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no deepspeed launcher on PATH" in r.stderr and "install_gpu.sh" in r.stderr
+
+
 FAKE_DEEPSPEED_WAITS = """#!/bin/bash
 # a launcher whose ranks stop on RUN_DIR/STOP: save (FAKE_SAVE_S), then exit FAKE_RC; 99 when no
 # STOP came within 20 s
