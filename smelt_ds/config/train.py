@@ -154,6 +154,26 @@ def check_train(t: TrainConfig) -> None:
              "(this recipe compiles nothing)", "set train.compile: layers, or remove train.compile_backend")
 
 
+def _batch_fix(t: TrainConfig, data_parallel_size: int) -> str:
+    """The nearest values that make ``resolve_batch`` work: data-parallel sizes (ranks) below and
+    above ``data_parallel_size`` that divide the global batch's micro-batches, and the multiples of
+    the per-step tokens around ``train.global_batch_tokens``."""
+    assert t.global_batch_tokens is not None
+    per_rank = t.micro_batch_size * t.seq_len
+    micro_batches = t.global_batch_tokens // per_rank if t.global_batch_tokens % per_rank == 0 else 0
+    ranks = [d for d in range(1, micro_batches + 1) if micro_batches % d == 0]
+    below = max((d for d in ranks if d < data_parallel_size), default=None)
+    above = min((d for d in ranks if d > data_parallel_size), default=None)
+    near = " or ".join(str(d) for d in (below, above) if d is not None)
+    per_micro = per_rank * data_parallel_size
+    lower = (t.global_batch_tokens // per_micro) * per_micro
+    upper = lower + per_micro
+    tokens = " or ".join(f"{v:,}" for v in (lower, upper) if v > 0)
+    where = f"run on {near} ranks (nodes x GPUs per node; every rank reads its own micro-batches), or " if near else ""
+    return (f"{where}set train.global_batch_tokens to {tokens} on {data_parallel_size} rank(s), or change "
+            "micro_batch_size")
+
+
 def resolve_batch(t: TrainConfig, data_parallel_size: int) -> tuple[int, int]:
     """``(gradient_accumulation_steps, global_batch_tokens)`` of the ``train`` section ``t`` on
     ``data_parallel_size`` ranks.
@@ -170,7 +190,7 @@ def resolve_batch(t: TrainConfig, data_parallel_size: int) -> tuple[int, int]:
         fail("train.global_batch_tokens", t.global_batch_tokens,
               f"must be a multiple of micro_batch_size * seq_len * data-parallel size "
               f"({t.micro_batch_size} * {t.seq_len} * {data_parallel_size} = {per_micro})",
-              "change global_batch_tokens, micro_batch_size or the number of ranks")
+              _batch_fix(t, data_parallel_size))
     accum = t.global_batch_tokens // per_micro
     if t.gradient_accumulation_steps is not None and t.gradient_accumulation_steps != accum:
         fail("train.gradient_accumulation_steps", t.gradient_accumulation_steps,

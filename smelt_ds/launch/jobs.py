@@ -289,11 +289,21 @@ def _parse_env(items: list[str]) -> dict[str, str]:
 
 
 def _job_name(cfg: RunConfig, given: str | None) -> str:
-    name = given or f"smelt-{cfg.name}"
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?", name):
-        raise ConfigError(f"--job-name {name!r}: use lowercase letters, digits and '-' (at most 52 characters, "
+    """The job name: ``--job-name``, checked as a Kubernetes name (lowercase letters, digits and
+    ``-``, at most 52 characters, which every scheduler accepts), or derived from the recipe's
+    ``name`` made into one (``M_Smelt_Pile.v2`` -> ``smelt-m-smelt-pile-v2``). Raises ConfigError
+    for a ``--job-name`` that is not such a name."""
+    pattern = r"[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?"
+    if given is None:
+        derived = re.sub(r"[^a-z0-9]+", "-", f"smelt-{cfg.name}".lower()).strip("-")[:52].rstrip("-")
+        if re.fullmatch(pattern, derived):
+            return derived
+        raise ConfigError(f"`name` ({cfg.name!r}) gives no usable job name ({derived!r}): pass --job-name, "
+                          "e.g. --job-name smelt-xl-smelt")
+    if not re.fullmatch(pattern, given):
+        raise ConfigError(f"--job-name {given!r}: use lowercase letters, digits and '-' (at most 52 characters, "
                           "a Kubernetes name), e.g. smelt-xl-smelt")
-    return name
+    return given
 
 
 def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:

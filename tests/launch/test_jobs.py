@@ -167,7 +167,10 @@ def test_slurm_nodelists_expand_like_scontrol(capsys):
     (dict(scheduler="slurm", gpus_per_node=16), r"--gpus-per-node.*\(16\) is more GPUs than a node of layout 'h100'"),
     (dict(scheduler="slurm", nodes=1, gpus_per_node=4),
      r"`moe_runtime.ep_size` \(8\) does not divide the world size.*= 4\)"),
-    (dict(scheduler="slurm", nodes=3), r"train.global_batch_tokens"),  # 24 GPUs: 2048 sequences do not split
+    # 24 GPUs: 2048 sequences do not split; 16 and 32 ranks (2 or 4 nodes of 8) do
+    (dict(scheduler="slurm", nodes=3), r"train.global_batch_tokens.*: run on 16 or 32 ranks .* or set "
+                                       r"train.global_batch_tokens to 8,355,840 or 8,454,144 on 24 rank"),
+    (dict(scheduler="slurm", job_name="Smelt_XL"), r"--job-name 'Smelt_XL': use lowercase letters"),
     (dict(scheduler="slurm", nodes=0), r"`--nodes` \(0\) must be a positive integer"),
     (dict(scheduler="slurm", layout="b200"), r"--layout 'b200'"),
     (dict(scheduler="slurm", time="two days"), r"--time 'two days'"),
@@ -178,6 +181,15 @@ def test_slurm_nodelists_expand_like_scontrol(capsys):
 def test_bad_input_is_a_clear_error(kw, match):
     with pytest.raises(ConfigError, match=match):
         render(_plan(ROOT / "recipes/xl/smelt.yaml", **kw))
+
+
+def test_a_recipe_name_that_is_no_kubernetes_name_gives_one_for_the_job():
+    """`--set name=M_Smelt_Pile.v2` (a name training accepts) makes the job name, never an error
+    about --job-name, a flag the user did not pass."""
+    plan = _plan(ROOT / "recipes/m/smelt.yaml", "k8s", overrides=["name=M_Smelt_Pile.v2"])
+    assert plan.job_name == "smelt-m-smelt-pile-v2" and 'name: "smelt-m-smelt-pile-v2"' in render(plan)
+    long = _plan(ROOT / "recipes/m/smelt.yaml", "slurm", overrides=["name=" + "Ab." * 30]).job_name
+    assert len(long) <= 52 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", long)
 
 
 def test_fill_template_fills_every_field_and_refuses_a_missing_one():

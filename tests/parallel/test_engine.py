@@ -26,8 +26,13 @@ def _cfg(**sections):
 def test_global_batch_consistency():
     cfg = _cfg(train={"micro_batch_size": 4, "seq_len": 32, "global_batch_tokens": 4 * 32 * 2 * 3})
     assert resolve_batch(cfg.train, 2) == (3, 768)
-    with pytest.raises(ConfigError, match="train.global_batch_tokens"):
+    with pytest.raises(ConfigError, match="train.global_batch_tokens") as e:
         resolve_batch(cfg.train, 4)  # 768 / (4*32*4) is not an integer
+    # the nearest working values: 768 tokens = 6 micro-batches of 128, so 3 or 6 ranks; on 4 ranks
+    # (512 tokens per step) the multiples 512 and 1,024 around 768
+    assert "run on 3 or 6 ranks" in str(e.value) and "to 512 or 1,024 on 4 rank(s)" in str(e.value)
+    for near in (3, 6):
+        assert resolve_batch(cfg.train, near)[1] == 768
     cfg = _cfg(train={"micro_batch_size": 4, "seq_len": 32, "global_batch_tokens": 256,
                       "gradient_accumulation_steps": 3})
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
