@@ -45,6 +45,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("smelt_ds.study.sweep", "run (locally, one after another) or render (Slurm / Kubernetes) a scaling "
                                       "sweep"),
     "scaling": ("smelt_ds.study.cli", "scaling-law analysis of finished runs (smelt-ds scaling fit)"),
+    "preflight": ("smelt_ds.launch.preflight", "every check training makes before its first step, before the queue"),
     "render-job": ("smelt_ds.launch.cli", "render a deepspeed / Slurm / Kubernetes job for a recipe (nothing is "
                                           "launched)"),
 }

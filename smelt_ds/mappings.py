@@ -1,12 +1,16 @@
-"""Nested mappings: :func:`deep_merge`, the one merge of recipe trees (``base:`` and ``--set``),
-DeepSpeed JSON sections (the ``deepspeed.config`` pass-through) and sweep overrides."""
+"""Mappings: :func:`deep_merge`, the one merge of recipe trees (``base:`` and ``--set``),
+DeepSpeed JSON sections (the ``deepspeed.config`` pass-through) and sweep overrides; and
+:func:`updated_environ`, the process environment with a job's or tracker's variables for a block."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["deep_merge"]
+__all__ = ["deep_merge", "updated_environ"]
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -20,3 +24,19 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
         else:
             out[k] = copy.deepcopy(v)
     return out
+
+
+@contextlib.contextmanager
+def updated_environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` updated with ``values`` inside the block, each variable restored (or removed)
+    after it."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

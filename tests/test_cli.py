@@ -35,7 +35,7 @@ def test_each_module_registers_exactly_its_table_commands_with_the_table_help():
         "smelt_ds.eval.cli": ["eval", "analyze", "generate", "lm-eval"],
         "smelt_ds.eval.curves": ["plot"], "smelt_ds.interop.cli": ["export", "import-hf"],
         "smelt_ds.study.cli": ["memory", "recipes", "scaling"], "smelt_ds.study.sweep": ["sweep"],
-        "smelt_ds.launch.cli": ["render-job"]}
+        "smelt_ds.launch.preflight": ["preflight"], "smelt_ds.launch.cli": ["render-job"]}
     every = [c for cmds in per_module.values() for c in cmds]
     assert len(every) == len(set(every)) and set(every) == set(cli.COMMANDS)
     for module, cmds in per_module.items():
@@ -52,12 +52,12 @@ def test_top_level_help_lists_the_table_in_order(capsys):
     listed = re.findall(r"^    (\S+)", capsys.readouterr().out, re.M)
     assert listed == list(cli.COMMANDS) == ["budget", "match", "config", "data", "train", "export", "checkpoint",
                                             "eval", "analyze", "generate", "lm-eval", "plot", "import-hf", "memory",
-                                            "recipes", "sweep", "scaling", "render-job"]
+                                            "recipes", "sweep", "scaling", "preflight", "render-job"]
 
 
 @pytest.mark.parametrize("command", ["budget", "match", "config", "data", "train", "export", "eval", "analyze",
                                      "generate", "plot", "import-hf", "memory", "recipes", "sweep", "scaling",
-                                     "render-job"])
+                                     "preflight", "render-job"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--help"])
@@ -137,7 +137,7 @@ _TWICE: dict[tuple[tuple[str, ...], str], tuple[str, str, object]] = {
     **{(path, "--set"): ("a.b=1", "c.d=2", ["a.b=1", "c.d=2"]) for path in (
         ("budget",), ("config", "show"), ("config", "validate"), ("data", "tokenizer"), ("data", "prepare"),
         ("train",), ("eval",), ("eval", "build-tasks"), ("analyze",), ("generate",), ("memory",), ("sweep",),
-        ("render-job",))},
+        ("preflight",), ("render-job",))},
     (("match",), "--ranges"): ("0:1:2", "1:2:3", "0:1:2,1:2:3"),
     (("data", "tokenizer"), "--input"): ("a.txt", "builtin:code", ["a.txt", "builtin:code"]),
     (("data", "prepare"), "--source"): ("path=a", "path=b", ["path=a", "path=b"]),
@@ -157,6 +157,7 @@ _TWICE: dict[tuple[tuple[str, ...], str], tuple[str, str, object]] = {
     (("scaling", "fit"), "--c-range"): ("1.5 2.5", "3.5 4.5", None),
     (("sweep",), "--only"): ("smelt-*", "*-h64-*", ["smelt-*", "*-h64-*"]),
     (("render-job",), "--env"): ("A=1", "B=2", ["A=1", "B=2"]),
+    (("preflight",), "--env"): ("A=1", "B=2", ["A=1", "B=2"]),
     (("render-job",), "--sbatch"): ("--qos=high", "--mem=0", ["--qos=high", "--mem=0"]),
 }
 

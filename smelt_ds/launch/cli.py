@@ -1,4 +1,5 @@
-"""``smelt-ds render-job``: fill a launcher template (deepspeed, Slurm, Kubernetes) from a recipe.
+"""``smelt-ds render-job``: fill a launcher template (deepspeed, Slurm, Kubernetes) from a recipe,
+after the checks of ``smelt-ds preflight`` (:mod:`smelt_ds.launch.preflight`) pass.
 
     smelt-ds render-job RECIPE --scheduler {deepspeed,slurm,k8s} [--layout NAME] [--nodes N]
         [--gpus-per-node G] [--set KEY=VALUE ...] [-o FILE] [--dry-run]
@@ -7,19 +8,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import glob
 import sys
 from pathlib import Path
 
-from smelt_ds.config.data import TOKEN_KINDS
-from smelt_ds.data.cache import is_complete
-from smelt_ds.data.prepare import prepared_path
-from smelt_ds.data.prepared import PreparedData, check_compatible
-from smelt_ds.data.token_sources import resolve_token_paths
 from smelt_ds.errors import ConfigError
-from smelt_ds.launch.jobs import MIN_HEADROOM, SCHEDULERS, JobOptions, JobPlan, plan_job, render, summary
-from smelt_ds.train.trackers import check_trackers
+from smelt_ds.launch.jobs import SCHEDULERS, JobOptions, plan_job, render, summary
+from smelt_ds.launch.preflight import failures, format_results, run_checks
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,10 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", default=None, help="write the job file here (default: print it)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved plan only; write nothing")
     p.add_argument("--no-data-check", action="store_true",
-                   help="do not check the recipe's data here (sources missing here only warn; prepared data that "
-                        "do not fit model.vocab_size are refused)")
+                   help="do not check the recipe's data here (for data only the compute nodes see)")
     p.add_argument("--force", action="store_true",
-                   help="write the job even when the memory verdict says it does not fit")
+                   help="write the job even when a check of `smelt-ds preflight` fails (memory, data, trackers, ...)")
     p.add_argument("--workdir", default=None,
                    help="repository checkout the job runs in (default: this directory; k8s: /workspace/smelt-ds)")
     p.add_argument("--job-name", default=None, help="job name (default smelt-<recipe name>)")
@@ -107,83 +100,24 @@ def options_from_args(args: argparse.Namespace):
                       memory_per_gpu_gib=args.memory_per_gpu_gib)
 
 
-def warn_missing_trackers(plan: JobPlan) -> None:
-    """Print a warning (stderr) when a tracker of ``tracking.trackers`` cannot be used in this
-    environment (:func:`smelt_ds.train.trackers.check_trackers`): a Slurm or deepspeed job runs
-    the Python it is submitted from, so its training would be refused only after it was queued. A
-    warning, not a refusal: a Kubernetes job runs its image's environment, and a job script may
-    activate another one."""
-    try:
-        check_trackers(plan.config)
-    except ConfigError as e:
-        where = "the image" if plan.options.scheduler == "k8s" else "the job's environment"
-        print(f"smelt-ds render-job: warning: {e} (checked here; {where} must have it, or training refuses "
-              "at start)", file=sys.stderr)
-
-
-def check_data_here(plan: JobPlan) -> None:
-    """What training checks at start about its data, checked before the queue for a Slurm or
-    deepspeed job (whose nodes usually see the filesystem this command sees; a Kubernetes pod
-    sees its own mounts, so nothing is checked for it).
-
-    - A ``megatron``, ``tokens`` or ``path`` source that does not exist here (relative paths in
-      the job's working directory) is a warning on stderr naming the field: the data may exist
-      only on the compute nodes (node-local disks), which this command cannot know.
-    - Prepared data (``smelt-ds data prepare --recipe``) of file and token sources whose tokenizer
-      or largest token id does not fit ``model.vocab_size``
-      (:func:`smelt_ds.data.prepared.check_compatible`) is refused: ConfigError naming both values
-      and the fix. (Built-in, ladder and Hub sources are not looked up: that would build or
-      download them here.)
-    """
-    if plan.options.scheduler == "k8s":
-        return
-    cfg = plan.config
-    workdir = Path(plan.workdir)
-    missing = False
-    with contextlib.chdir(workdir if workdir.is_dir() else Path.cwd()):
-        for i, src in enumerate(cfg.data.sources):
-            kind = src.kind()
-            problem = None
-            if kind in TOKEN_KINDS:
-                try:
-                    resolve_token_paths(src, f"data.sources[{i}]")
-                except ConfigError as e:
-                    problem = str(e)
-            elif kind == "path" and not glob.has_magic(str(src.path)) and not Path(str(src.path)).expanduser().exists():
-                problem = (f"`data.sources[{i}].path` ({src.path!r}): no such file or directory (working directory "
-                           f"{str(workdir)!r}): fix the path")
-            if problem:
-                missing = True
-                print(f"smelt-ds render-job: warning: {problem} (checked here; if the data exist only on the compute "
-                      "nodes, training finds them there; --no-data-check silences this)", file=sys.stderr)
-        # the preparation key reads the sources: with one missing there is nothing prepared to check,
-        # and built-in, ladder or Hub sources would be built or downloaded here (render-job writes nothing)
-        if missing or any(src.kind() not in (*TOKEN_KINDS, "path") for src in cfg.data.sources):
-            return
-        prepared = prepared_path(cfg.data)
-        if is_complete(prepared):
-            try:
-                check_compatible(PreparedData.load(prepared, verify="size"), cfg.model.vocab_size)
-            except ConfigError as e:
-                raise ConfigError(f"{e} (the data prepared for this recipe, checked before the queue)") from None
-
-
 def run_render_job(args: argparse.Namespace) -> int:
     plan = plan_job(args.recipe, options_from_args(args))
     text = render(plan)  # also on --dry-run: bad scheduler options fail here, not at submission
-    warn_missing_trackers(plan)
-    if not args.no_data_check:
-        check_data_here(plan)
+    results = run_checks(plan, data=not args.no_data_check)  # what `smelt-ds preflight` checks
+    for r in results:
+        if r.status == "warn":
+            print(f"smelt-ds render-job: warning: {r.name}: {r.detail}", file=sys.stderr)
+    bad = failures(results)
     if args.dry_run:
         print(summary(plan, args.output))
+        print("checks (smelt-ds preflight)\n" + format_results(results))
+    if bad and not args.force:
+        lines = "\n".join(f"  {r.name}: {r.detail}" for r in bad)
+        raise ConfigError(f"{args.recipe}: {len(bad)} check(s) that training makes at start fail for this job"
+                          f"{'' if args.dry_run else '; nothing written'}:\n{lines}\nfix them, or pass --force to "
+                          "render it anyway (--no-data-check skips the data check: data only the compute nodes see)")
+    if args.dry_run:
         return 0
-    if not plan.memory.fits(MIN_HEADROOM) and not args.force:
-        row = plan.memory.configured
-        raise ConfigError(f"{args.recipe} does not fit on {plan.nodes} x {plan.gpus_per_node} GPUs of "
-                          f"{plan.layout.device_memory_gib:g} GiB: {row.total / 2**30:.1f} GiB per GPU, "
-                          f"{row.headroom:.0%} headroom (needs {MIN_HEADROOM:.0%}); nothing written. Use more "
-                          "nodes, see `smelt-ds memory` for a ZeRO stage / checkpointing policy that fits, or "
-                          "pass --force")
     if args.output is None:
         print(text, end="")
         print(summary(plan), file=sys.stderr)

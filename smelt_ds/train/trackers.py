@@ -31,7 +31,6 @@ the first value in params; the ``config.yaml`` artifact is the resumed config.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import importlib
 import io
@@ -40,7 +39,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,6 +48,7 @@ from smelt_ds.config.run import RunConfig
 from smelt_ds.config.tracking import MlflowSection
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import write_json_atomic, write_text_atomic
+from smelt_ds.mappings import updated_environ
 
 __all__ = ["Tracker", "TRACKERS_DIR", "IDS_FILE", "INSTALL_HINTS", "check_trackers", "start_trackers",
            "scalars", "read_ids", "WandbTracker", "MlflowTracker", "CsvTracker"]
@@ -194,21 +194,6 @@ def start_trackers(cfg: RunConfig, run_dir: Path, start_step: int, budget: dict[
     return started
 
 
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` updated with ``values`` inside the block, restored after."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class WandbTracker:
     """W&B through DeepSpeed's ``WandbMonitor`` (see the module docstring)."""
 
@@ -227,7 +212,7 @@ class WandbTracker:
         if s.mode is not None:
             env["WANDB_MODE"] = s.mode
         try:
-            with _environ(env):
+            with updated_environ(env):
                 self.monitor = WandbMonitor(WandbConfig(enabled=True, project=s.project, group=s.group, team=s.entity))
         except wandb.errors.Error as e:
             raise ConfigError(f"`tracking.wandb.mode` ({s.mode!r}): W&B could not start its run: {e}: log in with "

@@ -226,15 +226,17 @@ def test_a_job_rendered_outside_the_checkout_names_the_recipe_it_can_open(tmp_pa
 
 def test_cli_dry_run_and_errors(tmp_path, capsys):
     rc = cli_main(["render-job", "recipes/xl/smelt.yaml", "--scheduler", "slurm", "--layout", "h200", "--dry-run",
-                   "-o", str(tmp_path / "job.sbatch")])
+                   "-o", str(tmp_path / "job.sbatch"), "--no-data-check"])  # the recipe's corpora are not here
     out = capsys.readouterr().out
     assert rc == 0 and not (tmp_path / "job.sbatch").exists()  # dry run writes nothing
+    assert re.search(r"checks \(smelt-ds preflight\)\n  config +OK .*\n  data +SKIP +--no-data-check", out)
     assert "world size    32 node(s) x 8 GPU(s) = 256 ranks" in out
     assert "256 ranks x micro-batch 2 x 4096 tokens x accumulation 4 = 8,388,608 tokens per step" in out
     assert "ep_size 8: 32 group(s) of 8 consecutive ranks (inside a node), 24 of 192 experts per GPU" in out
     assert re.search(r"memory/GPU +[\d.]+ GiB of 139.7 GiB .*: fits, \d+% headroom", out)
     assert '--node-rank="$SLURM_NODEID"' in out and "--set train.micro_batch_size=2" in out
     rc = cli_main(["render-job", "recipes/xl/smelt.yaml", "--scheduler", "k8s", "-o", str(tmp_path / "job.yaml")])
+    assert "warning: data: `data.sources[0].path`" in capsys.readouterr().err  # a pod sees its own mounts: warn
     assert rc == 0 and yaml.safe_load((tmp_path / "job.yaml").read_text())["kind"] == "PyTorchJob"
     capsys.readouterr()
     assert cli_main(["render-job", "recipes/xl/smelt.yaml", "--scheduler", "slurm", "--nodes", "1",
@@ -247,12 +249,14 @@ def test_memory_verdict_warns_when_a_layout_does_not_fit(tmp_path, capsys):
     assert not plan.memory.fits(0.1) and any("under the 10% headroom" in n for n in plan.notes)
     # writing such a job is refused unless --force; --dry-run still shows the verdict
     args = ["render-job", "recipes/xl/smelt.yaml", "--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "8",
-            "-o", str(tmp_path / "x.sbatch")]
+            "-o", str(tmp_path / "x.sbatch"), "--no-data-check"]
     capsys.readouterr()
     assert cli_main(args) == 2 and not (tmp_path / "x.sbatch").exists()
-    assert re.search(r"does not fit on 1 x 8 GPUs of [\d.]+ GiB: .* headroom \(needs 10%\); nothing written.*"
-                     r"--force", capsys.readouterr().err)
-    assert cli_main(args + ["--dry-run"]) == 0 and "DOES NOT FIT" in capsys.readouterr().out
+    assert re.search(r"1 check\(s\) that training makes at start fail for this job; nothing written:\n  memory: "
+                     r"zero3 \+ checkpointing none: [\d.]+ GiB per GPU on 1 x 8 GPUs of [\d.]+ GiB, -\d+% free, needs "
+                     r"10%: .*--force", capsys.readouterr().err, re.S)
+    # --dry-run shows the verdict and the checks, and refuses the same way
+    assert cli_main(args + ["--dry-run"]) == 2 and "DOES NOT FIT" in capsys.readouterr().out
     assert cli_main(args + ["--force"]) == 0 and (tmp_path / "x.sbatch").is_file()
 
 
@@ -795,14 +799,20 @@ def test_scheduler_is_a_choice_refused_at_parse_time_naming_the_choices(capsys):
     assert "--scheduler {deepspeed,slurm,k8s}" in capsys.readouterr().out
 
 
-def test_a_tracker_missing_here_is_a_warning_naming_the_extra(monkeypatch, capsys):
+def test_a_tracker_missing_here_is_refused_for_slurm_and_a_warning_for_k8s(monkeypatch, capsys):
+    """A Slurm job runs the Python render-job runs under: a tracker package missing here fails at
+    start, so it is refused now (naming the extra). A pod runs its image: a warning."""
     argv = ["render-job", "recipes/tiny/smelt.yaml", "--scheduler", "slurm", "--dry-run",
             "--set", "tracking.trackers=[wandb]"]
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, as when it is missing
-    assert cli_main(argv) == 0
+    assert cli_main(argv) == 2
     err = capsys.readouterr().err
-    assert "smelt-ds render-job: warning: `tracking.trackers` (['wandb']) lists 'wandb'" in err
-    assert "pip install 'smelt-ds[wandb]'" in err and "the job's environment must have it" in err
+    assert "trackers: `tracking.trackers` (['wandb']) lists 'wandb'" in err and "pip install 'smelt-ds[wandb]'" in err
+    k8s = [a if a != "slurm" else "k8s" for a in argv]
+    assert cli_main(k8s) == 0
+    err = capsys.readouterr().err
+    assert "smelt-ds render-job: warning: trackers: `tracking.trackers` (['wandb'])" in err
+    assert "a Kubernetes pod sees its own image" in err
     monkeypatch.delitem(sys.modules, "wandb")  # the dev extra installs it: no warning
     assert cli_main(argv) == 0 and "warning" not in capsys.readouterr().err
 
@@ -810,9 +820,9 @@ def test_a_tracker_missing_here_is_a_warning_naming_the_extra(monkeypatch, capsy
 def test_render_job_refuses_before_the_queue_what_training_refuses_at_start(tmp_path, capsys):
     """Issue 40's cases before the queue: prepared data (after `smelt-ds data prepare --recipe`)
     whose tokenizer is larger than model.vocab_size is refused (exit 2), as training refuses it at
-    start; a misspelled source path is a warning naming the field (the data may exist only on the
-    compute nodes; --no-data-check silences it); the micro-batch passed through deepspeed.config is
-    refused when the recipe is loaded."""
+    start; so is a misspelled source path, naming the field and the working directory
+    (--no-data-check skips the check, for data only the compute nodes see); the micro-batch passed
+    through deepspeed.config is refused when the recipe is loaded."""
     from smelt_ds.config.loading import load_config
     from smelt_ds.data.prepare import prepare_from_config
 
@@ -820,9 +830,10 @@ def test_render_job_refuses_before_the_queue_what_training_refuses_at_start(tmp_
     base = ["render-job", recipe, "--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "2", "--dry-run",
             "--workdir", str(tmp_path)]
     typo = ["--set", "data.sources=[{path: corpora/web-typo, domain: web}]"]
-    assert cli_main(base + typo) == 0
+    assert cli_main(base + typo) == 2
     err = capsys.readouterr().err
-    assert "warning: `data.sources[0].path` ('corpora/web-typo'): no such file or directory" in err
+    assert "data: `data.sources[0].path` ('corpora/web-typo'): no such file or directory" in err
+    assert f"read in the job's working directory, {str(tmp_path)!r}" in err
     assert cli_main(base + typo + ["--no-data-check"]) == 0
     assert "warning" not in capsys.readouterr().err
 

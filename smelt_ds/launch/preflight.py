@@ -1,0 +1,283 @@
+"""``smelt-ds preflight RECIPE``: every check training makes before its first step, run before the
+queue, with the layout, paths and environment the job will have. ``render-job`` runs the same
+checks and refuses a job that fails one unless ``--force``.
+
+    smelt-ds preflight RECIPE [--scheduler {deepspeed,slurm,k8s}] [--layout NAME] [--nodes N]
+        [--gpus-per-node G] [--set KEY=VALUE ...] [--workdir DIR] [--env NAME=VALUE ...]
+
+The checks, in order (:data:`CHECKS`), and the training code each one runs:
+
+- ``config``: the recipe resolved as training resolves it (layout overrides, ``--set``), its
+  world size and global batch (:func:`smelt_ds.config.train.resolve_batch`, naming the nearest
+  values that work) and the whole DeepSpeed config
+  (:func:`smelt_ds.parallel.ds_config.build_ds_config`). A failure here stops the others.
+- ``data``: every ``megatron`` / ``tokens`` / ``path`` source exists, relative paths in the job's
+  working directory (:func:`smelt_ds.data.token_sources.resolve_token_paths`), and data already
+  prepared for the recipe fit ``model.vocab_size``
+  (:func:`smelt_ds.data.prepared.check_compatible`). Built-in, ladder and Hub sources are not
+  built or downloaded here.
+- ``tokenizer``: ``data.tokenizer.path`` loads (:func:`smelt_ds.runs.tokenizer_file.load_tokenizer`)
+  and its vocabulary fits ``model.vocab_size``; or the tokenizer to be trained does.
+- ``memory``: the memory verdict for the ZeRO stage and checkpointing policy that will run
+  (:func:`smelt_ds.launch.placement.memory_report`, at least :data:`MIN_HEADROOM` free).
+- ``trackers``: every tracker's package imports and its server answers within a short timeout
+  (:func:`smelt_ds.train.trackers.check_trackers`), with the job's ``--env`` applied.
+- ``interpreter``: the Python the job runs (the one running this command for Slurm and the
+  deepspeed launcher) is 3.11 or newer and has the packages the recipe needs (tutel with
+  ``moe_runtime.use_tutel``: :func:`smelt_ds.parallel.moe_backends.apply.check_backend_runtime`;
+  lm-eval with ``eval.harness_tasks``).
+- ``deepspeed ops``: the DeepSpeed ops the run builds at start (CPU Adam with an optimizer
+  offload; the CPU communication op with several CPU ranks) can be built: DeepSpeed's own
+  ``is_compatible`` and a C++ compiler.
+
+A Kubernetes pod sees its image and its mounts, not this machine: there the data, interpreter
+and tracker checks are warnings (``warn``), the others the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from smelt_ds.config.data import TOKEN_KINDS
+from smelt_ds.config.run import RunConfig
+from smelt_ds.data.cache import is_complete
+from smelt_ds.data.prepare import prepared_path
+from smelt_ds.data.prepared import PreparedData, check_compatible
+from smelt_ds.data.token_sources import resolve_token_paths
+from smelt_ds.errors import ConfigError
+from smelt_ds.launch.jobs import MIN_HEADROOM, SCHEDULERS, JobOptions, JobPlan, plan_job
+from smelt_ds.mappings import updated_environ
+from smelt_ds.parallel.ds_config import build_ds_config
+from smelt_ds.parallel.moe_backends.apply import check_backend_runtime
+from smelt_ds.runs.tokenizer_file import load_tokenizer
+from smelt_ds.train.trackers import check_trackers
+
+__all__ = ["CHECKS", "CheckResult", "run_checks", "format_results", "failures", "add_parser"]
+
+#: the checks, in the order they run and print
+CHECKS = ("config", "data", "tokenizer", "memory", "trackers", "interpreter", "deepspeed ops")
+#: the oldest Python the suite runs on
+MIN_PYTHON = (3, 11)
+
+
+@dataclass
+class CheckResult:
+    """One check: ``name`` (:data:`CHECKS`), ``status`` (``ok``, ``fail``, ``warn``: the job may
+    still start, ``skip``: not run because an earlier check failed) and what it found or the fix."""
+
+    name: str
+    status: str
+    detail: str
+
+
+@contextlib.contextmanager
+def _job_environment(plan: JobPlan) -> Iterator[None]:
+    """The job's working directory and ``--env`` variables, for the length of the checks."""
+    workdir = Path(plan.workdir)
+    with updated_environ(plan.env), contextlib.chdir(workdir if workdir.is_dir() else Path.cwd()):
+        yield
+
+
+def check_config(plan: JobPlan) -> str:
+    """The DeepSpeed config training builds at this world size. Raises ConfigError as training would."""
+    world = plan.nodes * plan.gpus_per_node
+    ds = build_ds_config(plan.config, world)
+    return (f"ZeRO-{plan.config.deepspeed.zero_stage}, {plan.config.moe_runtime.backend} MoE backend; DeepSpeed "
+            f"config built for {world} ranks: train_batch_size {ds['train_batch_size']} = micro-batch "
+            f"{ds['train_micro_batch_size_per_gpu']} x accumulation {ds['gradient_accumulation_steps']} x {world}")
+
+
+def check_data(cfg: RunConfig, workdir: str) -> str:
+    """Every file source exists (relative paths in ``workdir``) and the data prepared for ``cfg``,
+    if any, fit ``model.vocab_size``. Raises ConfigError naming the field, the value and the fix."""
+    for i, src in enumerate(cfg.data.sources):
+        kind = src.kind()
+        if kind in TOKEN_KINDS:
+            resolve_token_paths(src, f"data.sources[{i}]")
+        elif kind == "path" and not glob.has_magic(str(src.path)) and not Path(str(src.path)).expanduser().exists():
+            raise ConfigError(f"`data.sources[{i}].path` ({src.path!r}): no such file or directory (relative paths "
+                              f"are read in the job's working directory, {workdir!r}): fix the path")
+    files = [s for s in cfg.data.sources if s.kind() in (*TOKEN_KINDS, "path")]
+    if len(files) < len(cfg.data.sources):
+        return (f"{len(files)} file source(s) found; built-in, ladder and Hub sources are built or downloaded by "
+                "training (not here)")
+    prepared = prepared_path(cfg.data)
+    if not is_complete(prepared):
+        return f"{len(files)} source(s) found; not prepared yet (training prepares them, or `smelt-ds data prepare`)"
+    check_compatible(PreparedData.load(prepared, verify="size"), cfg.model.vocab_size)
+    return f"{len(files)} source(s) found; prepared data in {prepared} fit model.vocab_size {cfg.model.vocab_size}"
+
+
+def check_tokenizer(cfg: RunConfig) -> str:
+    """``data.tokenizer.path`` loads and fits ``model.vocab_size``, or the tokenizer training will
+    train does. Raises ConfigError naming the field, both sizes and the fix."""
+    tok_cfg, vocab = cfg.data.tokenizer, cfg.model.vocab_size
+    if tok_cfg.path is None:
+        if tok_cfg.vocab_size > vocab:
+            raise ConfigError(f"`data.tokenizer.vocab_size` ({tok_cfg.vocab_size}) is larger than `model.vocab_size` "
+                              f"({vocab}): set one to the other")
+        return f"trained from the sources at start: {tok_cfg.vocab_size} tokens <= model.vocab_size {vocab}"
+    size = load_tokenizer(tok_cfg.path, "data.tokenizer.path").get_vocab_size()
+    if size > vocab:
+        padded = -(-size // 128) * 128
+        raise ConfigError(f"`model.vocab_size` ({vocab}) is smaller than the tokenizer of `data.tokenizer.path` "
+                          f"({tok_cfg.path!r}, {size} tokens): set model.vocab_size to at least {size} (e.g. "
+                          f"{padded}, padded to a multiple of 128)")
+    return f"{tok_cfg.path}: {size} tokens <= model.vocab_size {vocab}"
+
+
+def check_memory(plan: JobPlan) -> str:
+    """The memory verdict of the configured ZeRO option and checkpointing policy. Raises
+    ConfigError when less than :data:`MIN_HEADROOM` of the device memory stays free."""
+    row, layout = plan.memory.configured, plan.layout
+    where = f"{plan.nodes} x {plan.gpus_per_node} GPUs of {layout.device_memory_gib:g} GiB"
+    if row is None:
+        raise ConfigError(f"no memory estimate for the recipe's own ZeRO option on {where}: see `smelt-ds memory`")
+    text = f"{row.option} + checkpointing {row.policy}: {row.total / 2**30:.1f} GiB per GPU on {where}, " \
+           f"{row.headroom:.0%} free"
+    if not plan.memory.fits(MIN_HEADROOM):
+        raise ConfigError(f"{text}, needs {MIN_HEADROOM:.0%}: use more nodes, or a ZeRO stage / checkpointing "
+                          "policy that fits (`smelt-ds memory RECIPE` lists them)")
+    return text
+
+
+def check_tracking(cfg: RunConfig) -> str:
+    """Each tracker's package imports and its server answers (training's own check)."""
+    check_trackers(cfg)
+    return ", ".join(["tensorboard", *cfg.tracking.trackers]) + ": usable here"
+
+
+def check_interpreter(cfg: RunConfig) -> str:
+    """This Python: version and the extras the recipe needs. Raises ConfigError naming the install."""
+    version = sys.version_info[:2]
+    if version < MIN_PYTHON:
+        raise ConfigError(f"Python {version[0]}.{version[1]} at {sys.executable}: smelt-ds needs Python >= 3.11 "
+                          "(scripts/install_gpu.sh sets one up)")
+    check_backend_runtime(cfg)  # training's own check: tutel for moe_runtime.use_tutel
+    needs = ["tutel"] if cfg.moe_runtime.use_tutel else []
+    if cfg.eval.harness_tasks and importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(f"`eval.harness_tasks` ({cfg.eval.harness_tasks}) needs lm-evaluation-harness, which "
+                          f"{sys.executable} cannot import: reinstall smelt-ds with its dependencies "
+                          "(scripts/install_gpu.sh)")
+    needs += ["lm_eval"] if cfg.eval.harness_tasks else []
+    extras = ", ".join(needs) or "none needed"
+    return f"{sys.executable} (Python {version[0]}.{version[1]}); extras: {extras}"
+
+
+def _ops_needed(plan: JobPlan) -> list[tuple[str, str]]:
+    """``(op builder class, why)`` of the DeepSpeed ops the run JIT-builds at start."""
+    ops = []
+    if plan.config.deepspeed.offload_optimizer != "none":
+        ops.append(("CPUAdamBuilder", "deepspeed.offload_optimizer (DeepSpeed's CPU Adam)"))
+    if plan.layout.gpu == "cpu" and plan.nodes * plan.gpus_per_node > 1:
+        ops.append(("ShareMemCommBuilder", "several CPU ranks (DeepSpeed's CPU communication op)"))
+    return ops
+
+
+def check_deepspeed_ops(plan: JobPlan) -> str:
+    """DeepSpeed's ``is_compatible`` for each op the run builds at start, and a C++ compiler.
+    Raises ConfigError naming the op and why it is needed."""
+    ops = _ops_needed(plan)
+    if not ops:
+        return "none built at start"
+    from deepspeed.ops import op_builder  # seconds to import: only when an op is needed
+
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    for name, why in ops:
+        builder = getattr(op_builder, name)()
+        if not builder.is_compatible(verbose=False):
+            raise ConfigError(f"DeepSpeed op {builder.name} ({why}) cannot be built with this installation: "
+                              "reinstall DeepSpeed (scripts/install_gpu.sh), or change the setting that needs it")
+        if compiler is None:
+            raise ConfigError(f"DeepSpeed op {builder.name} ({why}) is compiled at start and no C++ compiler is on "
+                              "PATH (c++ or $CXX): install one (e.g. apt-get install g++), or change the setting")
+    return "; ".join(f"{name} for {why}" for name, why in ops) + f": buildable (compiler {compiler})"
+
+
+def run_checks(plan: JobPlan, data: bool = True) -> list[CheckResult]:
+    """Every check of :data:`CHECKS` after ``config`` for a planned job (``plan_job`` did the rest of
+    ``config``), in the job's working directory and environment. ``data=False`` skips the data
+    check and the reading of ``data.tokenizer.path`` (render-job --no-data-check: files only the
+    compute nodes see). Never raises ConfigError: a failure is a result."""
+    k8s = plan.options.scheduler == "k8s"
+    cfg = plan.config
+    steps: list[tuple[str, Callable[[], str], bool]] = [
+        ("config", lambda: check_config(plan), False),
+        ("data", lambda: check_data(cfg, plan.workdir), k8s),
+        ("tokenizer", lambda: check_tokenizer(cfg), k8s),
+        ("memory", lambda: check_memory(plan), False),
+        ("trackers", lambda: check_tracking(cfg), k8s),
+        ("interpreter", lambda: check_interpreter(cfg), k8s),
+        ("deepspeed ops", lambda: check_deepspeed_ops(plan), False),
+    ]
+    out = []
+    with _job_environment(plan):
+        for name, check, soft in steps:
+            if not data and (name == "data" or (name == "tokenizer" and cfg.data.tokenizer.path is not None)):
+                out.append(CheckResult(name, "skip", "--no-data-check (data files are not read here)"))
+                continue
+            try:
+                out.append(CheckResult(name, "ok", check()))
+            except ConfigError as e:
+                note = " (checked here; a Kubernetes pod sees its own image and mounts)" if soft else ""
+                out.append(CheckResult(name, "warn" if soft else "fail", f"{e}{note}"))
+    return out
+
+
+def failures(results: list[CheckResult]) -> list[CheckResult]:
+    """The results whose status is ``fail``."""
+    return [r for r in results if r.status == "fail"]
+
+
+def format_results(results: list[CheckResult]) -> str:
+    """One line per check: ``name  STATUS  detail``."""
+    return "\n".join(f"  {r.name:<14}{r.status.upper():<6}{r.detail}" for r in results)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "preflight", help="every check training makes before its first step, before the queue",
+        description="Resolve a recipe for a cluster layout as training will, then check its DeepSpeed config, data, "
+                    "tokenizer, memory, trackers, interpreter and DeepSpeed ops in the job's working directory and "
+                    "environment. Exit status 2 when a check fails (render-job runs the same checks).")
+    p.add_argument("recipe", help="YAML recipe, e.g. recipes/m/smelt.yaml")
+    p.add_argument("--scheduler", default="slurm", choices=SCHEDULERS,
+                   help="where the job runs (default slurm); k8s: data, interpreter and tracker checks warn only")
+    p.add_argument("--layout", default=None, help="the recipe's cluster layout (default cluster.default)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: the layout's)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (ranks) per node (default: the layout's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+    p.add_argument("--workdir", default=None, help="the job's working directory (default: this directory)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable the job sets (e.g. MLFLOW_TRACKING_URI=...), repeatable")
+    p.add_argument("--hostfile", default=None, help="hostfile of a multi-node deepspeed-launcher job")
+    p.add_argument("--no-data-check", action="store_true", help="skip the data check")
+    p.set_defaults(func=run_preflight)
+
+
+def run_preflight(args: argparse.Namespace) -> int:
+    options = JobOptions(scheduler=args.scheduler, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                         layout=args.layout, overrides=list(args.set), workdir=args.workdir, env=list(args.env),
+                         hostfile=args.hostfile)
+    head = f"smelt-ds preflight: {args.recipe}"
+    try:
+        plan = plan_job(args.recipe, options)
+    except ConfigError as e:
+        print(f"{head}\n  {'config':<14}FAIL  {e}\n  (the other checks need a recipe that resolves)")
+        return 2
+    results = run_checks(plan, data=not args.no_data_check)
+    print(f"{head} on {plan.nodes} x {plan.gpus_per_node} ranks (layout {plan.layout_name}), "
+          f"{args.scheduler}, working directory {plan.workdir}")
+    print(format_results(results))
+    bad = failures(results)
+    print(f"{len(bad)} check(s) failed: fix them before submitting" if bad else "every check passed")
+    return 2 if bad else 0
