@@ -2,10 +2,14 @@
 resolve (``mkdocs build --strict`` checks the links inside docs/), every repository path a page
 names in a code span exists (a moved module or renamed test is caught), the cluster walkthrough's recipe
 is the shipped M recipe with the reader's data, and the console excerpts of README.md and
-docs/training.md are what the training console prints for the tiny recipe."""
+docs/training.md are what the training console prints for the tiny recipe, with the numbers of the
+one file that holds the tiny runs' results (``docs/results/tiny_runs.json``, rewritten with the pages
+by ``scripts/tiny_results.py``)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -202,3 +206,55 @@ def test_console_excerpt_is_what_training_prints(where, lines):
             assert val_line(step, val) == line, where
         else:
             assert line in expected, f"{where}: {line!r} is not a line the console prints for the tiny recipe"
+
+
+def _tiny_results():
+    spec = importlib.util.spec_from_file_location("tiny_results", ROOT / "scripts" / "tiny_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pages_quote_the_tiny_runs_as_the_results_file_gives_them():
+    """Every number of the tiny runs a page quotes (the console excerpts, the spans of tiny.md) is the
+    one in docs/results/tiny_runs.json, rendered by the console's own formatting."""
+    tr = _tiny_results()
+    results = json.loads(tr.RESULTS.read_text())
+    pages = tr.render_pages(results)
+    assert set(pages) == {"README.md", "docs/training.md", "docs/results/tiny.md"}
+    for name, text in pages.items():
+        assert (ROOT / name).read_text() == text, f"{name} disagrees with {tr.RESULTS}: python scripts/tiny_results.py"
+    smelt = results["runs"]["tiny-smelt"]["summary"]["validation_loss"]
+    assert f"code {smelt['code']:.4f}" in README.read_text()  # the excerpt shows the file's run
+    assert tr.main(["--check"]) == 0
+
+
+def test_a_hand_edited_number_or_an_unfinished_run_is_caught(tmp_path):
+    tr = _tiny_results()
+    results = json.loads(tr.RESULTS.read_text())
+    code = results["runs"]["tiny-baseline"]["summary"]["validation_loss"]["code"]
+    for name in ("README.md", "docs/training.md", "docs/results/tiny.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        text = (ROOT / name).read_text()
+        if name.endswith("tiny.md"):  # another number in a span: the Baseline's code loss
+            assert f"{code:.4f}" in text
+            text = text.replace(f"{code:.4f}", f"{code + 0.0001:.4f}")
+        (tmp_path / name).write_text(text)
+    pages = tr.render_pages(results, root=tmp_path)
+    assert pages["docs/results/tiny.md"] == (ROOT / "docs/results/tiny.md").read_text()
+    assert pages["docs/results/tiny.md"] != (tmp_path / "docs/results/tiny.md").read_text()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 25, "loss": 7.0, "tokens_per_s": 1.0}) + "\n")
+    with pytest.raises(tr.IncompleteRun, match=r"summary.json: missing"):
+        tr.collect(run, "recipes/tiny/smelt.yaml")
+    with pytest.raises(ValueError, match=r"tiny_runs:nope.*unknown span"):
+        tr.rewrite_spans("<!-- tiny_runs:nope -->1<!-- /tiny_runs -->", results["runs"])
+
+
+def test_the_step_lines_eta_is_the_consoles():
+    """The eta a rendered step line shows is the training loop's: remaining steps times the window's
+    seconds per step (25 steps of 1024 tokens at 8192 tokens/s: 3.125 s per window)."""
+    tr = _tiny_results()
+    row = {"step": 25, "loss_steps": 25, "skipped_steps": 0, "tokens": 25 * 1024, "tokens_per_s": 8192.0}
+    assert tr._eta(row, 1000) == pytest.approx(975 * 3.125 / 25, rel=1e-12)
