@@ -258,3 +258,43 @@ def test_the_step_lines_eta_is_the_consoles():
     tr = _tiny_results()
     row = {"step": 25, "loss_steps": 25, "skipped_steps": 0, "tokens": 25 * 1024, "tokens_per_s": 8192.0}
     assert tr._eta(row, 1000) == pytest.approx(975 * 3.125 / 25, rel=1e-12)
+
+
+#: the `smelt-ds memory` runs whose output the pages quote: a line that marks the block -> (arguments, exit status)
+MEMORY_EXCERPTS = {
+    "of 79.10 GiB per GPU, +61.4%": ([], 0),
+    "of 40.00 GiB per GPU": (["--nodes", "1", "--gpus-per-node", "2", "--device-memory", "40GiB"], 3),
+}
+
+
+def _printed(line: str, printed: list[str]) -> bool:
+    """``line`` of an excerpt is a printed line: equal, a prefix (``...; ...``), or its parts around
+    ``; ...;`` elisions in order inside one printed line."""
+    if line.endswith("; ..."):
+        return any(p.startswith(line[:-3]) for p in printed)
+    parts = line.split("; ...; ")
+    return any(p.startswith(parts[0]) and p.endswith(parts[-1]) and all(x in p for x in parts) for p in printed)
+
+
+def test_memory_excerpts_are_what_the_command_prints(capsys):
+    """The `smelt-ds memory recipes/m/smelt.yaml` outputs quoted by docs/memory.md and by the
+    cluster walkthrough (whose recipe is the M recipe with the reader's data): every line shown
+    is a line the command prints now, so the numbers in the pages are the tool's."""
+    from smelt_ds.cli import main as cli_main
+
+    outputs = {}
+    for mark, (args, status) in MEMORY_EXCERPTS.items():
+        assert cli_main(["memory", str(ROOT / "recipes" / "m" / "smelt.yaml"), *args]) == status
+        outputs[mark] = capsys.readouterr().out.splitlines()
+    shown = 0
+    for page in ("docs/memory.md", "docs/cluster.md"):
+        for lang, start, body in fenced_blocks((ROOT / page).read_text()):
+            mark = next((m for m in MEMORY_EXCERPTS if lang == "text" and any(m in ln for ln in body)), None)
+            if mark is None:
+                continue
+            for line in body:
+                if line.strip() == "..." or line.startswith("exit status"):
+                    continue
+                assert _printed(line, outputs[mark]), f"{page}:{start}: {line!r} is not printed by smelt-ds memory"
+                shown += 1
+    assert shown >= 12  # memory.md's table excerpt and its verdict of a layout that does not fit, cluster.md's verdict
