@@ -430,7 +430,8 @@ def _tokenizer_identity(cfg: DataConfig, fingerprints: list[str]) -> str:
 def preparation_key(cfg: DataConfig) -> str:
     """Cache key of a preparation: sources' fingerprints, tokenizer identity, split and policies.
 
-    Cheap (file stats, no content read), so every rank can compute it.
+    Cheap (file stats, no content read), so every rank can compute it; where the files are is
+    not part of it (:func:`smelt_ds.data.sources.source_fingerprint`).
     """
     fps = [source_fingerprint(s, i, cfg) for i, s in enumerate(cfg.sources)]
     settings = cfg.model_dump(mode="json", include={"validation_share", "seed", "non_utf8", "max_invalid_utf8_share",
@@ -631,12 +632,12 @@ def prepare_from_config(cfg: DataConfig, cache_dir: str | Path | None = None, *,
     created = run_once(out, build, shared_filesystem=cfg.shared_filesystem, timeout_s=cfg.prepare_timeout_s)
     seen = _meta_identity(out)
     try:
-        prepared = PreparedData.load(out, verify=cfg.verify)
+        prepared = PreparedData.load(out, verify=cfg.verify, sources=cfg.sources)
     except ConfigError as e:
         if not (reprepare_changed and _changed_or_moved(e, out, key, is_preparing_rank(cfg.shared_filesystem))):
             raise
         created = _prepare_again(out, build, cfg, e, seen)
-        prepared = PreparedData.load(out, verify=cfg.verify)
+        prepared = PreparedData.load(out, verify=cfg.verify, sources=cfg.sources)
     if prepared.key != key:
         raise ConfigError(f"`data.output_dir` ({str(out)!r}) holds data prepared from other sources or settings "
                           f"(key {prepared.key[:12]}, wanted {key[:12]}): delete it or choose another output_dir")

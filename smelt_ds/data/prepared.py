@@ -21,13 +21,14 @@ from smelt_ds.data.token_sources import (
     PackedStream,
     PackedTokens,
     check_token_file_ids,
+    relocate_token_files,
     verify_token_files,
 )
 from smelt_ds.errors import ConfigError
 from smelt_ds.runs.tokenizer_file import TOKENIZER_FILE, tokenizer_hash
 
 if TYPE_CHECKING:
-    pass
+    from smelt_ds.config.data import SourceConfig
 
 __all__ = ["FORMAT_VERSION", "META_FILE", "SPLITS", "PreparedData", "check_compatible"]
 
@@ -50,10 +51,14 @@ class PreparedData:
     _streams: dict[str, PackedStream] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def load(cls, root: str | Path, verify: str = "checksum") -> PreparedData:
+    def load(cls, root: str | Path, verify: str = "checksum",
+             sources: list[SourceConfig] | None = None) -> PreparedData:
         """Open a prepared directory and check it.
 
-        ``verify``: ``"checksum"`` (sizes and sha256 of every shard) or ``"size"``.
+        ``verify``: ``"checksum"`` (sizes and sha256 of every shard) or ``"size"``. ``sources``
+        (the recipe's ``data.sources``): read the user files of token sources where these sources
+        find them now, which may not be where they were prepared
+        (:func:`~smelt_ds.data.token_sources.relocate_token_files`).
         Raises ConfigError for an incomplete directory, a tokenizer that does not match the
         metadata, or a missing, truncated or modified shard.
         """
@@ -69,6 +74,8 @@ class PreparedData:
         if prepared.meta.get("format_version") != FORMAT_VERSION:
             raise ConfigError(f"{str(root / META_FILE)!r}: format_version {prepared.meta.get('format_version')} "
                               f"is not {FORMAT_VERSION}: prepare the data again with this smelt-ds")
+        if sources is not None:
+            relocate_token_files(prepared.meta, sources)
         prepared.verify(verify)
         return prepared
 

@@ -262,35 +262,51 @@ def _file_rows(files: list[str], src_json: str, cfg_json: str, fingerprint: str,
 
 
 # --------------------------------------------------------------------------------------------
-# fingerprints (cheap: paths, sizes, modification times; no content read)
+# fingerprints (the files' names, sizes and modification times, not their paths; no content read)
 # --------------------------------------------------------------------------------------------
 
+#: source fields that say where files are: not part of a fingerprint, so the same files under
+#: another mount (a Kubernetes pod's volume) give the same preparation key
+LOCATION_FIELDS = ("path", "megatron", "tokens")
 
-def _stat_list(files: list[Path]) -> list[tuple[str, int, int]]:
-    return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+def _file_list(files: list[Path]) -> list[tuple[str, int, int]]:
+    """``(file name, size, modification time in ns)`` per file, in order, as ``make`` and
+    ``rsync`` identify files: the same wherever one filesystem is mounted (and after a copy that
+    keeps times: ``rsync -a``, ``tar``, ``cp -p``). The content is checked when a preparation is
+    opened (a sampled sha256 per file: :func:`smelt_ds.data.token_sources.verify_token_files`);
+    a file changed in place with its size and time kept is refused there, not prepared again
+    behind a checkpoint's back."""
+    out = []
+    for p in files:
+        st = p.stat()
+        out.append((p.name, st.st_size, st.st_mtime_ns))
+    return out
 
 
 def source_fingerprint(src: SourceConfig, index: int, cfg: DataConfig) -> str:
-    """Identity of a source for cache keys: its settings plus, for files (token files too),
-    path/size/mtime of each file (like make and rsync), for the built-in corpus the interpreter identity and cap, for a
-    dataset name its name/config/split/revision (pin ``revision`` to notice upstream changes), for the
-    ladder corpus its pinned files and cap (:func:`smelt_ds.data.ladder.ladder_key`)."""
+    """Identity of a source for cache keys: its settings except where its files are, plus, for
+    files (token files too), each file's name, size and modification time, for the built-in
+    corpus the interpreter identity and cap, for a dataset name its name/config/split/revision (pin
+    ``revision`` to notice upstream changes), for the ladder corpus its pinned files and cap
+    (:func:`smelt_ds.data.ladder.ladder_key`). The same files under another path (a login node
+    and the pods of a Kubernetes job mount one volume at different places) give the same key."""
     # fields added later are left out while unset: the keys of other sources stay what they were
     unset_later_fields = {k for k in TOKEN_FIELDS + NEW_KIND_FIELDS if getattr(src, k) is None}
-    parts: dict[str, Any] = {"source": src.model_dump(mode="json", exclude=unset_later_fields),
-                             "domain": src.resolved_domain()}
+    parts: dict[str, Any] = {"source": src.model_dump(mode="json", exclude=unset_later_fields | set(LOCATION_FIELDS)),
+                             "kind": src.kind(), "domain": src.resolved_domain()}
     where = f"data.sources[{index}]"
     if src.is_token_source():
-        parts["files"] = _stat_list(token_source_files(src, where))
+        parts["files"] = _file_list(token_source_files(src, where))
     elif src.path is not None:
-        parts["files"] = _stat_list(resolve_files(src, where))
+        parts["files"] = _file_list(resolve_files(src, where))
     elif src.builtin is not None:
         parts["builtin"] = builtin_key(cfg.builtin_max_bytes)
     elif src.ladder is not None:
         parts["ladder"] = ladder_key(cfg.ladder_max_bytes)
     elif Path(cast(str, src.dataset)).expanduser().is_dir():  # neither path nor builtin: a dataset source
-        parts["files"] = _stat_list(sorted(p for p in Path(cast(str, src.dataset)).expanduser().rglob("*")
-                                           if p.is_file()))
+        parts["files"] = _file_list(sorted(p for p in Path(cast(str, src.dataset)).expanduser().rglob("*")
+                                              if p.is_file()))
     return sha256_json(parts)
 
 

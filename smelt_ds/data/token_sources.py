@@ -56,7 +56,7 @@ from smelt_ds.errors import ConfigError
 
 __all__ = ["TOKEN_SPLIT_SCHEME", "resolve_token_paths", "token_source_files", "open_token_path", "scan_source",
            "SourceScan", "write_source", "PackedStream", "PackedTokens", "TokenFileChanged", "verify_token_files",
-           "open_any", "inspect_file", "check_ids", "check_token_file_ids", "check_eot"]
+           "open_any", "inspect_file", "check_ids", "check_token_file_ids", "check_eot", "relocate_token_files"]
 
 TOKEN_SPLIT_SCHEME = "token-key-v1"  # in the preparation key of recipes with token sources
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -427,6 +427,39 @@ class TokenFileChanged(ConfigError):
     def __init__(self, message: str, path: Path):
         super().__init__(message)
         self.path = path
+
+
+def relocate_token_files(meta: dict, sources: list[SourceConfig]) -> int:
+    """Point each user file of ``meta`` (``token_files``) at where ``sources`` (the recipe's
+    ``data.sources``) find it now, in place; returns how many records moved.
+
+    The preparation key does not depend on where the files are (the same volume is mounted at one
+    path on a login node and at another in a Kubernetes pod), so a preparation is reused from
+    another path; the data are read in place, so they must then be read where they are now. The
+    k-th file of source i is the k-th of :func:`resolve_token_paths` (both in sorted order), with
+    the same file name. A source whose files cannot be resolved, or differ in number or names,
+    keeps its recorded paths, and verification (:func:`verify_token_files`) names what is missing."""
+    moved = 0
+    for i, src in enumerate(sources):
+        recs = [r for r in meta.get("token_files", []) if r["source"] == i]
+        if not recs or not src.is_token_source():
+            continue
+        try:
+            paths = resolve_token_paths(src, f"data.sources[{i}]")
+            pairs = [megatron_pair(p)[::-1] if src.kind() == "megatron" else (p, None) for p in paths]
+        except ConfigError:
+            continue
+        if len(pairs) != len(recs) or any(Path(r["path"]).name != data.name
+                                          for r, (data, _) in zip(recs, pairs, strict=True)):
+            continue
+        for rec, (data, index) in zip(recs, pairs, strict=True):
+            if rec["path"] != str(data.resolve()):
+                moved += 1
+            rec["path"] = str(data.resolve())
+            rec["name"] = str(data.with_suffix("")) if index is not None else str(data)
+            if index is not None and rec.get("index"):
+                rec["index"]["path"] = str(index.resolve())
+    return moved
 
 
 def _verify_file(root: Path, ident: dict, name: str, level: str) -> None:
