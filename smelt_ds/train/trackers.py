@@ -45,13 +45,14 @@ from typing import Any, Protocol
 
 from smelt_ds.config.loading import config_to_dict, dump_config
 from smelt_ds.config.run import RunConfig
-from smelt_ds.config.tracking import MlflowSection
+from smelt_ds.config.tracking import MlflowSection, WandbSection
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import write_json_atomic, write_text_atomic
 from smelt_ds.mappings import updated_environ
 
 __all__ = ["Tracker", "TRACKERS_DIR", "IDS_FILE", "INSTALL_HINTS", "check_trackers", "start_trackers",
-           "scalars", "read_ids", "WandbTracker", "MlflowTracker", "CsvTracker"]
+           "check_mlflow_server", "check_wandb_server", "scalars", "read_ids", "WandbTracker", "MlflowTracker",
+           "CsvTracker"]
 
 #: where the trackers' files and ids live, inside the run directory
 TRACKERS_DIR = "trackers"
@@ -89,7 +90,8 @@ def check_trackers(cfg: RunConfig) -> None:
     """Raise ConfigError, before training starts, for a tracker of ``tracking.trackers`` whose
     package cannot be imported (naming ``pip install 'smelt-ds[wandb]'`` / ``[mlflow]``), and for
     an MLflow tracking URI whose store MLflow's client refuses (see :func:`mlflow_client`) or
-    whose server does not answer (:func:`check_mlflow_server`)."""
+    whose server does not answer (:func:`check_mlflow_server`), and a W&B server that does not
+    answer in online mode (:func:`check_wandb_server`)."""
     for name in cfg.tracking.trackers:
         module, hint = INSTALL_HINTS[name]
         try:
@@ -101,40 +103,68 @@ def check_trackers(cfg: RunConfig) -> None:
     if "mlflow" in cfg.tracking.trackers:
         mlflow_client(cfg.tracking.mlflow)
         check_mlflow_server(cfg.tracking.mlflow)
+    if "wandb" in cfg.tracking.trackers:
+        check_wandb_server(cfg.tracking.wandb)
 
 
-#: seconds an MLflow tracking server has to answer before training starts (MLflow's own client
-#: retries 7 times with exponential backoff and a 120 s timeout each: many minutes of silence)
+#: seconds a tracker's server has to answer before training starts (MLflow's own client retries 7
+#: times with exponential backoff and a 120 s timeout each: many minutes of silence; W&B's init
+#: waits 90 s)
 MLFLOW_PROBE_TIMEOUT_S = 10.0
+#: the W&B server when WANDB_BASE_URL is unset (W&B's own default)
+WANDB_DEFAULT_URL = "https://api.wandb.ai"
+
+
+def _unreachable(url: str, timeout_s: float) -> str | None:
+    """None when ``url`` answers within ``timeout_s`` seconds with a status below 500 (even 401 or
+    404: a server is there); else what failed (name resolution, refused connection, timeout, or a
+    5xx: a proxy or gateway in front of a stopped server)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError as e:
+        if e.code < 500:
+            return None
+        return f"HTTP {e.code} {e.reason}: a proxy or gateway answered, not the server"
+    except (urllib.error.URLError, OSError) as e:
+        why = getattr(e, "reason", e)
+        return why if isinstance(why, str) else f"{type(why).__name__}: {why}"
 
 
 def check_mlflow_server(section: MlflowSection, timeout_s: float = MLFLOW_PROBE_TIMEOUT_S) -> None:
     """For an ``http(s)://`` tracking URI (``tracking.mlflow.tracking_uri``, else
-    ``MLFLOW_TRACKING_URI``): one request to the server's ``/health`` within ``timeout_s`` seconds.
-    An answer below 500 (even 401 or 404) is a reachable server; a 5xx (a proxy or gateway in
-    front of a stopped server) is not. Raises ConfigError naming the URI,
-    what failed (name resolution, refused connection, timeout) and the fix, instead of the
-    minutes MLflow's client would spend retrying in silence. Other stores are not probed."""
-    import urllib.error
-    import urllib.request
-
+    ``MLFLOW_TRACKING_URI``): one request to the server's ``/health`` within ``timeout_s`` seconds
+    (:func:`_unreachable`). Raises ConfigError naming the URI, what failed and the fix, instead of
+    the minutes MLflow's client would spend retrying in silence. Other stores are not probed."""
     uri = section.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
     if not uri.startswith(("http://", "https://")):
         return
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
-            return
-    except urllib.error.HTTPError as e:
-        if e.code < 500:
-            return  # the server answered (401, 403, 404: MLflow or a proxy in front of it)
-        why: object = f"HTTP {e.code} {e.reason}: a proxy or gateway answered, not MLflow"
-    except (urllib.error.URLError, OSError) as e:
-        why = getattr(e, "reason", e)
-    what = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
-    raise ConfigError(f"`tracking.mlflow.tracking_uri` ({uri}): no MLflow server answered within {timeout_s:g} s "
-                      f"({what}): start the server or fix the address (a login node may reach hosts the compute "
-                      "nodes cannot), or leave mlflow out of tracking.trackers (metrics.jsonl and TensorBoard are "
-                      "always written)")
+    what = _unreachable(uri.rstrip("/") + "/health", timeout_s)
+    if what is not None:
+        raise ConfigError(f"`tracking.mlflow.tracking_uri` ({uri}): no MLflow server answered within {timeout_s:g} s "
+                          f"({what}): start the server or fix the address (a login node may reach hosts the compute "
+                          "nodes cannot), or leave mlflow out of tracking.trackers (metrics.jsonl and TensorBoard "
+                          "are always written)")
+
+
+def check_wandb_server(section: WandbSection, timeout_s: float = MLFLOW_PROBE_TIMEOUT_S) -> None:
+    """For W&B in online mode (``tracking.wandb.mode``, else ``WANDB_MODE``, else online): one
+    request to the W&B server (``WANDB_BASE_URL``, else :data:`WANDB_DEFAULT_URL`) within
+    ``timeout_s`` seconds. Raises ConfigError naming the server, what failed and the fix (offline
+    mode, where W&B writes files to upload later). Offline and disabled modes are not probed."""
+    mode = section.mode or os.environ.get("WANDB_MODE") or "online"
+    if mode not in ("online", "run"):
+        return
+    url = os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL
+    what = _unreachable(url, timeout_s)
+    if what is not None:
+        raise ConfigError(f"`tracking.wandb.mode` ({mode!r}): the W&B server {url} did not answer within "
+                          f"{timeout_s:g} s ({what}): log offline with --set tracking.wandb.mode=offline (upload "
+                          "later with `wandb sync`), set WANDB_BASE_URL to your W&B server, or leave wandb out of "
+                          "tracking.trackers")
 
 
 def mlflow_client(section: MlflowSection):

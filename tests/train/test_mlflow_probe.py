@@ -87,3 +87,32 @@ def test_train_refuses_before_the_run_directory_exists(tmp_path, capsys):
                  "--set", "tracking.trackers=[mlflow]", "--set", f"tracking.mlflow.tracking_uri={uri}"]) == 2
     assert f"`tracking.mlflow.tracking_uri` ({uri}): no MLflow server answered" in capsys.readouterr().err
     assert not run.exists()
+
+
+def test_wandb_online_with_a_server_that_never_answers_is_refused_at_the_timeout(monkeypatch):
+    """W&B in online mode against a W&B server (WANDB_BASE_URL) that accepts and never answers:
+    refused after the probe's timeout, naming the server and offline mode; offline mode and
+    disabled are not probed (W&B writes files only)."""
+    from smelt_ds.config.tracking import WandbSection
+    from smelt_ds.train.trackers import check_wandb_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(0)
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        monkeypatch.setenv("WANDB_BASE_URL", url)
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"`tracking.wandb.mode` \('online'\): the W&B server {url} did not "
+                                              r"answer within 1 s .*tracking.wandb.mode=offline"):
+            check_wandb_server(WandbSection(), timeout_s=1.0)
+        assert time.monotonic() - t0 < 30
+        check_wandb_server(WandbSection(mode="offline"), timeout_s=1.0)  # returns at once: no request
+        monkeypatch.setenv("WANDB_MODE", "disabled")
+        check_wandb_server(WandbSection(), timeout_s=1.0)
+    server = _serve(401)  # a W&B server that wants a key: it is there
+    try:
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.server_address[1]}")
+        check_wandb_server(WandbSection(mode="online"), timeout_s=5.0)
+    finally:
+        server.shutdown()
