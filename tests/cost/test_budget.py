@@ -111,13 +111,19 @@ def _baseline_raw(depth, hidden):
 @pytest.mark.parametrize("position", ["middle", "uniform", "bottom", "top", "asymmetric"])
 @pytest.mark.parametrize("ep", [2, 8])
 def test_matcher_within_one_percent(depth, hidden, position, ep):
-    if ep == 8 and position == "asymmetric" and depth < 48:
-        pytest.skip("asymmetric at depth 12/24 has one or two exact depths; 8-expert granularity cannot "
-                    "reach 1% there (the matcher reports the deviation instead)")
+    """Within 1% on all three budgets, except asymmetric at depth 12 with 8-expert steps: its one
+    exact depth leaves the parameters 1-2% off, and the matcher reports that deviation (checked
+    against an independent budget computation) instead of hiding it."""
     raw = _baseline_raw(depth, hidden)
     res = match_baseline(raw, position, repeats=2, ep_size=ep)
     assert res.depth_exact, res.notes
     assert res.matched.visits == depth
+    if ep == 8 and position == "asymmetric" and depth == 12:
+        b, base = compute_budget(config_from_dict(res.raw)), compute_budget(config_from_dict(raw))
+        assert 0.01 < abs(res.deviations["params"]) < 0.02
+        assert res.deviations["params"] == pytest.approx(b.non_embedding_params / base.non_embedding_params - 1,
+                                                         abs=1e-12)
+        return
     assert all(abs(v) <= 0.01 for v in res.deviations.values()), res.deviations
     assert res.config.moe.num_experts % ep == 0
     # only the loop, the depth and the expert count change
