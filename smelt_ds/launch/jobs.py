@@ -38,8 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from smelt_ds.config.cluster import ClusterLayout
+from smelt_ds.config.loading import dump_config
 from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
+from smelt_ds.launch.k8s_mounts import K8S_RECIPE, K8S_RECIPE_DIR, pod_mounts, unseen_paths
 from smelt_ds.launch.placement import MIN_HEADROOM, memory_report, place, zero3_decision
 from smelt_ds.resources import DATA_ROOT
 
@@ -249,6 +251,8 @@ class JobPlan:
     zero3: Any
     notes: list[str]
     run_dir: str = ""
+    #: the layout's and the user's recipe overrides (``--set``), in the order they apply
+    config_overrides: list[str] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -265,16 +269,16 @@ def _positive(name: str, value: Any) -> None:
 
 
 def _recipe_arg(path: Path, workdir: str, scheduler: str) -> str:
-    """The recipe as the job names it: relative to ``workdir`` (where the job runs) when it lies
-    inside, else absolute. Kubernetes pods run in the image's copy of the checkout, so there a
-    recipe of the checkout is also named relative to it (:data:`DATA_ROOT`)."""
+    """The recipe as the job names it. Kubernetes: the ConfigMap's copy of the resolved recipe
+    (:data:`smelt_ds.launch.k8s_mounts.K8S_RECIPE`), so any recipe runs with the stock image.
+    Otherwise relative to ``workdir`` (where the job runs) when it lies inside, else absolute."""
+    if scheduler == "k8s":
+        return K8S_RECIPE
     p = path.resolve()
-    for base in (Path(workdir), *((DATA_ROOT,) if scheduler == "k8s" else ())):
-        try:
-            return str(p.relative_to(Path(base).resolve()))
-        except ValueError:
-            continue
-    return str(p)
+    try:
+        return str(p.relative_to(Path(workdir).resolve()))
+    except ValueError:
+        return str(p)
 
 
 def _parse_env(items: list[str]) -> dict[str, str]:
@@ -356,7 +360,8 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
                      f"{row.headroom:.0%} free, under the {MIN_HEADROOM:.0%} headroom: see `smelt-ds memory` for a "
                      "ZeRO stage / checkpointing policy that fits")
     workdir = o.workdir or (K8S_WORKDIR if o.scheduler == "k8s" else str(Path.cwd().resolve()))
-    train_args = [x for s in res.overrides for x in ("--set", s)]
+    # a Kubernetes job carries the recipe resolved with these overrides in its ConfigMap
+    train_args = [] if o.scheduler == "k8s" else [x for s in res.overrides for x in ("--set", s)]
     if o.run_dir is not None:
         if not o.run_dir.strip():
             raise ConfigError("--run-dir '' is empty: name the run directory, e.g. --run-dir runs/m-smelt-pile")
@@ -365,7 +370,7 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
     return JobPlan(o, res.path, _recipe_arg(res.path, workdir, o.scheduler), workdir, cfg, res.layout_name, layout,
                    nodes, gpus, train_args, pl.accumulation, pl.global_batch_tokens, hosts, master, _parse_env(o.env),
                    _job_name(cfg, o.job_name), mem, zero3_decision(cfg, layout, nodes * gpus), notes,
-                   _run_dir_in_job(cfg, o.run_dir, workdir))
+                   _run_dir_in_job(cfg, o.run_dir, workdir), list(res.overrides))
 
 
 def _run_dir_in_job(cfg: RunConfig, given: str | None, workdir: str) -> str:
@@ -404,9 +409,12 @@ def per_node_command(plan: JobPlan) -> str:
     rank = {"slurm": '"$SLURM_NODEID"', "k8s": '"${PET_NODE_RANK:-$RANK}"'}.get(plan.options.scheduler, "0")
     master = '"$MASTER_ADDR"' if plan.options.scheduler != "deepspeed" else shlex.quote(plan.master_addr)
     port = '"$MASTER_PORT"' if plan.options.scheduler != "deepspeed" else str(plan.options.master_port)
+    # a pod reads the ConfigMap's recipe; SMELT_RECIPE names another copy (a local test of the command)
+    recipe = f'"${{SMELT_RECIPE:-{plan.recipe_arg}}}"' if plan.options.scheduler == "k8s" else \
+        shlex.quote(plan.recipe_arg)
     return (f"python -m torch.distributed.run --nnodes={plan.nodes} --nproc-per-node={plan.gpus_per_node} "
             f"--node-rank={rank} --master-addr={master} --master-port={port} "
-            f"-m smelt_ds.train {shlex.join([plan.recipe_arg, '--resume', 'auto', *plan.train_args])}")
+            f"-m smelt_ds.train {recipe} {shlex.join(['--resume', 'auto', *plan.train_args])}")
 
 
 def k8s_pod_command(plan: JobPlan) -> str:
@@ -475,8 +483,14 @@ def _render_k8s(plan: JobPlan) -> dict[str, str]:
     _positive("--cpus-per-gpu", o.cpu_per_gpu)
     _positive("--memory-per-gpu", o.memory_per_gpu_gib)
     _positive("--backoff-limit", o.backoff_limit)
+    mounts = pod_mounts(plan.workdir, o.runs_pvc, o.data_pvc)
+    unseen = unseen_paths(plan.config, plan.workdir, plan.run_dir, mounts)
+    if unseen:
+        where = "; ".join(f"{m.path} ({m.what})" for m in mounts)
+        raise ConfigError("a pod of this job cannot use these recipe paths:\n  " + "\n  ".join(unseen)
+                          + f"\nthe pod sees: {where}; and the image's checkout {plan.workdir} (read-only)")
     cmd = k8s_pod_command(plan)
-    label = re.sub(r"[^A-Za-z0-9_.-]", "_", plan.recipe_arg)[-63:].strip("_.-") or "recipe"
+    label = re.sub(r"[^A-Za-z0-9_.-]", "_", plan.recipe_path.name)[-63:].strip("_.-") or "recipe"
     env = {**{k: v.format(run_dir=plan.run_dir) for k, v in NCCL_FAULT_ENV.items()}, **plan.env}  # --env wins
     items = [f"                - {{name: {k}, value: {j(v)}}}" for k, v in env.items()]
     return {"JOB_NAME": j(plan.job_name), "NAMESPACE": j(o.namespace), "RECIPE_LABEL": j(label),
@@ -488,7 +502,11 @@ def _render_k8s(plan: JobPlan) -> dict[str, str]:
             "MEMORY_REQUEST": j(f"{o.memory_per_gpu_gib * plan.gpus_per_node}Gi"),
             "RUNS_MOUNT": j(f"{plan.workdir}/runs"), "CORPORA_MOUNT": j(f"{plan.workdir}/corpora"),
             "SHM_SIZE": j(o.shm_size), "RUNS_PVC": j(o.runs_pvc), "DATA_PVC": j(o.data_pvc),
-            "WORKERS": str(plan.nodes - 1)}
+            "WORKERS": str(plan.nodes - 1), "RECIPE_CONFIGMAP": j(f"{plan.job_name}-recipe"),
+            "RECIPE_DIR": j(K8S_RECIPE_DIR), "RECIPE_FILE": j(K8S_RECIPE.rsplit("/", 1)[1]),
+            "RECIPE_YAML": j(f"# {plan.recipe_path.name}, resolved by smelt-ds render-job "
+                             f"(overrides: {' '.join(plan.config_overrides) or 'none'})\n"
+                             + dump_config(plan.config))}
 
 
 def render(plan: JobPlan) -> str:
@@ -563,15 +581,16 @@ def _memory_line(plan: JobPlan) -> str:
 def summary(plan: JobPlan, output: str | None = None) -> str:
     """What ``--dry-run`` prints: commands, world size, data / expert-parallel layout, memory verdict."""
     c, lay = plan.config, plan.layout
-    lines = [f"recipe        {plan.recipe_arg} ({c.name}), layout '{plan.layout_name}': {lay.gpu}, "
+    recipe = plan.recipe_arg if plan.options.scheduler != "k8s" else f"{plan.recipe_path} (ConfigMap {plan.recipe_arg})"
+    lines = [f"recipe        {recipe} ({c.name}), layout '{plan.layout_name}': {lay.gpu}, "
              f"{lay.device_memory_gib:g} GiB per GPU",
              f"scheduler     {plan.options.scheduler}",
              f"world size    {plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world_size} ranks"]
     lines += _launch_lines(plan, output) + [f"run dir       {plan.run_dir}"] + _parallel_lines(plan)
     lines.append(_memory_line(plan))
-    sets = [v for k, v in zip(plan.train_args[::2], plan.train_args[1::2], strict=True) if k == "--set"]
-    if sets:
-        lines.append(f"overrides     {' '.join(sets)}")
+    if plan.config_overrides:
+        where = " (in the ConfigMap's recipe)" if plan.options.scheduler == "k8s" else ""
+        lines.append(f"overrides     {' '.join(plan.config_overrides)}{where}")
     return "\n".join(lines + [f"note          {n}" for n in plan.notes])
 
 

@@ -30,8 +30,10 @@ The checks, in order (:data:`CHECKS`), and the training code each one runs:
   offload; the CPU communication op with several CPU ranks) can be built: DeepSpeed's own
   ``is_compatible`` and a C++ compiler.
 
-A Kubernetes pod sees its image and its mounts, not this machine: there the data, interpreter
-and tracker checks are warnings (``warn``), the others the same.
+A Kubernetes pod sees its image and its mounts, not this machine: there the data files are not
+read here (``render-job`` refuses a recipe path outside the pod's volumes:
+:mod:`smelt_ds.launch.k8s_mounts`), and the interpreter and tracker checks are warnings
+(``warn``); the others are the same.
 """
 
 from __future__ import annotations
@@ -222,7 +224,12 @@ def run_checks(plan: JobPlan, data: bool = True) -> list[CheckResult]:
     out = []
     with _job_environment(plan):
         for name, check, soft in steps:
-            if not data and (name == "data" or (name == "tokenizer" and cfg.data.tokenizer.path is not None)):
+            reads_files = name == "data" or (name == "tokenizer" and cfg.data.tokenizer.path is not None)
+            if reads_files and k8s:
+                out.append(CheckResult(name, "skip", "a pod reads its files from its volumes, not from this machine "
+                                                     "(render-job refuses a path outside them)"))
+                continue
+            if reads_files and not data:
                 out.append(CheckResult(name, "skip", "--no-data-check (data files are not read here)"))
                 continue
             try:

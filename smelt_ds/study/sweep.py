@@ -209,19 +209,6 @@ def _job_name(sweep: str, r: PlannedRun) -> str:
     return re.sub(r"-+", "-", name)[:52].strip("-")
 
 
-def _path_in_job(path: Path, workdir: str) -> str:
-    """``path`` as the job sees it: relative to its working directory or the repository root
-    (which the Kubernetes image holds at its workdir), else absolute (as smelt_ds.launch does)."""
-
-    p = path.resolve()
-    for base in (Path(workdir), REPO_ROOT):
-        try:
-            return str(p.relative_to(base.resolve()))
-        except ValueError:
-            continue
-    return str(p)
-
-
 def _job_options(plan: SweepPlan, r: PlannedRun, scheduler: str, log_dir: str | None = None):
 
     L = plan.sweep.launch
@@ -279,6 +266,11 @@ def render_k8s(plan: SweepPlan) -> list[Path]:
     to ``<output_dir>/launch/k8s/<NNN>-<run>.yaml``; each exits at once if its run has finished.
     The output_dir must lie on the runs volume (under ``runs/``). Returns the manifests."""
 
+    where = str(plan.output_dir)
+    if Path(where).is_absolute() or not (where == "runs" or where.startswith("runs/")):
+        raise ConfigError(f"`output_dir` ({where!r}) of a sweep rendered for Kubernetes must lie under runs/, relative "
+                          "to the working directory (the default runs/sweeps/{name}): the pods write their run "
+                          "directories to the runs volume, which they mount at <workdir>/runs")
     materialize(plan)
     root = plan.output_dir / "launch" / "k8s"
     root.mkdir(parents=True, exist_ok=True)
@@ -288,7 +280,7 @@ def render_k8s(plan: SweepPlan) -> list[Path]:
             continue
         job = plan_job(r.recipe_path, _job_options(plan, r, "k8s"))
         text = render(job)
-        run_dir = _path_in_job(r.run_dir, job.workdir)
+        run_dir = job.run_dir  # as the pod sees it (on the runs volume: render refuses another place)
         cmd = k8s_pod_command(job)
         guarded = f"test -f {shlex.quote(run_dir + '/summary.json')} && exit 0; {cmd}"
         if json.dumps(cmd) not in text:  # the template changed: never write a job that retrains a finished run

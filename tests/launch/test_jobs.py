@@ -69,8 +69,9 @@ def test_rendered_slurm_and_k8s_jobs(case, tmp_path):
         assert "--set train.micro_batch_size=" in text
 
     plan = _plan(path, "k8s", layout=layout, image="registry.example.org/smelt-ds:1.0")
-    job = yaml.safe_load(render(plan))
+    recipe_map, job = yaml.safe_load_all(render(plan))
     assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    assert recipe_map["kind"] == "ConfigMap" and recipe_map["data"]["recipe.yaml"].count(f"name: {plan.config.name}\n")
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert specs["Master"]["replicas"] == 1 and ("Worker" in specs) == (lay.nodes > 1)
     assert sum(s["replicas"] for s in specs.values()) == lay.nodes  # one pod per node
@@ -81,7 +82,7 @@ def test_rendered_slurm_and_k8s_jobs(case, tmp_path):
         assert c["name"] == "pytorch" and c["image"] == "registry.example.org/smelt-ds:1.0"
         assert c["command"] == ["bash", "-c"]
         assert f"--nnodes={lay.nodes} --nproc-per-node={lay.gpus_per_node}" in c["args"][0]
-        assert "--resume auto" in c["args"][0] and f"recipes/{path.parent.name}/{path.name}" in c["args"][0]
+        assert "--resume auto" in c["args"][0] and '"${SMELT_RECIPE:-/etc/smelt-ds/recipe.yaml}"' in c["args"][0]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == lay.gpus_per_node
         env = {e["name"]: e["value"] for e in c["env"]}
         assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "300"
@@ -92,7 +93,7 @@ def test_rendered_slurm_and_k8s_jobs(case, tmp_path):
 
 
 def test_single_node_k8s_job_has_no_workers():
-    job = yaml.safe_load(render(_plan(ROOT / "recipes/s/smelt.yaml", "k8s")))
+    _, job = yaml.safe_load_all(render(_plan(ROOT / "recipes/s/smelt.yaml", "k8s")))
     assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Master"}
     assert job["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] == 1
 
@@ -221,7 +222,7 @@ def test_a_job_rendered_outside_the_checkout_names_the_recipe_it_can_open(tmp_pa
     own.write_text(f"base: {recipe}\n")
     assert _plan(own, "slurm", nodes=1, gpus_per_node=1).recipe_arg == "mine.yaml"
     k8s = _plan(recipe, "k8s", nodes=1, gpus_per_node=1, image="registry.example.org/smelt-ds:1.0")
-    assert k8s.recipe_arg == "recipes/tiny/smelt.yaml"
+    assert k8s.recipe_arg == "/etc/smelt-ds/recipe.yaml"  # the ConfigMap's copy: tests/launch/test_k8s.py
 
 
 def test_cli_dry_run_and_errors(tmp_path, capsys):
@@ -236,8 +237,9 @@ def test_cli_dry_run_and_errors(tmp_path, capsys):
     assert re.search(r"memory/GPU +[\d.]+ GiB of 139.7 GiB .*: fits, \d+% headroom", out)
     assert '--node-rank="$SLURM_NODEID"' in out and "--set train.micro_batch_size=2" in out
     rc = cli_main(["render-job", "recipes/xl/smelt.yaml", "--scheduler", "k8s", "-o", str(tmp_path / "job.yaml")])
-    assert "warning: data: `data.sources[0].path`" in capsys.readouterr().err  # a pod sees its own mounts: warn
-    assert rc == 0 and yaml.safe_load((tmp_path / "job.yaml").read_text())["kind"] == "PyTorchJob"
+    assert "warning" not in capsys.readouterr().err  # a pod reads corpora/ from its volume, not from here
+    assert rc == 0 and [d["kind"] for d in yaml.safe_load_all((tmp_path / "job.yaml").read_text())] == [
+        "ConfigMap", "PyTorchJob"]
     capsys.readouterr()
     assert cli_main(["render-job", "recipes/xl/smelt.yaml", "--scheduler", "slurm", "--nodes", "1",
                      "--gpus-per-node", "4"]) == 2
@@ -401,21 +403,34 @@ TINY_SETS = ["model.vocab_size=512", "model.hidden_size=32", "model.num_layers=4
 def test_two_nodes_on_loopback_train_the_tiny_recipe_with_zero3(tmp_path, cache):
     """Render the Slurm job for 2 nodes x 1 rank and run its per-node step twice, as srun would on two
     nodes (SLURM_NODEID 0 and 1, the same SLURM_JOB_NODELIST and SLURM_JOB_ID): the script derives
-    MASTER_ADDR and MASTER_PORT, torchrun starts one rank per node, and the ranks train together."""
+    MASTER_ADDR and MASTER_PORT, torchrun starts one rank per node, and the ranks train together.
+    Rendered and run as a user would outside the checkout: the user's recipe (``base:`` the tiny
+    one) in their own directory, the job's working directory another one, the script started from
+    a third, and no SMELT_PYTHON (the job runs the interpreter render-job ran under)."""
     port = _free_port_in(10000, 30000)
     job_id = 300000 + port - 10000  # the script's port: 10000 + job id % 20000
-    run_dir = tmp_path / "run"
-    sets = TINY_SETS + [f"data.cache_dir={cache}", f"train.run_dir={run_dir}"]
-    plan = _plan(ROOT / "recipes/tiny/smelt.yaml", "slurm", nodes=2, gpus_per_node=1, workdir=str(ROOT),
-                 overrides=sets, log_dir=str(tmp_path / "logs"))
-    assert plan.world_size == 2
+    assert port < 32768  # below Linux's ephemeral ports (net.ipv4.ip_local_port_range starts at 32768)
+    mine, work, elsewhere = tmp_path / "mine", tmp_path / "work", tmp_path / "elsewhere"
+    for d in (mine, work, elsewhere):
+        d.mkdir()
+    recipe = mine / "tiny-zero3.yaml"
+    recipe.write_text(f"base: {ROOT / 'recipes' / 'tiny' / 'smelt.yaml'}\nname: tiny-zero3\n")
+    sets = TINY_SETS + [f"data.cache_dir={cache}", "train.run_dir=runs/{name}"]
+    plan = _plan(recipe, "slurm", nodes=2, gpus_per_node=1, workdir=str(work), overrides=sets,
+                 log_dir=str(tmp_path / "logs"))
+    assert plan.world_size == 2 and plan.recipe_arg == str(recipe)  # outside the workdir: absolute
+    run_dir = work / "runs" / "tiny-zero3"
     job = tmp_path / "job.sbatch"
     job.write_text(render(plan))
-    env = {**os.environ, "SMELT_PYTHON": sys.executable, "SLURM_JOB_NODELIST": "127.0.0.1",
-           "SLURM_JOB_ID": str(job_id), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for var in ("MASTER_ADDR", "MASTER_PORT", "SMELT_MASTER_ADDR", "SMELT_MASTER_PORT"):
+    wrong = tmp_path / "bin"  # the `python` first on PATH is not the job's: the rendered interpreter runs
+    wrong.mkdir()
+    (wrong / "python").write_text("#!/bin/sh\necho 'the python on PATH ran' >&2\nexit 97\n")
+    (wrong / "python").chmod(0o755)
+    env = {**os.environ, "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_ID": str(job_id), "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1", "PATH": f"{wrong}:{os.environ['PATH']}"}
+    for var in ("MASTER_ADDR", "MASTER_PORT", "SMELT_MASTER_ADDR", "SMELT_MASTER_PORT", "SMELT_PYTHON"):
         env.pop(var, None)
-    procs = [subprocess.Popen(["bash", str(job), "--per-node"], env={**env, "SLURM_NODEID": str(n)},
+    procs = [subprocess.Popen(["bash", str(job), "--per-node"], env={**env, "SLURM_NODEID": str(n)}, cwd=elsewhere,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
     outs = []
     try:
@@ -621,7 +636,7 @@ def _rank_env(scheduler: str, tmp_path: Path, mine: dict[str, str]) -> tuple[dic
     assert plan.run_dir == run_dir
     text = render(plan)
     if scheduler == "k8s":
-        job = yaml.safe_load(text)
+        _, job = yaml.safe_load_all(text)
         (c,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
         names = [e["name"] for e in c["env"]]
         assert len(names) == len(set(names)), names  # --env replaces a default, no second entry
@@ -651,7 +666,7 @@ def test_every_job_sets_the_nccl_fault_variables_as_overridable_defaults(schedul
 
 
 def test_k8s_pod_command_uses_the_pod_rank_and_master_from_the_operator(tmp_path):
-    job = yaml.safe_load(render(_plan(ROOT / "recipes/l/top.yaml", "k8s", layout="h200")))
+    _, job = yaml.safe_load_all(render(_plan(ROOT / "recipes/l/top.yaml", "k8s", layout="h200")))
     cmd = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["args"][0]
     env = {**_fake_bin(tmp_path, "python"), "RANK": "5", "MASTER_ADDR": "smelt-l-top-master-0", "MASTER_PORT": "23456"}
     r = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=60)
@@ -659,7 +674,7 @@ def test_k8s_pod_command_uses_the_pod_rank_and_master_from_the_operator(tmp_path
     argv = (tmp_path / "argv").read_text().splitlines()[1:]
     assert argv == ["-m", "torch.distributed.run", "--nnodes=16", "--nproc-per-node=8", "--node-rank=5",
                     "--master-addr=smelt-l-top-master-0", "--master-port=23456", "-m", "smelt_ds.train",
-                    "recipes/l/top.yaml", "--resume", "auto", "--set", "train.micro_batch_size=2"]
+                    "/etc/smelt-ds/recipe.yaml", "--resume", "auto"]  # the layout's override: in the ConfigMap
 
 
 def test_version_matches_the_installed_package(capsys):
@@ -803,7 +818,7 @@ def test_a_tracker_missing_here_is_refused_for_slurm_and_a_warning_for_k8s(monke
     """A Slurm job runs the Python render-job runs under: a tracker package missing here fails at
     start, so it is refused now (naming the extra). A pod runs its image: a warning."""
     argv = ["render-job", "recipes/tiny/smelt.yaml", "--scheduler", "slurm", "--dry-run",
-            "--set", "tracking.trackers=[wandb]"]
+            "--set", "tracking.trackers=[wandb]", "--set", "tracking.wandb.mode=offline"]
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, as when it is missing
     assert cli_main(argv) == 2
     err = capsys.readouterr().err

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from smelt_ds.launch.jobs import JobOptions, k8s_pod_command, plan_job, render
 from smelt_ds.runs import checkpoint as ckpt
@@ -167,10 +168,20 @@ def test_deepspeed_bare_then_rendered_single_host_then_hostfile_stop_and_resume_
 
 def test_kubernetes_pod_command_stops_and_resumes_on_the_trajectory(two_rank_reference, tmp_path):
     ref = two_rank_reference
-    run = tmp_path / "run"
     log = tmp_path / "log.txt"
-    cmd = ["bash", "-c", k8s_pod_command(_plan(ref.recipe, "k8s", run))]
-    pod = {"MASTER_ADDR": "127.0.0.1", "RANK": "0"}  # what the PyTorchJob operator sets in the master pod
+    # the pod's working directory is tmp_path: its runs volume holds the run and the data cache (the
+    # reference's, linked), as render-job requires of a pod's writable paths
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "cache").symlink_to(ref.cache)
+    run = tmp_path / "runs" / "k8s"
+    cache = [f"data.cache_dir={tmp_path / 'runs' / 'cache'}"]
+    plan = plan_job(ref.recipe, JobOptions(scheduler="k8s", nodes=1, gpus_per_node=2, workdir=str(tmp_path),
+                                           run_dir=str(run), overrides=cache))
+    recipe_map, _ = yaml.safe_load_all(render(plan))  # the pod trains the manifest's ConfigMap copy
+    (tmp_path / "recipe.yaml").write_text(recipe_map["data"]["recipe.yaml"])
+    cmd = ["bash", "-c", k8s_pod_command(plan)]
+    # what the PyTorchJob operator sets in the master pod, and the ConfigMap's mount here
+    pod = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "SMELT_RECIPE": str(tmp_path / "recipe.yaml")}
     stops = []
     for _ in range(2):
         rc, step = _stop_after(cmd, run, (stops[-1] if stops else 0) + 3, log, MASTER_PORT=str(_free_port()), **pod)

@@ -113,11 +113,13 @@ def test_checks_use_the_jobs_working_directory_and_environment(tmp_path, capsys,
     assert cli_main(["preflight", TINY, *mlflow, *store, "--env", "MLFLOW_ALLOW_FILE_STORE=true"]) == 0
     capsys.readouterr()
 
-    k8s = ["--scheduler", "k8s", "--set", "data.sources=[{path: /data/corpora/web.txt}]", "--nodes", "1",
-           "--gpus-per-node", "1"]
+    k8s = ["--scheduler", "k8s", "--set", "data.sources=[{path: corpora/web.txt}]", "--nodes", "1",
+           "--gpus-per-node", "1", "--set", "tracking.trackers=[wandb]"]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails here; the image may have it
     assert cli_main(["preflight", TINY, *k8s]) == 0
-    status, detail = _rows(capsys.readouterr().out)["data"]
-    assert status == "WARN" and "a Kubernetes pod sees its own image and mounts" in detail
+    rows = _rows(capsys.readouterr().out)
+    assert rows["data"][0] == "SKIP" and "a pod reads its files from its volumes" in rows["data"][1]
+    assert rows["trackers"][0] == "WARN" and "a Kubernetes pod sees its own image and mounts" in rows["trackers"][1]
 
 
 def test_a_recipe_that_does_not_resolve_stops_before_the_other_checks(capsys):
@@ -125,3 +127,22 @@ def test_a_recipe_that_does_not_resolve_stops_before_the_other_checks(capsys):
                      "--set", "train.global_batch_tokens=3000"]) == 2
     out = capsys.readouterr().out
     assert "config        FAIL  `train.global_batch_tokens` (3000)" in out and "memory" not in out
+
+
+def test_an_unreachable_wandb_server_is_refused_by_preflight_and_by_training(tmp_path, capsys, monkeypatch):
+    """W&B online (the default mode) with WANDB_BASE_URL on a closed port: preflight (the variable
+    given with --env, as the job exports it) and training (the variable set) refuse it at start,
+    naming the server and offline mode."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    url = f"http://127.0.0.1:{_closed_port()}"
+    message = f"the W&B server {url} did not answer"
+    sets = ["--set", "tracking.trackers=[wandb]"]
+    assert cli_main(["preflight", TINY, "--nodes", "1", "--gpus-per-node", "1", *sets,
+                     "--env", f"WANDB_BASE_URL={url}"]) == 2
+    status, detail = _rows(capsys.readouterr().out)["trackers"]
+    assert status == "FAIL" and message in detail and "tracking.wandb.mode=offline" in detail
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    train = subprocess.run([sys.executable, "-m", "smelt_ds.train", TINY, *sets, "--set",
+                            f"train.run_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300, env={**env, "WANDB_BASE_URL": url})
+    assert train.returncode == 2 and message in train.stderr, train.stderr[-2000:]

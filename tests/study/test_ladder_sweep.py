@@ -217,8 +217,9 @@ def test_the_cpu_ladder_trains_512_token_windows_in_2048_token_steps():
         assert r.train_flops_per_token - short == 3 * 6 * 4 * 256 * r.config.model.hidden_size, r.name
 
 
-def test_the_gpu_ladder_renders_to_slurm_and_kubernetes(tmp_path):
-    plan = plan_sweep(load_sweep(LADDER_GPU), LADDER_GPU, output_dir=str(tmp_path / "out"))
+def test_the_gpu_ladder_renders_to_slurm_and_kubernetes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the sweep's default place, runs/sweeps/..., here: a pod's runs volume
+    plan = plan_sweep(load_sweep(LADDER_GPU), LADDER_GPU, output_dir="runs/sweeps/ladder-gpu")
     arrays = render_slurm(plan)
     assert [a.name for a in arrays] == ["array-1x8.sbatch"]  # the S recipe's h100 layout: 1 node x 8 GPUs
     text = arrays[0].read_text()
@@ -231,12 +232,14 @@ def test_the_gpu_ladder_renders_to_slurm_and_kubernetes(tmp_path):
     subprocess.run(["bash", "-n", str(scripts[0])], check=True)
     jobs = render_k8s(plan)
     assert len(jobs) == 40
-    doc = yaml.safe_load(jobs[-1].read_text())
+    recipe_map, doc = yaml.safe_load_all(jobs[-1].read_text())
     assert doc["kind"] == "PyTorchJob"
     args = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"][0]
-    assert re.search(r"^test -f \S+/summary\.json && exit 0; .*; python -m torch\.distributed\.run .* & pid=\$!; ",
-                     args)
-    assert plan.runs[-1].recipe_path.name in args
+    run = plan.runs[-1]
+    assert args.startswith(f"test -f /workspace/smelt-ds/{run.run_dir}/summary.json && exit 0; ")  # the pod's path
+    assert re.search(r"; python -m torch\.distributed\.run .* & pid=\$!; ", args)
+    assert recipe_map["data"]["recipe.yaml"].startswith(f"# {run.recipe_path.name}, resolved by smelt-ds render-job")
+    assert f"name: {run.config.name}\n" in recipe_map["data"]["recipe.yaml"]
 
 
 def test_run_directories_written_before_the_ladder_fields_still_resume(tmp_path):

@@ -154,7 +154,7 @@ def test_only_trains_the_runs_it_names_and_a_pattern_matching_none_is_refused(tm
     assert len(json.loads((plan.output_dir / "sweep_plan.json").read_text())["runs"]) == 12  # the whole sweep
 
 
-def test_only_selects_the_runs_of_dry_run_and_render(tmp_path, capsys):
+def test_only_selects_the_runs_of_dry_run_and_render(tmp_path, capsys, monkeypatch):
     """``--only`` with ``--dry-run`` lists only the matching runs, with ``--render`` writes only
     their jobs; a pattern that matches nothing fails there too."""
     from smelt_ds.cli import main
@@ -163,8 +163,13 @@ def test_only_selects_the_runs_of_dry_run_and_render(tmp_path, capsys):
     assert main(["sweep", str(path), "--dry-run", "--only", "smelt-h128-*"]) == 0
     out = capsys.readouterr().out
     assert "smelt-h128-d1" in out and "baseline-h128-d1" not in out and "smelt-h64-d1" not in out
+    assert main(["sweep", str(path), "--render", "k8s", "--only", "*-h64-d1"]) == 2  # output_dir not on runs/
+    assert f"`output_dir` ('{tmp_path / 'out'}') of a sweep rendered for Kubernetes must lie under runs/" in \
+        capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    path = _sweep(tmp_path, output_dir="runs/sweeps/t")
     assert main(["sweep", str(path), "--render", "k8s", "--only", "*-h64-d1"]) == 0
-    jobs = sorted(p.name for p in (tmp_path / "out" / "launch" / "k8s").rglob("*.yaml"))
+    jobs = sorted(p.name for p in (tmp_path / "runs" / "sweeps" / "t" / "launch" / "k8s").rglob("*.yaml"))
     assert len(jobs) == 2 and all("h64-d1" in j for j in jobs), jobs
     assert main(["sweep", str(path), "--dry-run", "--only", "nothing"]) == 2
     assert "--only 'nothing' matches no run" in capsys.readouterr().err
@@ -185,7 +190,8 @@ def test_cli_dry_run_and_steps_scale(tmp_path, capsys):
 def test_render_slurm_array_and_k8s_jobs(tmp_path, monkeypatch):
     from smelt_ds.study import sweep
 
-    path = _sweep(tmp_path, launch={"max_parallel": 3, "partition": "gpu"})
+    monkeypatch.chdir(tmp_path)  # output_dir under runs/: where a pod's runs volume is
+    path = _sweep(tmp_path, launch={"max_parallel": 3, "partition": "gpu"}, output_dir="runs/sweeps/t")
     plan = plan_sweep(load_sweep(path), path)
     arrays = render_slurm(plan)
     assert [a.name for a in arrays] == ["array-1x1.sbatch"]  # CPU recipes: one process each
@@ -206,12 +212,12 @@ def test_render_slurm_array_and_k8s_jobs(tmp_path, monkeypatch):
     jobs = render_k8s(plan)
     assert len(jobs) == 11  # the finished run gets no job
     for j, r in zip(jobs, plan.runs[1:], strict=True):
-        doc = yaml.safe_load(j.read_text())
+        recipe_map, doc = yaml.safe_load_all(j.read_text())
         assert doc["kind"] == "PyTorchJob"
         args = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"][0]
-        assert args.startswith("test -f ") and "summary.json && exit 0; " in args
+        assert args.startswith(f"test -f /workspace/smelt-ds/{r.run_dir}/summary.json && exit 0; ")
         assert "python -m torch.distributed.run " in args
-        assert r.recipe_path.name in args
+        assert f"name: {r.config.name}\n" in recipe_map["data"]["recipe.yaml"]  # the run's recipe travels with it
     # a field the sweep does not fill is refused, naming the template and the field
     bad = tmp_path / "sweep_array.sbatch"
     bad.write_text(template + "# {{NOT_A_FIELD}}\n")
