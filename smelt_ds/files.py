@@ -17,8 +17,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_atomic", "write_text_atomic", "write_json_atomic", "json_safe", "staged_directory",
+__all__ = ["relative_rule", "write_atomic", "write_text_atomic", "write_json_atomic", "json_safe", "staged_directory",
            "write_or_check_generated"]
+
+
+def relative_rule(path: str | os.PathLike) -> str:
+    """How a recipe path is read, for an error about it: relative paths (``data.sources[].path``,
+    ``megatron``, ``tokens``, ``data.tokenizer.path``, ``train.init_from``, ``train.run_dir``,
+    ``data.cache_dir``) are read from the working directory, never from the recipe file's
+    directory (only ``base:`` is relative to the recipe). Returns the rule with the directory for
+    a relative path, else ``"absolute path"``."""
+    if Path(os.path.expanduser(os.fspath(path))).is_absolute():
+        return "absolute path"
+    return f"relative paths are read from the working directory {os.getcwd()!r}, not from the recipe's directory"
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:

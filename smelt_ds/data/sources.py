@@ -40,6 +40,7 @@ from smelt_ds.data.ladder import ladder_corpus_dir, ladder_key
 from smelt_ds.data.token_sources import token_source_files
 from smelt_ds.data.tokenizer import UncuttableDocument, cut_document, utf8_len
 from smelt_ds.errors import ConfigError
+from smelt_ds.files import relative_rule
 
 if TYPE_CHECKING:
     import datasets
@@ -92,8 +93,8 @@ def resolve_files(src: SourceConfig, where: str) -> list[Path]:
     an explicit empty file, or a directory without matching files."""
     path = Path(cast(str, src.path)).expanduser()  # a path source (DataConfig checks the kind)
     if not path.exists():
-        raise ConfigError(f"`{where}.path` ({src.path!r}): no such file or directory (working directory "
-                          f"{os.getcwd()!r}): fix the path or remove the source")
+        raise ConfigError(f"`{where}.path` ({src.path!r}): no such file or directory ({relative_rule(path)}): fix "
+                          "the path or remove the source")
     if path.is_file():
         if path.stat().st_size == 0:
             raise ConfigError(f"`{where}.path` ({src.path!r}): the file is empty (0 bytes): "

@@ -31,7 +31,6 @@ preparing and against ``model.vocab_size`` before training, without reading the 
 from __future__ import annotations
 
 import glob
-import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from smelt_ds.data.token_files import (
     select_smallest,
 )
 from smelt_ds.errors import ConfigError
+from smelt_ds.files import relative_rule
 
 __all__ = ["TOKEN_SPLIT_SCHEME", "resolve_token_paths", "token_source_files", "open_token_path", "scan_source",
            "SourceScan", "write_source", "PackedStream", "PackedTokens", "TokenFileChanged", "verify_token_files",
@@ -92,7 +92,7 @@ def resolve_token_paths(src: SourceConfig, where: str) -> list[Path]:
         found = [p for p in dict.fromkeys(prefixes) if p.with_name(p.name + ".idx").is_file()]
     if not found:
         what = "Megatron .idx/.bin pair" if kind == "megatron" else "token file"
-        raise ConfigError(f"`{where}.{kind}` ({value!r}): no {what} there (working directory {os.getcwd()!r}): fix "
+        raise ConfigError(f"`{where}.{kind}` ({value!r}): no {what} there ({relative_rule(value)}): fix "
                           f"the path{', the pattern' if _GLOB_CHARS.search(value) else ''} or `{where}.glob`, or "
                           "remove the source")
     return found

@@ -15,6 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from smelt_ds.errors import ConfigError
+from smelt_ds.files import relative_rule
 
 __all__ = ["TOKENIZER_FILE", "tokenizer_hash", "load_tokenizer"]
 
@@ -33,8 +34,9 @@ def load_tokenizer(path: str | Path, where: str = "tokenizer") -> Tokenizer:
     if p.is_dir():
         return _transformers_backend(p, where)
     if not p.is_file():
-        raise ConfigError(f"`{where}` ({str(path)!r}): no such tokenizer file or directory: give the path of a "
-                          "tokenizer.json or of a transformers tokenizer directory, or unset it to train one")
+        raise ConfigError(f"`{where}` ({str(path)!r}): no such tokenizer file or directory ({relative_rule(path)}): "
+                          "give the path of a tokenizer.json or of a transformers tokenizer directory, or unset it to "
+                          "train one")
     try:
         return Tokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises a plain Exception for bad JSON
