@@ -55,7 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--hostfile", default=None,
                    help="hostfile (HOST slots=N lines); required for several nodes "
                         "(default: none, one node: this host)")
-    g.add_argument("--master-port", type=int, default=d.master_port, help=f"rendezvous port (default {d.master_port})")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port (default: deepspeed 29500; Slurm 10000 + job id mod 20000, below the "
+                        "ephemeral ports; Kubernetes: the operator's)")
     g = p.add_argument_group("Slurm")
     g.add_argument("--time", default=d.time, help=f"time limit per start, D-HH:MM:SS (default {d.time}); the job "
                                                   "requeues itself and resumes")

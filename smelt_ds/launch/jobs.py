@@ -201,7 +201,7 @@ class JobOptions:
     layout: str | None = None
     overrides: list[str] = field(default_factory=list)
     hostfile: str | None = None
-    master_port: int = 29500
+    master_port: int | None = None  # deepspeed: 29500 when None; Slurm: 10000 + job id % 20000 when None
     workdir: str | None = None
     job_name: str | None = None
     env: list[str] = field(default_factory=list)
@@ -360,6 +360,16 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
                      f"{row.headroom:.0%} free, under the {MIN_HEADROOM:.0%} headroom: see `smelt-ds memory` for a "
                      "ZeRO stage / checkpointing policy that fits")
     workdir = o.workdir or (K8S_WORKDIR if o.scheduler == "k8s" else str(Path.cwd().resolve()))
+    if o.workdir and o.scheduler != "k8s":  # a pod's workdir is a path in its image, not here
+        wd = Path(o.workdir).expanduser()
+        workdir = str(wd if wd.is_absolute() else (Path.cwd() / wd).resolve())
+        if not Path(workdir).is_dir():
+            raise ConfigError(f"--workdir {o.workdir!r} ({workdir}) is not a directory here: the job changes into it "
+                              "on every node; create it on a filesystem every node sees, or fix the path")
+    if o.master_port is not None and not 1024 <= o.master_port <= 65535:
+        raise ConfigError(f"--master-port ({o.master_port}) must be a port number from 1024 to 65535, e.g. 29500")
+    if o.master_port is not None and o.scheduler == "k8s":
+        notes.append("--master-port is not used by a Kubernetes job: the operator sets MASTER_PORT")
     # a Kubernetes job carries the recipe resolved with these overrides in its ConfigMap
     train_args = [] if o.scheduler == "k8s" else [x for s in res.overrides for x in ("--set", s)]
     if o.run_dir is not None:
@@ -408,7 +418,7 @@ def per_node_command(plan: JobPlan) -> str:
     """The command every node (pod) runs, with the node rank and master as shell variables."""
     rank = {"slurm": '"$SLURM_NODEID"', "k8s": '"${PET_NODE_RANK:-$RANK}"'}.get(plan.options.scheduler, "0")
     master = '"$MASTER_ADDR"' if plan.options.scheduler != "deepspeed" else shlex.quote(plan.master_addr)
-    port = '"$MASTER_PORT"' if plan.options.scheduler != "deepspeed" else str(plan.options.master_port)
+    port = '"$MASTER_PORT"' if plan.options.scheduler != "deepspeed" else str(_deepspeed_port(plan.options))
     # a pod reads the ConfigMap's recipe; SMELT_RECIPE names another copy (a local test of the command)
     recipe = f'"${{SMELT_RECIPE:-{plan.recipe_arg}}}"' if plan.options.scheduler == "k8s" else \
         shlex.quote(plan.recipe_arg)
@@ -441,6 +451,24 @@ def k8s_pod_command(plan: JobPlan) -> str:
             'exit "${stop:-$rc}"')
 
 
+def _deepspeed_port(o: JobOptions) -> int:
+    return o.master_port if o.master_port is not None else 29500
+
+
+def slurm_seconds(limit: str) -> int:
+    """Seconds of a Slurm time limit (sbatch --time): ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``
+    or ``D-H:M:S``. Raises ConfigError for another form."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d\d))?(?::(\d\d))?", limit)
+    if not m:
+        raise ConfigError(f"--time {limit!r} is not a Slurm time limit: write D-HH:MM:SS or HH:MM:SS, e.g. 2-00:00:00")
+    days, a, b, c = m.groups()
+    if days is not None:  # D-H[:M[:S]]
+        return ((int(days) * 24 + int(a)) * 60 + int(b or 0)) * 60 + int(c or 0)
+    if c is not None:  # H:M:S
+        return (int(a) * 60 + int(b)) * 60 + int(c)
+    return int(a) * 60 + int(b or 0)  # M or M:S
+
+
 def _render_slurm(plan: JobPlan) -> dict[str, str]:
     o = plan.options
     extra = [f"#SBATCH --partition={o.partition}"] if o.partition else []
@@ -449,19 +477,26 @@ def _render_slurm(plan: JobPlan) -> dict[str, str]:
         if not opt.startswith("--") or "\n" in opt:
             raise ConfigError(f"--sbatch {opt!r}: pass one sbatch option such as --sbatch=--qos=high")
         extra.append(f"#SBATCH {opt}")
-    if not re.fullmatch(r"(\d+-)?\d+(:\d\d){0,2}", o.time):
-        raise ConfigError(f"--time {o.time!r} is not a Slurm time limit: write D-HH:MM:SS or HH:MM:SS, e.g. 2-00:00:00")
+    limit = slurm_seconds(o.time)
     _positive("--signal-lead", o.signal_lead_s)
+    if limit <= o.signal_lead_s:
+        raise ConfigError(f"--time {o.time!r} ({limit} s) must be longer than --signal-lead ({o.signal_lead_s} s): the "
+                          "job checkpoints and requeues that many seconds before its time limit; give a longer --time "
+                          "or a shorter --signal-lead")
     if o.shutdown_s >= o.signal_lead_s:
         raise ConfigError(f"--shutdown-timeout ({o.shutdown_s} s) must be shorter than --signal-lead "
                           f"({o.signal_lead_s} s): the ranks must have saved before the time limit")
     log_dir = o.log_dir or str(Path(plan.workdir) / "runs" / "slurm-logs")
     if re.search(r"\s", log_dir):
-        raise ConfigError(f"--log-dir {log_dir!r}: #SBATCH --output cannot hold spaces; choose another directory")
+        what = f"--log-dir {log_dir!r}" if o.log_dir else \
+            f"the default log directory ({log_dir!r}, under --workdir {plan.workdir!r})"
+        raise ConfigError(f"{what}: #SBATCH --output cannot hold spaces; pass --log-dir DIR without spaces")
     if not isinstance(o.max_requeues, int) or isinstance(o.max_requeues, bool) or o.max_requeues < 0:
         raise ConfigError(f"`--max-requeues` ({o.max_requeues!r}) must be 0 (never requeue a failed job) or a "
                           "positive integer, e.g. --max-requeues 3")
+    port = str(o.master_port) if o.master_port is not None else "$((10000 + SLURM_JOB_ID % 20000))"
     return {**_shell_common(plan), "JOB_NAME": plan.job_name, "TIME": o.time, "SIGNAL_LEAD_S": str(o.signal_lead_s),
+            "MASTER_PORT": port,
             "LOG_DIR": log_dir, "EXTRA_SBATCH": "\n".join(extra), "MAX_REQUEUES": str(o.max_requeues),
             "PYTHON": shlex.quote(sys.executable)}  # the interpreter that has smelt-ds: the one rendering the job
 
@@ -470,7 +505,7 @@ def _render_deepspeed(plan: JobPlan) -> dict[str, str]:
     o = plan.options
     hostfile = str(Path(o.hostfile).resolve()) if o.hostfile else ""
     return {**_shell_common(plan), "HOSTFILE": shlex.quote(hostfile), "MASTER_ADDR": shlex.quote(plan.master_addr),
-            "MASTER_PORT": str(o.master_port), "ENV_NAMES": " ".join(plan.env)}
+            "MASTER_PORT": str(_deepspeed_port(o)), "ENV_NAMES": " ".join(plan.env)}
 
 
 def _render_k8s(plan: JobPlan) -> dict[str, str]:
@@ -524,10 +559,11 @@ def render(plan: JobPlan) -> str:
 
 
 def submit_command(plan: JobPlan, output: str | None) -> str:
-    """How to submit the rendered file."""
-    f = shlex.quote(output) if output else {"slurm": "job.sbatch", "k8s": "job.yaml", "deepspeed": "run.sh"}[
-        plan.options.scheduler]
-    return {"slurm": f"sbatch {f}", "k8s": f"kubectl apply -f {f}", "deepspeed": f"bash {f}"}[plan.options.scheduler]
+    """How to submit the rendered file (without ``-o``: render it to a file first)."""
+    s = plan.options.scheduler
+    f = shlex.quote(output) if output else {"slurm": "job.sbatch", "k8s": "job.yaml", "deepspeed": "run.sh"}[s]
+    run = {"slurm": f"sbatch {f}", "k8s": f"kubectl apply -f {f}", "deepspeed": f"bash {f}"}[s]
+    return run if output else f"render it with -o {f}, then {run}"
 
 
 def _launch_lines(plan: JobPlan, output: str | None) -> list[str]:
@@ -535,12 +571,13 @@ def _launch_lines(plan: JobPlan, output: str | None) -> list[str]:
     if o.scheduler == "deepspeed":
         hostfile = f" --hostfile {shlex.quote(str(Path(o.hostfile).resolve()))}" if o.hostfile else ""
         train = shlex.join([plan.recipe_arg, "--resume", "auto", *plan.train_args])
-        lines = [f"master        {plan.master_addr}:{o.master_port}"
+        lines = [f"master        {plan.master_addr}:{_deepspeed_port(o)}"
                  + (f" (first host of {o.hostfile})" if plan.hosts else " (this machine)"),
                  f"launch        deepspeed --num_nodes {plan.nodes} --num_gpus {plan.gpus_per_node} --master_addr "
-                 f"{plan.master_addr} --master_port {o.master_port}{hostfile} --module smelt_ds.train {train}"]
+                 f"{plan.master_addr} --master_port {_deepspeed_port(o)}{hostfile} --module smelt_ds.train {train}"]
     else:
-        where = {"slurm": "first host of $SLURM_JOB_NODELIST, port 10000 + $SLURM_JOB_ID % 20000",
+        port = f"port {o.master_port}" if o.master_port else "port 10000 + $SLURM_JOB_ID % 20000"
+        where = {"slurm": f"first host of $SLURM_JOB_NODELIST, {port}",
                  "k8s": f"the Master pod's Service ({plan.job_name}-master-0), port set by the operator"}[o.scheduler]
         lines = [f"master        {where}", f"per node      {per_node_command(plan)}"]
     return lines + [f"submit        {submit_command(plan, output)}"]

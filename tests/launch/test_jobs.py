@@ -22,7 +22,7 @@ import yaml
 
 from smelt_ds.cli import main as cli_main
 from smelt_ds.errors import ConfigError
-from smelt_ds.launch.jobs import JobOptions, expand_nodelist, parse_hostfile, plan_job, render
+from smelt_ds.launch.jobs import JobOptions, expand_nodelist, parse_hostfile, plan_job, render, summary
 from smelt_ds.launch.jobs import main as launch_main
 from smelt_ds.study.recipes import shipped_recipes
 from smelt_ds.testing import scaled_timeout
@@ -175,6 +175,11 @@ def test_slurm_nodelists_expand_like_scontrol(capsys):
     (dict(scheduler="slurm", nodes=0), r"`--nodes` \(0\) must be a positive integer"),
     (dict(scheduler="slurm", layout="b200"), r"--layout 'b200'"),
     (dict(scheduler="slurm", time="two days"), r"--time 'two days'"),
+    (dict(scheduler="slurm", time="00:05:00"), r"--time '00:05:00' \(300 s\) must be longer than --signal-lead "
+                                               r"\(600 s\)"),
+    (dict(scheduler="slurm", workdir="/nonexistent/smelt-ds"), r"--workdir '/nonexistent/smelt-ds'.*is not a "
+                                                               r"directory here"),
+    (dict(scheduler="slurm", master_port=80), r"--master-port \(80\) must be a port number from 1024"),
     (dict(scheduler="slurm", env=["1BAD=x"]), r"--env '1BAD=x'"),
     (dict(scheduler="slurm", shutdown_s=900), r"--shutdown-timeout \(900 s\) must be shorter"),
     (dict(scheduler="k8s", image="my image"), r"--image"),
@@ -191,6 +196,37 @@ def test_a_recipe_name_that_is_no_kubernetes_name_gives_one_for_the_job():
     assert plan.job_name == "smelt-m-smelt-pile-v2" and 'name: "smelt-m-smelt-pile-v2"' in render(plan)
     long = _plan(ROOT / "recipes/m/smelt.yaml", "slurm", overrides=["name=" + "Ab." * 30]).job_name
     assert len(long) <= 52 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", long)
+
+
+@pytest.mark.parametrize("limit,seconds", [("30", 1800), ("30:15", 1815), ("12:00:00", 43200), ("2-00", 172800),
+                                           ("2-04:30", 189000), ("1-00:00:10", 86410)])
+def test_slurm_time_limits_in_seconds(limit, seconds):
+    """Every form sbatch --time takes (man sbatch): minutes, minutes:seconds, hours:minutes:seconds,
+    days-hours, days-hours:minutes, days-hours:minutes:seconds."""
+    from smelt_ds.launch.jobs import slurm_seconds
+
+    assert slurm_seconds(limit) == seconds
+
+
+def test_workdir_and_master_port_reach_the_job_as_given(tmp_path, monkeypatch, capsys):
+    """A relative --workdir becomes the absolute directory it names here; --master-port is the Slurm
+    job's rendezvous port (SMELT_MASTER_PORT still wins); a --workdir with a space is blamed for the
+    log directory it gives, not a --log-dir the user did not pass; without -o the submit line says
+    to render to a file first."""
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path)
+    plan = _plan(ROOT / "recipes/tiny/smelt.yaml", "slurm", nodes=1, gpus_per_node=1, workdir="work",
+                 master_port=29501)
+    text = render(plan)
+    assert plan.workdir == str(tmp_path / "work") and f"SMELT_WORKDIR={tmp_path / 'work'}\n" in text
+    assert "MASTER_PORT=${SMELT_MASTER_PORT:-29501}" in text
+    assert "port 29501" in summary(plan)
+    assert "submit        render it with -o job.sbatch, then sbatch job.sbatch" in summary(plan)
+    assert "submit        sbatch jobs/x.sbatch" in summary(plan, "jobs/x.sbatch")
+    (tmp_path / "my work").mkdir()
+    with pytest.raises(ConfigError, match=r"the default log directory \('.*my work/runs/slurm-logs', under --workdir "
+                                          r".*\): #SBATCH --output cannot hold spaces; pass --log-dir"):
+        render(_plan(ROOT / "recipes/tiny/smelt.yaml", "slurm", nodes=1, gpus_per_node=1, workdir="my work"))
 
 
 def test_fill_template_fills_every_field_and_refuses_a_missing_one():
