@@ -56,6 +56,11 @@ class TrackingConfig(StrictModel):
                                           "(DeepSpeed's CSV monitor: RUN/trackers/csv/, one file per metric)")
     wandb: WandbSection = Field(default_factory=WandbSection)
     mlflow: MlflowSection = Field(default_factory=MlflowSection)
+    on_unreachable: Literal["error", "fallback"] = Field(
+        "error", description="a tracker whose server does not answer at start (10 s): error (refuse to start, naming "
+                             "it) or fallback (a warning; W&B logs offline into RUN/trackers/wandb for `wandb sync`, "
+                             "MLflow is left out of the run; metrics.jsonl and TensorBoard hold every metric either "
+                             "way)")
 
     @model_validator(mode="after")
     def _check(self) -> TrackingConfig:

@@ -61,7 +61,7 @@ from smelt_ds.mappings import updated_environ
 from smelt_ds.parallel.ds_config import build_ds_config
 from smelt_ds.parallel.moe_backends.apply import check_backend_runtime
 from smelt_ds.runs.tokenizer_file import load_tokenizer
-from smelt_ds.train.trackers import check_trackers
+from smelt_ds.train.trackers import FALLBACKS, check_trackers
 
 __all__ = ["CHECKS", "CheckResult", "run_checks", "format_results", "failures", "add_parser"]
 
@@ -152,9 +152,17 @@ def check_memory(plan: JobPlan) -> str:
     return text
 
 
+class CheckWarning(Exception):
+    """A check that found something the job survives (e.g. a tracker it will fall back for)."""
+
+
 def check_tracking(cfg: RunConfig) -> str:
-    """Each tracker's package imports and its server answers (training's own check)."""
-    check_trackers(cfg)
+    """Each tracker's package imports and its server answers (training's own check). Raises
+    CheckWarning naming the trackers ``tracking.on_unreachable: fallback`` will fall back for."""
+    unreachable = check_trackers(cfg)
+    if unreachable:
+        raise CheckWarning("; ".join(f"{name} did not answer: {FALLBACKS[name]}" for name in unreachable)
+                           + " (tracking.on_unreachable: fallback)")
     return ", ".join(["tensorboard", *cfg.tracking.trackers]) + ": usable here"
 
 
@@ -234,6 +242,8 @@ def run_checks(plan: JobPlan, data: bool = True) -> list[CheckResult]:
                 continue
             try:
                 out.append(CheckResult(name, "ok", check()))
+            except CheckWarning as e:
+                out.append(CheckResult(name, "warn", str(e)))
             except ConfigError as e:
                 note = " (checked here; a Kubernetes pod sees its own image and mounts)" if soft else ""
                 out.append(CheckResult(name, "warn" if soft else "fail", f"{e}{note}"))

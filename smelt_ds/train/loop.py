@@ -208,12 +208,14 @@ def _train(cfg: RunConfig, resume: str, run_dir: str | None, threads: ThreadChoi
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(run_dir)})})
     cfg = init_from_tokenizer(cfg)  # a run started from an export trains on with its tokenizer
     check_profile(cfg.profile, cfg.train.max_steps, world)
-    on_rank0(rank, lambda: check_trackers(cfg))  # a missing tracker package: refused before the run directory
+    # a missing tracker package or an unreachable server: refused before the run directory (or, with
+    # tracking.on_unreachable: fallback, the trackers to fall back for)
+    unreachable = on_rank0(rank, lambda: check_trackers(cfg)) or []
     lock, created = lock_run_dir(out_dir, rank)
     try:
         check_run_dir(out_dir, cfg, resume, world)
         dist.barrier()
-        return _fit(cfg, resume, out_dir, rank, world, threads)
+        return _fit(cfg, resume, out_dir, rank, world, threads, unreachable)
     except ConfigError:
         if rank == 0 and created and lock is not None:  # a refused new run leaves no directory behind
             lock.release()
@@ -225,7 +227,8 @@ def _train(cfg: RunConfig, resume: str, run_dir: str | None, threads: ThreadChoi
             lock.release()
 
 
-def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, threads: ThreadChoice) -> RunResult:
+def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, threads: ThreadChoice,
+         unreachable: list[str]) -> RunResult:
     """The body of :func:`train`, in a locked, checked run directory: build, restore, then one
     optimizer step at a time with logging, validation and checkpoints until ``train.max_steps``
     or a stop (signal, ``train.exit_after_steps``)."""
@@ -262,7 +265,7 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
     if rank == 0:
         dump_config(cfg, out_dir / "config.yaml")
         (out_dir / "ds_config.json").write_text(json.dumps(built.ds_config, indent=2))
-    fit = _Fit(cfg, out_dir, rank, world, data, built, step, tokens_seen)
+    fit = _Fit(cfg, out_dir, rank, world, data, built, step, tokens_seen, unreachable)
     fit.guard = guard
     if plan is not None:  # the resume at another layout, in the run's record
         fit.writer.write(step, {"layout_change": plan.row()})
@@ -373,7 +376,7 @@ class _Fit:
     the loggers (files, TensorBoard and the experiment trackers, rank 0) and the profiler."""
 
     def __init__(self, cfg: RunConfig, out_dir: Path, rank: int, world: int, data, built: Built, step: int,
-                 tokens_seen: int):
+                 tokens_seen: int, unreachable: list[str]):
         self.cfg, self.out_dir, self.rank, self.world, self.data, self.built = cfg, out_dir, rank, world, data, built
         self.step, self.tokens_seen, self.start = step, tokens_seen, step
         self.accum = built.engine.gradient_accumulation_steps()
@@ -381,7 +384,7 @@ class _Fit:
         self.budget = compute_budget(cfg, cfg.train.seq_len)
         self.precision = training_precision(cfg)
         self.result = RunResult(out_dir, step, tokens_seen, [], [], {}, [])
-        trackers = on_rank0(rank, lambda: start_trackers(cfg, out_dir, step, self.budget.as_dict()))
+        trackers = on_rank0(rank, lambda: start_trackers(cfg, out_dir, step, self.budget.as_dict(), unreachable))
         self.writer = MetricsWriter(out_dir, rank == 0, step, trackers or ())
         self.profiler = StepProfiler(cfg.profile, out_dir, rank, step)
         self.micro = MicroStats()

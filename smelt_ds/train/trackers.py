@@ -50,7 +50,7 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.files import write_json_atomic, write_text_atomic
 from smelt_ds.mappings import updated_environ
 
-__all__ = ["Tracker", "TRACKERS_DIR", "IDS_FILE", "INSTALL_HINTS", "check_trackers", "start_trackers",
+__all__ = ["Tracker", "TRACKERS_DIR", "IDS_FILE", "INSTALL_HINTS", "FALLBACKS", "check_trackers", "start_trackers",
            "check_mlflow_server", "check_wandb_server", "scalars", "read_ids", "WandbTracker", "MlflowTracker",
            "CsvTracker"]
 
@@ -86,12 +86,16 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_trackers(cfg: RunConfig) -> None:
-    """Raise ConfigError, before training starts, for a tracker of ``tracking.trackers`` whose
-    package cannot be imported (naming ``pip install 'smelt-ds[wandb]'`` / ``[mlflow]``), and for
-    an MLflow tracking URI whose store MLflow's client refuses (see :func:`mlflow_client`) or
-    whose server does not answer (:func:`check_mlflow_server`), and a W&B server that does not
-    answer in online mode (:func:`check_wandb_server`)."""
+def check_trackers(cfg: RunConfig) -> list[str]:
+    """Check, before training starts, that each tracker of ``tracking.trackers`` can start.
+    Returns the trackers whose server did not answer when ``tracking.on_unreachable`` is
+    ``fallback`` (a warning is printed; :func:`start_trackers` then falls back for them).
+
+    Raises ConfigError for a tracker whose package cannot be imported (naming ``pip install
+    'smelt-ds[wandb]'`` / ``[mlflow]``), an MLflow tracking URI whose store MLflow's client refuses
+    (see :func:`mlflow_client`), and, with ``on_unreachable: error``, an MLflow server
+    (:func:`check_mlflow_server`) or W&B server in online mode (:func:`check_wandb_server`) that
+    does not answer."""
     for name in cfg.tracking.trackers:
         module, hint = INSTALL_HINTS[name]
         try:
@@ -100,11 +104,28 @@ def check_trackers(cfg: RunConfig) -> None:
             raise ConfigError(f"`tracking.trackers` ({cfg.tracking.trackers}) lists {name!r}, whose package `{module}` "
                               f"cannot be imported ({e}): install it ({hint}), or remove {name!r} from "
                               "tracking.trackers") from None
+    probes: list[tuple[str, Callable[[], None]]] = []
     if "mlflow" in cfg.tracking.trackers:
         mlflow_client(cfg.tracking.mlflow)
-        check_mlflow_server(cfg.tracking.mlflow)
+        probes.append(("mlflow", lambda: check_mlflow_server(cfg.tracking.mlflow)))
     if "wandb" in cfg.tracking.trackers:
-        check_wandb_server(cfg.tracking.wandb)
+        probes.append(("wandb", lambda: check_wandb_server(cfg.tracking.wandb)))
+    unreachable: list[str] = []
+    for tracker, probe in probes:
+        try:
+            probe()
+        except ConfigError as e:
+            if cfg.tracking.on_unreachable != "fallback":
+                raise
+            what = FALLBACKS[tracker]
+            print(f"tracking: warning: {e}; tracking.on_unreachable is 'fallback': {what}", file=sys.stderr)
+            unreachable.append(tracker)
+    return unreachable
+
+
+#: what ``tracking.on_unreachable: fallback`` does for a tracker whose server does not answer
+FALLBACKS = {"wandb": "W&B logs offline into RUN/trackers/wandb (upload later with `wandb sync`)",
+             "mlflow": "MLflow is left out of this run (metrics.jsonl and TensorBoard hold every metric)"}
 
 
 #: seconds a tracker's server has to answer before training starts (MLflow's own client retries 7
@@ -197,13 +218,20 @@ def read_ids(run_dir: Path) -> dict[str, str]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def start_trackers(cfg: RunConfig, run_dir: Path, start_step: int, budget: dict[str, Any]) -> list[Tracker]:
+def start_trackers(cfg: RunConfig, run_dir: Path, start_step: int, budget: dict[str, Any],
+                   unreachable: list[str] | tuple[str, ...] = ()) -> list[Tracker]:
     """Start the trackers of ``cfg.tracking.trackers`` (call on rank 0 only) and log the resolved
     config and ``budget`` (the budgets' ``as_dict``) to each. ``start_step``: the step training
     continues from; above 0 each tracker continues its run stored in ``RUN/trackers/ids.json``
-    (a tracker without a stored id starts a new run). Writes the ids. Raises ConfigError when a
-    tracker cannot start (e.g. W&B online without a login); trackers already started are closed."""
-    if not cfg.tracking.trackers:
+    (a tracker without a stored id starts a new run). ``unreachable``: trackers whose server did
+    not answer (:func:`check_trackers` with ``on_unreachable: fallback``): W&B starts offline,
+    MLflow is left out (:data:`FALLBACKS`). Writes the ids. Raises ConfigError when a tracker
+    cannot start (e.g. W&B online without a login); trackers already started are closed."""
+    if "wandb" in unreachable:
+        wandb = cfg.tracking.wandb.model_copy(update={"mode": "offline"})
+        cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"wandb": wandb})})
+    names = [t for t in cfg.tracking.trackers if not (t == "mlflow" and "mlflow" in unreachable)]
+    if not names:
         return []
     root = run_dir / TRACKERS_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -211,7 +239,7 @@ def start_trackers(cfg: RunConfig, run_dir: Path, start_step: int, budget: dict[
     config = config_to_dict(cfg)
     started: list[Tracker] = []
     try:
-        for name in cfg.tracking.trackers:
+        for name in names:
             if start_step > 0 and name not in ids and name != "csv":
                 print(f"tracking: {name}: no run id in {root / IDS_FILE}: a new {name} run starts at step "
                       f"{start_step + 1}", file=sys.stderr)

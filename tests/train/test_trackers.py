@@ -18,6 +18,7 @@ import io
 import json
 import os
 import struct
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -28,7 +29,7 @@ import yaml
 from smelt_ds.config.loading import config_from_dict, config_to_dict
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
-from smelt_ds.testing import run_distributed
+from smelt_ds.testing import run_distributed, scaled_timeout
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
@@ -332,3 +333,54 @@ def test_a_resume_may_change_tracking_and_profile_and_a_new_run_refuses_their_fi
     (tmp_path / "trackers").mkdir()
     (tmp_path / "profile").mkdir()
     assert earlier_run_files(tmp_path) == ["trackers", "profile"]  # a new run here would mix two runs' files
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_trackers_refuse_the_start_or_fall_back_as_the_recipe_chose(tmp_path, monkeypatch, capsys):
+    """W&B online and MLflow with servers on closed ports: `on_unreachable: error` (the default)
+    refuses at the first; `fallback` warns, names both, and returns them for start_trackers."""
+    from smelt_ds.train.trackers import check_trackers
+
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    raw = _raw(tmp_path, tmp_path / "cache")
+    raw["tracking"] = {"trackers": ["wandb", "mlflow"], "wandb": {"mode": "online"},
+                       "mlflow": {"tracking_uri": f"http://127.0.0.1:{_closed_port()}"}}
+    with pytest.raises(ConfigError, match=r"`tracking.mlflow.tracking_uri`.*no MLflow server answered"):
+        check_trackers(config_from_dict(raw))
+    raw["tracking"]["on_unreachable"] = "fallback"
+    assert check_trackers(config_from_dict(raw)) == ["mlflow", "wandb"]
+    err = capsys.readouterr().err
+    assert "tracking.on_unreachable is 'fallback': MLflow is left out of this run" in err
+    assert "tracking.on_unreachable is 'fallback': W&B logs offline into RUN/trackers/wandb" in err
+
+
+def test_a_run_falls_back_to_wandb_offline_and_trains_without_mlflow(tmp_path):
+    """The journey: `smelt-ds train` with W&B online and MLflow whose servers do not answer, and
+    `tracking.on_unreachable: fallback`: the run trains to its end, W&B writes an offline run for
+    `wandb sync`, MLflow is left out (no id recorded), metrics.jsonl holds every step."""
+    raw = _raw(tmp_path, tmp_path / "cache")
+    raw["train"].update(max_steps=2, exit_after_steps=None, eval_every=2, save_every=2)
+    raw["tracking"] = {"trackers": ["wandb", "mlflow"], "on_unreachable": "fallback",
+                       "wandb": {"mode": "online", "project": "p"},
+                       "mlflow": {"tracking_uri": f"http://127.0.0.1:{_closed_port()}"}}
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    env["WANDB_BASE_URL"] = f"http://127.0.0.1:{_closed_port()}"
+    r = subprocess.run([sys.executable, "-m", "smelt_ds.train", str(recipe)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=scaled_timeout(300))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "W&B logs offline into RUN/trackers/wandb" in r.stderr and "MLflow is left out of this run" in r.stderr
+    run = tmp_path / "run"
+    assert list((run / "trackers" / "wandb").rglob("offline-run-*"))
+    assert set(json.loads((run / "trackers" / "ids.json").read_text())) == {"wandb"}
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)] == [1, 2]
