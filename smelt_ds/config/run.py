@@ -77,6 +77,9 @@ def check_run_config(cfg: RunConfig) -> None:
     :func:`check_train`, :func:`check_offload`, :func:`check_passthrough`) and those between
     sections (the MoE backend against the ZeRO stage, the sequence length against the model's,
     compilation, the loop ranges against the depth). Raises ConfigError naming the field path."""
+    if not cfg.name.strip() or "/" in cfg.name or "\\" in cfg.name or cfg.name.startswith("."):
+        fail("name", cfg.name, "must be a name without '/' (it fills {name} in train.run_dir and names the job) "
+             "and must not start with '.'", "e.g. name: m-smelt-pile")
     check_model(cfg.model)
     check_moe(cfg.moe)
     check_passthrough(cfg.deepspeed)  # first: the rules below read the fields that own those keys

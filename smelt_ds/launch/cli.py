@@ -8,6 +8,7 @@ after the checks of ``smelt-ds preflight`` (:mod:`smelt_ds.launch.preflight`) pa
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -113,6 +114,9 @@ def run_render_job(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(summary(plan, args.output))
         print("checks (smelt-ds preflight)\n" + format_results(results))
+    if bad and args.force:
+        for r in bad:
+            print(f"smelt-ds render-job: warning (--force): {r.name}: {r.detail}", file=sys.stderr)
     if bad and not args.force:
         lines = "\n".join(f"  {r.name}: {r.detail}" for r in bad)
         raise ConfigError(f"{args.recipe}: {len(bad)} check(s) that training makes at start fail for this job"
@@ -123,6 +127,10 @@ def run_render_job(args: argparse.Namespace) -> int:
     if args.output is None:
         print(text, end="")
         print(summary(plan), file=sys.stderr)
+        if args.scheduler == "slurm":  # -o creates it; Slurm does not, and a job without it fails with no log
+            log_dir = plan.options.log_dir or str(Path(plan.workdir) / "runs" / "slurm-logs")
+            print(f"smelt-ds render-job: create the log directory before sbatch (Slurm does not): mkdir -p "
+                  f"{shlex.quote(log_dir)}", file=sys.stderr)
         return 0
     out = Path(args.output)
     if out.is_dir():

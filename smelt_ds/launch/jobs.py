@@ -360,6 +360,9 @@ def plan_job(recipe: str | Path, options: JobOptions) -> JobPlan:
                      f"{row.headroom:.0%} free, under the {MIN_HEADROOM:.0%} headroom: see `smelt-ds memory` for a "
                      "ZeRO stage / checkpointing policy that fits")
     workdir = o.workdir or (K8S_WORKDIR if o.scheduler == "k8s" else str(Path.cwd().resolve()))
+    if o.workdir and o.scheduler == "k8s" and not o.workdir.startswith("/"):
+        raise ConfigError(f"--workdir {o.workdir!r}: a pod's working directory is an absolute path in its image "
+                          f"(default {K8S_WORKDIR}, where launchers/k8s/Dockerfile puts the checkout)")
     if o.workdir and o.scheduler != "k8s":  # a pod's workdir is a path in its image, not here
         wd = Path(o.workdir).expanduser()
         workdir = str(wd if wd.is_absolute() else (Path.cwd() / wd).resolve())
@@ -457,7 +460,10 @@ def _deepspeed_port(o: JobOptions) -> int:
 
 def slurm_seconds(limit: str) -> int:
     """Seconds of a Slurm time limit (sbatch --time): ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``
-    or ``D-H:M:S``. Raises ConfigError for another form."""
+    or ``D-H:M:S``; ``UNLIMITED``, ``infinite`` and ``0`` (no limit) give 10^12. Raises ConfigError
+    for another form."""
+    if limit.lower() in ("unlimited", "infinite", "0"):  # no time limit: the job is never signalled for it
+        return 10 ** 12
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d\d))?(?::(\d\d))?", limit)
     if not m:
         raise ConfigError(f"--time {limit!r} is not a Slurm time limit: write D-HH:MM:SS or HH:MM:SS, e.g. 2-00:00:00")

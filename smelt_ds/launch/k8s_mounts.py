@@ -96,15 +96,17 @@ def unseen_paths(cfg: RunConfig, workdir: str, run_dir: str, mounts: list[Mount]
                        "image: put it on the corpora volume and name it corpora/... (relative to the working "
                        "directory)")
     shared = [m for m in mounts if m.writable]
-    writes: list[tuple[str, str | None]] = [("train.run_dir", run_dir), ("data.cache_dir", cfg.data.cache_dir)]
+    writes: list[tuple[str, str | None]] = [("train.run_dir", run_dir), ("data.cache_dir", cfg.data.cache_dir),
+                                            ("data.output_dir", cfg.data.output_dir),
+                                            ("data.ladder_packages_dir", cfg.data.ladder_packages_dir)]
     for field, written in writes:
         if written is None:
             continue
         path, where = written, _in_pod(written, workdir)
         if not any(m.holds(where) for m in shared):
-            fix = ("leave data.cache_dir unset: the manifest sets SMELT_DS_CACHE on the runs volume, where every "
-                   "pod finds what one prepared" if field == "data.cache_dir" else
-                   "use a run directory under runs/ (the default runs/{name})")
+            fix = ("use a run directory under runs/ (the default runs/{name})" if field == "train.run_dir" else
+                   f"leave {field} unset (the manifest sets SMELT_DS_CACHE on the runs volume, where every pod "
+                   "finds what one prepared) or put it under runs/")
             bad.append(f"`{field}` ({path!r}, {where} in the pod) is not on the shared read-write volume "
                        f"({shared[0].path if shared else 'none'}): {fix}")
     return bad

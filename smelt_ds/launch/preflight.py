@@ -12,12 +12,15 @@ The checks, in order (:data:`CHECKS`), and the training code each one runs:
   values that work) and the whole DeepSpeed config
   (:func:`smelt_ds.parallel.ds_config.build_ds_config`). A failure here stops the others.
 - ``data``: every ``megatron`` / ``tokens`` / ``path`` source exists, relative paths in the job's
-  working directory (:func:`smelt_ds.data.token_sources.resolve_token_paths`), and data already
-  prepared for the recipe fit ``model.vocab_size``
+  working directory (:func:`smelt_ds.data.token_sources.resolve_token_paths`), so does
+  ``train.init_from`` (:func:`smelt_ds.runs.export.check_init_from`), and data already prepared for
+  the recipe fit ``model.vocab_size``
   (:func:`smelt_ds.data.prepared.check_compatible`). Built-in, ladder and Hub sources are not
   built or downloaded here.
-- ``tokenizer``: ``data.tokenizer.path`` loads (:func:`smelt_ds.runs.tokenizer_file.load_tokenizer`)
-  and its vocabulary fits ``model.vocab_size``; or the tokenizer to be trained does.
+- ``tokenizer``: ``data.tokenizer.path`` (or ``train.init_from``'s) loads
+  (:func:`smelt_ds.runs.tokenizer_file.load_tokenizer`), holds the end-of-text and padding tokens
+  (:func:`smelt_ds.data.tokenizer.special_ids`) and fits ``model.vocab_size``; or the tokenizer to
+  be trained does.
 - ``memory``: the memory verdict for the ZeRO stage and checkpointing policy that will run
   (:func:`smelt_ds.launch.placement.memory_report`, at least :data:`MIN_HEADROOM` free).
 - ``trackers``: every tracker's package imports and its server answers within a short timeout
@@ -30,10 +33,10 @@ The checks, in order (:data:`CHECKS`), and the training code each one runs:
   offload; the CPU communication op with several CPU ranks) can be built: DeepSpeed's own
   ``is_compatible`` and a C++ compiler.
 
-A Kubernetes pod sees its image and its mounts, not this machine: there the data files are not
-read here (``render-job`` refuses a recipe path outside the pod's volumes:
-:mod:`smelt_ds.launch.k8s_mounts`), and the interpreter and tracker checks are warnings
-(``warn``); the others are the same.
+A Kubernetes pod sees its image and its mounts, not this machine: there the data check is that
+every recipe path lies in a volume of the pod or in its image (:mod:`smelt_ds.launch.k8s_mounts`,
+what ``render-job`` refuses), and the interpreter and tracker checks are warnings (``warn``); the
+others are the same.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import contextlib
 import glob
 import importlib.util
 import os
+import shlex
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -55,11 +59,15 @@ from smelt_ds.data.cache import is_complete
 from smelt_ds.data.prepare import prepared_path
 from smelt_ds.data.prepared import PreparedData, check_compatible
 from smelt_ds.data.token_sources import resolve_token_paths
+from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.jobs import MIN_HEADROOM, SCHEDULERS, JobOptions, JobPlan, plan_job
+from smelt_ds.launch.k8s_mounts import pod_mounts, unseen_paths
 from smelt_ds.mappings import updated_environ
 from smelt_ds.parallel.ds_config import build_ds_config
 from smelt_ds.parallel.moe_backends.apply import check_backend_runtime
+from smelt_ds.runs.export import check_init_from
+from smelt_ds.runs.provenance import init_from_tokenizer
 from smelt_ds.runs.tokenizer_file import load_tokenizer
 from smelt_ds.train.trackers import FALLBACKS, check_trackers
 
@@ -108,6 +116,8 @@ def check_data(cfg: RunConfig, workdir: str) -> str:
         elif kind == "path" and not glob.has_magic(str(src.path)) and not Path(str(src.path)).expanduser().exists():
             raise ConfigError(f"`data.sources[{i}].path` ({src.path!r}): no such file or directory (relative paths "
                               f"are read in the job's working directory, {workdir!r}): fix the path")
+    if cfg.train.init_from:
+        check_init_from(cfg.train.init_from)
     files = [s for s in cfg.data.sources if s.kind() in (*TOKEN_KINDS, "path")]
     if len(files) < len(cfg.data.sources):
         return (f"{len(files)} file source(s) found; built-in, ladder and Hub sources are built or downloaded by "
@@ -128,13 +138,16 @@ def check_tokenizer(cfg: RunConfig) -> str:
             raise ConfigError(f"`data.tokenizer.vocab_size` ({tok_cfg.vocab_size}) is larger than `model.vocab_size` "
                               f"({vocab}): set one to the other")
         return f"trained from the sources at start: {tok_cfg.vocab_size} tokens <= model.vocab_size {vocab}"
-    size = load_tokenizer(tok_cfg.path, "data.tokenizer.path").get_vocab_size()
+    tok = load_tokenizer(tok_cfg.path, "data.tokenizer.path")
+    special_ids(tok, tok_cfg)  # the end-of-text and padding tokens, as preparation looks them up
+    size = tok.get_vocab_size()
     if size > vocab:
         padded = -(-size // 128) * 128
         raise ConfigError(f"`model.vocab_size` ({vocab}) is smaller than the tokenizer of `data.tokenizer.path` "
                           f"({tok_cfg.path!r}, {size} tokens): set model.vocab_size to at least {size} (e.g. "
                           f"{padded}, padded to a multiple of 128)")
-    return f"{tok_cfg.path}: {size} tokens <= model.vocab_size {vocab}"
+    return (f"{tok_cfg.path}: {size} tokens <= model.vocab_size {vocab}; {tok_cfg.eot_token!r} and "
+            f"{tok_cfg.pad_token!r} are in it")
 
 
 def check_memory(plan: JobPlan) -> str:
@@ -201,16 +214,29 @@ def check_deepspeed_ops(plan: JobPlan) -> str:
         return "none built at start"
     from deepspeed.ops import op_builder  # seconds to import: only when an op is needed
 
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    cxx = os.environ.get("CXX", "c++")
+    compiler = shutil.which((shlex.split(cxx) or ["c++"])[-1] if cxx.startswith("ccache") else
+                            (shlex.split(cxx) or ["c++"])[0])
     for name, why in ops:
         builder = getattr(op_builder, name)()
         if not builder.is_compatible(verbose=False):
             raise ConfigError(f"DeepSpeed op {builder.name} ({why}) cannot be built with this installation: "
                               "reinstall DeepSpeed (scripts/install_gpu.sh), or change the setting that needs it")
         if compiler is None:
-            raise ConfigError(f"DeepSpeed op {builder.name} ({why}) is compiled at start and no C++ compiler is on "
-                              "PATH (c++ or $CXX): install one (e.g. apt-get install g++), or change the setting")
+            raise ConfigError(f"DeepSpeed op {builder.name} ({why}) is compiled at start and the C++ compiler "
+                              f"{cxx!r} ({'$CXX' if 'CXX' in os.environ else 'default'}) is not on PATH: install one "
+                              "(e.g. apt-get install g++), fix $CXX, or change the setting")
     return "; ".join(f"{name} for {why}" for name, why in ops) + f": buildable (compiler {compiler})"
+
+
+def _pod_paths(plan: JobPlan) -> CheckResult:
+    """A Kubernetes job's data check: every path the run reads or writes lies in a volume of the
+    pod or in its image (:func:`smelt_ds.launch.k8s_mounts.unseen_paths`, what render-job refuses)."""
+    mounts = pod_mounts(plan.workdir, plan.options.runs_pvc, plan.options.data_pvc)
+    unseen = unseen_paths(plan.config, plan.workdir, plan.run_dir, mounts)
+    if unseen:
+        return CheckResult("data", "fail", "a pod cannot use: " + "; ".join(unseen))
+    return CheckResult("data", "ok", "every path is in a volume of the pod or in its image (files are read there)")
 
 
 def run_checks(plan: JobPlan, data: bool = True) -> list[CheckResult]:
@@ -223,7 +249,7 @@ def run_checks(plan: JobPlan, data: bool = True) -> list[CheckResult]:
     steps: list[tuple[str, Callable[[], str], bool]] = [
         ("config", lambda: check_config(plan), False),
         ("data", lambda: check_data(cfg, plan.workdir), k8s),
-        ("tokenizer", lambda: check_tokenizer(cfg), k8s),
+        ("tokenizer", lambda: check_tokenizer(init_from_tokenizer(cfg)), k8s),  # as training resolves it
         ("memory", lambda: check_memory(plan), False),
         ("trackers", lambda: check_tracking(cfg), k8s),
         ("interpreter", lambda: check_interpreter(cfg), k8s),
@@ -234,8 +260,8 @@ def run_checks(plan: JobPlan, data: bool = True) -> list[CheckResult]:
         for name, check, soft in steps:
             reads_files = name == "data" or (name == "tokenizer" and cfg.data.tokenizer.path is not None)
             if reads_files and k8s:
-                out.append(CheckResult(name, "skip", "a pod reads its files from its volumes, not from this machine "
-                                                     "(render-job refuses a path outside them)"))
+                out.append(_pod_paths(plan) if name == "data" else
+                           CheckResult(name, "skip", "read in the pod from its volumes (see the data check)"))
                 continue
             if reads_files and not data:
                 out.append(CheckResult(name, "skip", "--no-data-check (data files are not read here)"))

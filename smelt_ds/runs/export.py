@@ -20,14 +20,14 @@ import torch
 from smelt_ds.config.loading import dump_config, load_config
 from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
-from smelt_ds.files import staged_directory
+from smelt_ds.files import relative_rule, staged_directory
 from smelt_ds.model import SmeltLM
 from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.runs.provenance import RUN_TOKENIZER
 from smelt_ds.runs.reference_weights import has_reference_shards, merge_reference_shards
 
-__all__ = ["REFERENCE_OVERRIDES", "WEIGHTS_DIGEST", "consolidated_state_dict", "export_checkpoint", "load_exported",
-           "load_initial_weights", "readable_checkpoint", "save_weights", "write_export"]
+__all__ = ["REFERENCE_OVERRIDES", "WEIGHTS_DIGEST", "check_init_from", "consolidated_state_dict", "export_checkpoint",
+           "load_exported", "load_initial_weights", "readable_checkpoint", "save_weights", "write_export"]
 
 
 #: ``--set`` overrides under which an export's recipe loads as one CPU reference-backend model, whatever
@@ -289,6 +289,16 @@ def _misfit(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor], option
         ("missing", missing), ("unexpected", unexpected), ("wrong shape (file vs recipe)", wrong)) if keys)
 
 
+def check_init_from(path: str | Path) -> Path:
+    """``train.init_from`` as a path, after checking it is an export directory (``model.pt`` and
+    ``config.yaml``). Raises ConfigError naming the field, the value and how to make one."""
+    p = Path(path)
+    if not (p / "model.pt").is_file() or not (p / "config.yaml").is_file():
+        raise ConfigError(f"`train.init_from` ({str(path)!r}) is not an export directory (needs model.pt and "
+                          f"config.yaml; {relative_rule(path)}): create one with `smelt-ds export RUN_DIR -o OUT`")
+    return p
+
+
 def load_initial_weights(model, path: str | Path) -> None:
     """Copy the weights of an export directory into ``model`` (a :class:`SmeltLM` with reference
     MoE layers, before :func:`smelt_ds.parallel.moe_backends.apply_backend`), for ``train.init_from``.
@@ -301,11 +311,8 @@ def load_initial_weights(model, path: str | Path) -> None:
     ``train.init_from`` for a missing or partial export (naming the missing keys) or weights of
     another shape.
     """
-    path = Path(path)
+    path = check_init_from(path)
     weights = path / "model.pt"
-    if not weights.is_file() or not (path / "config.yaml").is_file():
-        raise ConfigError(f"`train.init_from` ({str(path)!r}) is not an export directory (needs model.pt and "
-                          "config.yaml): create one with `smelt-ds export RUN_DIR -o OUT`")
     state = _load_weights(weights, "`train.init_from`: ")
     had_bias = load_config(path / "config.yaml", REFERENCE_OVERRIDES).moe.aux_loss_free_bias
     problems = _misfit(model.state_dict(), state, () if had_bias else ("expert_bias",))

@@ -136,10 +136,10 @@ MLFLOW_PROBE_TIMEOUT_S = 10.0
 WANDB_DEFAULT_URL = "https://api.wandb.ai"
 
 
-def _unreachable(url: str, timeout_s: float) -> str | None:
-    """None when ``url`` answers within ``timeout_s`` seconds with a status below 500 (even 401 or
-    404: a server is there); else what failed (name resolution, refused connection, timeout, or a
-    5xx: a proxy or gateway in front of a stopped server)."""
+def _unreachable(url: str, timeout_s: float, accept: tuple[int, ...] | None = None) -> str | None:
+    """None when ``url`` answers within ``timeout_s`` seconds with a status below 500, or with one
+    of ``accept`` when given; else what failed (name resolution, refused connection, timeout, a
+    5xx: a proxy or gateway in front of a stopped server, or a status not accepted)."""
     import urllib.error
     import urllib.request
 
@@ -147,8 +147,10 @@ def _unreachable(url: str, timeout_s: float) -> str | None:
         with urllib.request.urlopen(url, timeout=timeout_s):
             return None
     except urllib.error.HTTPError as e:
-        if e.code < 500:
+        if (e.code in accept) if accept is not None else e.code < 500:
             return None
+        if e.code < 500:
+            return f"HTTP {e.code} {e.reason}: something answered, but not the tracking server's health check"
         return f"HTTP {e.code} {e.reason}: a proxy or gateway answered, not the server"
     except (urllib.error.URLError, OSError) as e:
         why = getattr(e, "reason", e)
@@ -158,12 +160,15 @@ def _unreachable(url: str, timeout_s: float) -> str | None:
 def check_mlflow_server(section: MlflowSection, timeout_s: float = MLFLOW_PROBE_TIMEOUT_S) -> None:
     """For an ``http(s)://`` tracking URI (``tracking.mlflow.tracking_uri``, else
     ``MLFLOW_TRACKING_URI``): one request to the server's ``/health`` within ``timeout_s`` seconds
-    (:func:`_unreachable`). Raises ConfigError naming the URI, what failed and the fix, instead of
-    the minutes MLflow's client would spend retrying in silence. Other stores are not probed."""
+    (:func:`_unreachable`): 200, or 401 / 403 (authentication in front of it). Raises ConfigError
+    naming the URI, what failed and the fix, instead of the minutes MLflow's client would spend
+    retrying in silence. Other stores are not probed."""
     uri = section.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
     if not uri.startswith(("http://", "https://")):
         return
-    what = _unreachable(uri.rstrip("/") + "/health", timeout_s)
+    # MLflow's server answers /health with 200; 401 / 403: it is there, behind authentication (the
+    # client sends MLFLOW_TRACKING_USERNAME / _TOKEN); a 404 is another web server on that port
+    what = _unreachable(uri.rstrip("/") + "/health", timeout_s, accept=(401, 403))
     if what is not None:
         raise ConfigError(f"`tracking.mlflow.tracking_uri` ({uri}): no MLflow server answered within {timeout_s:g} s "
                           f"({what}): start the server or fix the address (a login node may reach hosts the compute "
@@ -299,6 +304,20 @@ class MlflowTracker:
 
         s = cfg.tracking.mlflow
         self.client = mlflow_client(s)
+        try:
+            self._start(cfg, run_id, config, budget, Param, RunStatus, MAX_PARAM_VAL_LENGTH)
+        except Exception as e:  # MlflowException, requests errors: the server refused the run
+            if isinstance(e, ConfigError):
+                raise
+            uri = s.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "MLflow's default"
+            raise ConfigError(f"`tracking.mlflow.tracking_uri` ({uri}): MLflow could not start the run "
+                              f"({type(e).__name__}: {str(e)[:300]}): check the server and its credentials "
+                              "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_TOKEN), or leave mlflow out of "
+                              "tracking.trackers") from None
+
+    def _start(self, cfg: RunConfig, run_id: str | None, config: dict[str, Any], budget: dict[str, Any],
+               Param, RunStatus, max_len: int) -> None:  # noqa: N803 - MLflow's classes, imported lazily
+        s = cfg.tracking.mlflow
         if run_id is None:
             exp = self.client.get_experiment_by_name(s.experiment)
             exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(s.experiment)
@@ -308,7 +327,7 @@ class MlflowTracker:
         self.run_id = run_id
         logged = self.client.get_run(run_id).data.params
         flat = _flatten({**config, "budget": budget})
-        params = [Param(k, v) for k, v in flat.items() if k not in logged and len(v) <= MAX_PARAM_VAL_LENGTH]
+        params = [Param(k, v) for k, v in flat.items() if k not in logged and len(v) <= max_len]
         self.client.log_batch(run_id, params=params)
         self.client.log_text(run_id, dump_config(cfg), "config.yaml")
         self.client.log_dict(run_id, budget, "budget.json")

@@ -57,3 +57,11 @@ def test_a_path_that_exists_only_next_to_the_recipe_is_refused_naming_the_rule(l
     rule = f"relative paths are read from the working directory {str(work)!r}, not from the recipe's directory"
     with pytest.raises(ConfigError, match=expected + ".*" + re.escape(rule)):
         prepare_from_config(load_config(recipe, sets).data)
+
+
+@pytest.mark.parametrize("name", ["../../etc", "x/y", "", " ", ".hidden"])
+def test_a_name_that_would_leave_the_run_directory_is_refused(name):
+    """`name` fills {name} in train.run_dir: a name with '/', starting with '.', or empty would put
+    the run somewhere else (runs/../../etc)."""
+    with pytest.raises(ConfigError, match=r"`name` .*must be a name without '/'"):
+        load_config(ROOT / "recipes" / "tiny" / "smelt.yaml", [f"name={name}"] if name.strip() else ["name=' '"])

@@ -180,6 +180,7 @@ def test_slurm_nodelists_expand_like_scontrol(capsys):
     (dict(scheduler="slurm", workdir="/nonexistent/smelt-ds"), r"--workdir '/nonexistent/smelt-ds'.*is not a "
                                                                r"directory here"),
     (dict(scheduler="slurm", master_port=80), r"--master-port \(80\) must be a port number from 1024"),
+    (dict(scheduler="k8s", workdir="relwd"), r"--workdir 'relwd': a pod's working directory is an absolute path"),
     (dict(scheduler="slurm", env=["1BAD=x"]), r"--env '1BAD=x'"),
     (dict(scheduler="slurm", shutdown_s=900), r"--shutdown-timeout \(900 s\) must be shorter"),
     (dict(scheduler="k8s", image="my image"), r"--image"),
@@ -199,7 +200,8 @@ def test_a_recipe_name_that_is_no_kubernetes_name_gives_one_for_the_job():
 
 
 @pytest.mark.parametrize("limit,seconds", [("30", 1800), ("30:15", 1815), ("12:00:00", 43200), ("2-00", 172800),
-                                           ("2-04:30", 189000), ("1-00:00:10", 86410)])
+                                           ("2-04:30", 189000), ("1-00:00:10", 86410), ("UNLIMITED", 10 ** 12),
+                                           ("infinite", 10 ** 12), ("0", 10 ** 12)])
 def test_slurm_time_limits_in_seconds(limit, seconds):
     """Every form sbatch --time takes (man sbatch): minutes, minutes:seconds, hours:minutes:seconds,
     days-hours, days-hours:minutes, days-hours:minutes:seconds."""
@@ -296,6 +298,7 @@ def test_memory_verdict_warns_when_a_layout_does_not_fit(tmp_path, capsys):
     # --dry-run shows the verdict and the checks, and refuses the same way
     assert cli_main(args + ["--dry-run"]) == 2 and "DOES NOT FIT" in capsys.readouterr().out
     assert cli_main(args + ["--force"]) == 0 and (tmp_path / "x.sbatch").is_file()
+    assert "warning (--force): memory: zero3 + checkpointing none" in capsys.readouterr().err  # still said
 
 
 # ---------------------------------------------------------------------------------------------

@@ -134,6 +134,7 @@ def test_a_recipe_outside_the_checkout_travels_in_the_configmap(tmp_path):
     (["train.init_from=exports/tiny"], r"`train.init_from` \('exports/tiny', /workspace/smelt-ds/exports/tiny"),
     (["data.cache_dir=/scratch/cache"], r"`data.cache_dir` \('/scratch/cache'.*leave data.cache_dir unset"),
     (["train.run_dir=/scratch/runs/{name}"], r"`train.run_dir` \('/scratch/runs/tiny-smelt'.*under runs/"),
+    (["data.output_dir=/shared/out"], r"`data.output_dir` \('/shared/out'.*leave data.output_dir unset"),
 ])
 def test_a_path_no_pod_can_open_is_refused_naming_it_and_the_mounts(sets, refused):
     plan = plan_job(ROOT / "recipes/tiny/smelt.yaml", JobOptions(scheduler="k8s", nodes=1, gpus_per_node=1,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from smelt_ds.cli import main as cli_main
+from tests.data.token_test_utils import word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny" / "smelt.yaml")
@@ -47,6 +48,9 @@ CASES = [
      "`tracking.mlflow.tracking_uri` (http://127.0.0.1:{port}): no MLflow server answered"),
     ("interpreter", ["moe_runtime.backend=deepspeed", "moe_runtime.use_tutel=true"],
      "`moe_runtime.use_tutel` (True) needs the optional package `tutel`"),
+    ("tokenizer", ["data.tokenizer.path={tmp}/tok.json", "data.tokenizer.pad_token=<|padding|>"],
+     "`data.tokenizer.pad_token` ('<|padding|>') is not in the tokenizer's vocabulary"),
+    ("data", ["train.init_from={tmp}/export"], "`train.init_from` ('{tmp}/export') is not an export directory"),
 ]
 
 
@@ -55,6 +59,7 @@ def test_each_check_refuses_what_training_refuses_at_start(check, sets, message,
     if check == "interpreter" and "tutel" in sys.modules or os.environ.get("SMELT_TUTEL_INSTALLED"):
         pytest.skip("tutel is installed here")
     port = _closed_port()
+    word_tokenizer(tmp_path / "tok.json", 1000)  # specials <|endoftext|> and <|pad|>
     sets = [s.format(tmp=tmp_path, port=port) for s in sets]
     message = message.format(tmp=tmp_path, port=port)
     argv = [x for s in sets for x in ("--set", s)]
@@ -81,7 +86,8 @@ def test_memory_and_deepspeed_ops_fail_naming_the_fix(tmp_path, capsys, monkeypa
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert cli_main(["preflight", TINY, "--nodes", "1", "--gpus-per-node", "1", *offload]) == 2
     status, detail = _rows(capsys.readouterr().out)["deepspeed ops"]
-    assert status == "FAIL" and "cpu_adam" in detail and "no C++ compiler" in detail
+    assert status == "FAIL" and "cpu_adam" in detail and f"the C++ compiler '{tmp_path / 'no-such-compiler'}' ($CXX) " \
+        "is not on PATH" in detail
     monkeypatch.delenv("CXX")
     assert cli_main(["preflight", TINY, "--nodes", "1", "--gpus-per-node", "1", *offload]) == 0
     assert "CPUAdamBuilder for deepspeed.offload_optimizer" in _rows(capsys.readouterr().out)["deepspeed ops"][1]
@@ -118,7 +124,11 @@ def test_checks_use_the_jobs_working_directory_and_environment(tmp_path, capsys,
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails here; the image may have it
     assert cli_main(["preflight", TINY, *k8s]) == 0
     rows = _rows(capsys.readouterr().out)
-    assert rows["data"][0] == "SKIP" and "a pod reads its files from its volumes" in rows["data"][1]
+    assert rows["data"][0] == "OK" and "every path is in a volume of the pod" in rows["data"][1]
+    assert cli_main(["preflight", TINY, *k8s, "--set", "data.sources=[{path: /home/me/web.txt}]"]) == 2
+    status, detail = _rows(capsys.readouterr().out)["data"]  # what render-job refuses, named before it
+    assert status == "FAIL" and "`data.sources[0].path` ('/home/me/web.txt'" in detail and "in no volume" in detail
+    monkeypatch.setitem(sys.modules, "wandb", None)
     assert rows["trackers"][0] == "WARN" and "a Kubernetes pod sees its own image and mounts" in rows["trackers"][1]
 
 

@@ -59,20 +59,25 @@ def _serve(code: int) -> http.server.HTTPServer:
     return server
 
 
-def test_a_4xx_answer_is_a_reachable_server_a_5xx_is_not_and_other_stores_are_not_probed(tmp_path):
-    """404 (or 401): MLflow, or a proxy in front of it, answered. 503: a gateway in front of a
-    stopped server, behind which MLflow's client would retry for minutes."""
-    server = _serve(404)
-    try:
-        check_mlflow_server(MlflowSection(tracking_uri=f"http://127.0.0.1:{server.server_port}"))
-    finally:
-        server.shutdown()
-    server = _serve(503)
-    try:
-        with pytest.raises(ConfigError, match=r"no MLflow server answered within 10 s \(HTTP 503 .*a proxy or gateway"):
+def test_health_200_or_authentication_is_a_server_another_answer_is_not_and_other_stores_are_not_probed(tmp_path):
+    """MLflow's server answers /health with 200; 401 / 403: it is there behind authentication. A
+    404 is another web server on that port (MLflow's client would then fail with a traceback); a
+    503 is a gateway in front of a stopped server, behind which MLflow's client retries for
+    minutes."""
+    for code in (200, 401, 403):
+        server = _serve(code)
+        try:
             check_mlflow_server(MlflowSection(tracking_uri=f"http://127.0.0.1:{server.server_port}"))
-    finally:
-        server.shutdown()
+        finally:
+            server.shutdown()
+    for code, why in ((404, r"HTTP 404 .*not the tracking server's health check"),
+                      (503, r"HTTP 503 .*a proxy or gateway")):
+        server = _serve(code)
+        try:
+            with pytest.raises(ConfigError, match=rf"no MLflow server answered within 10 s \({why}"):
+                check_mlflow_server(MlflowSection(tracking_uri=f"http://127.0.0.1:{server.server_port}"))
+        finally:
+            server.shutdown()
     check_mlflow_server(MlflowSection(tracking_uri=f"file:{tmp_path / 'mlruns'}"))
 
 
