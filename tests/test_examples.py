@@ -638,6 +638,7 @@ def run_cheap(cmd: Command, argv: list[str], tmp: Path, monkeypatch) -> str:
             argv.append("--no-data-check")
         # the reader's W&B server (these machines reach none): a local server that answers stands in
         monkeypatch.setenv("WANDB_BASE_URL", _answering_server())
+        monkeypatch.setenv("WANDB_API_KEY", "stand-in")  # and the reader's `wandb login`
     monkeypatch.chdir(tmp)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

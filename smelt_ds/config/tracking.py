@@ -57,10 +57,10 @@ class TrackingConfig(StrictModel):
     wandb: WandbSection = Field(default_factory=WandbSection)
     mlflow: MlflowSection = Field(default_factory=MlflowSection)
     on_unreachable: Literal["error", "fallback"] = Field(
-        "error", description="a tracker whose server does not answer at start (10 s): error (refuse to start, naming "
-                             "it) or fallback (a warning; W&B logs offline into RUN/trackers/wandb for `wandb sync`, "
-                             "MLflow is left out of the run; metrics.jsonl and TensorBoard hold every metric either "
-                             "way)")
+        "error", description="a tracker whose server does not answer at start (10 s), or W&B online without an API "
+                             "key: error (refuse to start, naming it) or fallback (a warning; W&B logs offline into "
+                             "RUN/trackers/wandb for `wandb sync`, MLflow is left out of the run; metrics.jsonl and "
+                             "TensorBoard hold every metric either way)")
 
     @model_validator(mode="after")
     def _check(self) -> TrackingConfig:

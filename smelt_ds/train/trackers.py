@@ -51,8 +51,8 @@ from smelt_ds.files import write_json_atomic, write_text_atomic
 from smelt_ds.mappings import updated_environ
 
 __all__ = ["Tracker", "TRACKERS_DIR", "IDS_FILE", "INSTALL_HINTS", "FALLBACKS", "check_trackers", "start_trackers",
-           "check_mlflow_server", "check_wandb_server", "scalars", "read_ids", "WandbTracker", "MlflowTracker",
-           "CsvTracker"]
+           "check_mlflow_server", "check_wandb_server", "check_wandb_login", "scalars", "read_ids", "WandbTracker",
+           "MlflowTracker", "CsvTracker"]
 
 #: where the trackers' files and ids live, inside the run directory
 TRACKERS_DIR = "trackers"
@@ -176,21 +176,46 @@ def check_mlflow_server(section: MlflowSection, timeout_s: float = MLFLOW_PROBE_
                           "are always written)")
 
 
+def check_wandb_login(url: str, mode: str) -> None:
+    """W&B online needs an API key for the server ``url``: ``WANDB_API_KEY``, or the ``~/.netrc``
+    entry (``$NETRC``) that ``wandb login`` writes for the server's host, where W&B itself looks.
+    Raises ConfigError naming the host and the fix; W&B would otherwise refuse the run at start
+    ("log in with wandb login"), after the queue. A key given only in code (``wandb.login(key=)``)
+    is not seen here."""
+    import netrc
+    import urllib.parse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return
+    host = urllib.parse.urlparse(url).hostname or url
+    path = os.path.expanduser(os.environ.get("NETRC") or "~/.netrc")
+    try:
+        if netrc.netrc(path).authenticators(host):
+            return
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        pass
+    raise ConfigError(f"`tracking.wandb.mode` ({mode!r}): no W&B API key for {host} (neither WANDB_API_KEY nor an "
+                      f"entry in {path}): run `wandb login` where the job runs (it writes {path}) or export "
+                      "WANDB_API_KEY, or log offline with --set tracking.wandb.mode=offline")
+
+
 def check_wandb_server(section: WandbSection, timeout_s: float = MLFLOW_PROBE_TIMEOUT_S) -> None:
     """For W&B in online mode (``tracking.wandb.mode``, else ``WANDB_MODE``, else online): one
     request to the W&B server (``WANDB_BASE_URL``, else :data:`WANDB_DEFAULT_URL`) within
-    ``timeout_s`` seconds. Raises ConfigError naming the server, what failed and the fix (offline
-    mode, where W&B writes files to upload later). Offline and disabled modes are not probed."""
+    ``timeout_s`` seconds, then its API key (:func:`check_wandb_login`). Raises ConfigError naming
+    the server, what failed and the fix (offline mode, where W&B writes files to upload later).
+    Offline and disabled modes are not probed."""
     mode = section.mode or os.environ.get("WANDB_MODE") or "online"
     if mode not in ("online", "run"):
         return
     url = os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL
     what = _unreachable(url, timeout_s)
-    if what is not None:
-        raise ConfigError(f"`tracking.wandb.mode` ({mode!r}): the W&B server {url} did not answer within "
-                          f"{timeout_s:g} s ({what}): log offline with --set tracking.wandb.mode=offline (upload "
-                          "later with `wandb sync`), set WANDB_BASE_URL to your W&B server, or leave wandb out of "
-                          "tracking.trackers")
+    if what is None:
+        check_wandb_login(url, mode)
+        return
+    raise ConfigError(f"`tracking.wandb.mode` ({mode!r}): the W&B server {url} did not answer within {timeout_s:g} s "
+                      f"({what}): log offline with --set tracking.wandb.mode=offline (upload later with `wandb sync`), "
+                      "set WANDB_BASE_URL to your W&B server, or leave wandb out of tracking.trackers")
 
 
 def mlflow_client(section: MlflowSection):

@@ -118,6 +118,31 @@ def test_wandb_online_with_a_server_that_never_answers_is_refused_at_the_timeout
     server = _serve(401)  # a W&B server that wants a key: it is there
     try:
         monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+        check_wandb_server(WandbSection(mode="online"), timeout_s=5.0)
+    finally:
+        server.shutdown()
+
+
+def test_wandb_online_without_an_api_key_is_refused_before_the_queue(tmp_path, monkeypatch):
+    """A reachable W&B server but no key (no WANDB_API_KEY, no netrc entry for its host): refused
+    naming the host and `wandb login`, instead of W&B refusing the run after the queue; the
+    netrc entry `wandb login` writes, or WANDB_API_KEY, is enough."""
+    from smelt_ds.config.tracking import WandbSection
+    from smelt_ds.train.trackers import check_wandb_server
+
+    server = _serve(200)
+    try:
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.delenv("WANDB_API_KEY", raising=False)
+        monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+        with pytest.raises(ConfigError, match=r"no W&B API key for 127\.0\.0\.1 .*run `wandb login`"):
+            check_wandb_server(WandbSection(mode="online"), timeout_s=5.0)
+        (tmp_path / "netrc").write_text("machine 127.0.0.1\n  login user\n  password " + "k" * 40 + "\n")
+        (tmp_path / "netrc").chmod(0o600)
+        check_wandb_server(WandbSection(mode="online"), timeout_s=5.0)  # what `wandb login` wrote
+        (tmp_path / "netrc").unlink()
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
         check_wandb_server(WandbSection(mode="online"), timeout_s=5.0)
     finally:
         server.shutdown()
