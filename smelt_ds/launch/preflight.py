@@ -215,8 +215,8 @@ def check_deepspeed_ops(plan: JobPlan) -> str:
     from deepspeed.ops import op_builder  # seconds to import: only when an op is needed
 
     cxx = os.environ.get("CXX", "c++")
-    compiler = shutil.which((shlex.split(cxx) or ["c++"])[-1] if cxx.startswith("ccache") else
-                            (shlex.split(cxx) or ["c++"])[0])
+    words = shlex.split(cxx) or ["c++"]  # "ccache g++": the compiler is the word after ccache
+    compiler = shutil.which(words[-1] if words[0] == "ccache" else words[0])
     for name, why in ops:
         builder = getattr(op_builder, name)()
         if not builder.is_compatible(verbose=False):

@@ -266,8 +266,8 @@ def render_k8s(plan: SweepPlan) -> list[Path]:
     to ``<output_dir>/launch/k8s/<NNN>-<run>.yaml``; each exits at once if its run has finished.
     The output_dir must lie on the runs volume (under ``runs/``). Returns the manifests."""
 
-    where = str(plan.output_dir)
-    if Path(where).is_absolute() or not (where == "runs" or where.startswith("runs/")):
+    where = os.path.normpath(plan.output_dir)
+    if os.path.isabs(where) or where.split(os.sep)[0] != "runs":
         raise ConfigError(f"`output_dir` ({where!r}) of a sweep rendered for Kubernetes must lie under runs/, relative "
                           "to the working directory (the default runs/sweeps/{name}): the pods write their run "
                           "directories to the runs volume, which they mount at <workdir>/runs")

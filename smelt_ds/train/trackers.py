@@ -324,24 +324,24 @@ class MlflowTracker:
 
     def __init__(self, cfg: RunConfig, root: Path, run_id: str | None, start_step: int, config: dict[str, Any],
                  budget: dict[str, Any]):
-        from mlflow.entities import Param, RunStatus
-        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
-
         s = cfg.tracking.mlflow
         self.client = mlflow_client(s)
         try:
-            self._start(cfg, run_id, config, budget, Param, RunStatus, MAX_PARAM_VAL_LENGTH)
+            self._start(cfg, run_id, config, budget)
+        except ConfigError:
+            raise
         except Exception as e:  # MlflowException, requests errors: the server refused the run
-            if isinstance(e, ConfigError):
-                raise
             uri = s.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "MLflow's default"
             raise ConfigError(f"`tracking.mlflow.tracking_uri` ({uri}): MLflow could not start the run "
                               f"({type(e).__name__}: {str(e)[:300]}): check the server and its credentials "
                               "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_TOKEN), or leave mlflow out of "
                               "tracking.trackers") from None
 
-    def _start(self, cfg: RunConfig, run_id: str | None, config: dict[str, Any], budget: dict[str, Any],
-               Param, RunStatus, max_len: int) -> None:  # noqa: N803 - MLflow's classes, imported lazily
+    def _start(self, cfg: RunConfig, run_id: str | None, config: dict[str, Any], budget: dict[str, Any]) -> None:
+        """Create (or resume) the MLflow run and log the config and budgets once."""
+        from mlflow.entities import Param, RunStatus
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
         s = cfg.tracking.mlflow
         if run_id is None:
             exp = self.client.get_experiment_by_name(s.experiment)
@@ -352,7 +352,7 @@ class MlflowTracker:
         self.run_id = run_id
         logged = self.client.get_run(run_id).data.params
         flat = _flatten({**config, "budget": budget})
-        params = [Param(k, v) for k, v in flat.items() if k not in logged and len(v) <= max_len]
+        params = [Param(k, v) for k, v in flat.items() if k not in logged and len(v) <= MAX_PARAM_VAL_LENGTH]
         self.client.log_batch(run_id, params=params)
         self.client.log_text(run_id, dump_config(cfg), "config.yaml")
         self.client.log_dict(run_id, budget, "budget.json")
