@@ -29,6 +29,7 @@ from smelt_ds.data.distributed import rank_info
 from smelt_ds.data.prepared import PreparedData, check_compatible
 from smelt_ds.data.token_sources import PackedTokens
 from smelt_ds.errors import ConfigError
+from smelt_ds.parallel.device import pin
 
 __all__ = ["check_compatible", "windows_in", "TrainLoader", "ValidationLoader", "validation_loaders"]
 
@@ -76,8 +77,11 @@ class _Windows:
 
 
 def _batch(windows: np.ndarray, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:
+    """Host tensors of one micro-batch; ``input_ids`` and ``labels`` pinned when a CUDA device is
+    present (:func:`smelt_ds.parallel.device.pin`: the copy to it is asynchronous); ``sample_ids``
+    stay in ordinary host memory (they never leave the host)."""
     tokens = torch.from_numpy(windows)
-    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+    return {"input_ids": pin(tokens[:, :-1].contiguous()), "labels": pin(tokens[:, 1:].contiguous()),
             "sample_ids": torch.from_numpy(sample_ids)}
 
 

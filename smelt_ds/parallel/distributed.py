@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from smelt_ds.errors import ConfigError
+from smelt_ds.parallel import control
 
-__all__ = ["find_free_port", "init_distributed", "on_rank0", "sync_flag"]
+__all__ = ["BACKEND_ENV", "find_free_port", "init_distributed", "on_rank0", "sync_flag"]
 
 
 def find_free_port() -> int:
@@ -24,10 +25,22 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
+#: environment variable naming the backend string given to ``init_process_group`` instead of the
+#: accelerator's (e.g. ``cuda:gloo``: CUDA tensors through gloo, no CPU backend, NCCL's device map;
+#: ``cpu:gloo,cuda:nccl``): for emulations and the one-GPU check, not for production runs
+BACKEND_ENV = "SMELT_DIST_BACKEND"
+
+
 def init_distributed(timeout_s: float | None = None) -> tuple[int, int, int]:
-    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA) when launched
-    with several ranks, or as a world of one. ``timeout_s``: the process group's collective
-    timeout in seconds (None: DeepSpeed's default, 30 minutes). Returns ``(rank, local_rank, world_size)``."""
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA, or the backend
+    string of ``$SMELT_DIST_BACKEND``) when launched with several ranks, or as a world of one,
+    then the control group (:func:`smelt_ds.parallel.control.init_control_group`: a gloo group
+    for host values when the default group has no CPU backend). ``timeout_s``: every group's
+    collective timeout in seconds (None: DeepSpeed's default, 30 minutes).
+
+    The CUDA device of a rank is ``LOCAL_RANK`` modulo the visible devices: a scheduler that binds
+    one GPU per task (Slurm's ``--gpus-per-task``) shows each task only ``cuda:0``.
+    Returns ``(rank, local_rank, world_size)``."""
     from datetime import timedelta
 
     import deepspeed
@@ -40,17 +53,20 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, int]:
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(find_free_port())
     backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
-    if timeout_s is None:
+    backend = os.environ.get(BACKEND_ENV) or backend
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    if timeout is None:
         deepspeed.init_distributed(dist_backend=backend)
     else:
-        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     import torch.distributed as dist
 
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if backend == "gloo":
         release_cpu_allreduce_buffer()
+    control.init_control_group(timeout)
     return dist.get_rank(), local_rank, dist.get_world_size()
 
 
@@ -77,7 +93,7 @@ def release_cpu_allreduce_buffer() -> None:
         return
     path = cpu_allreduce_buffer()
     exists = path.exists()
-    dist.barrier()  # every rank's init_distributed returned: each has opened all the peers' buffers
+    control.barrier()  # every rank's init_distributed returned: each has opened all the peers' buffers
     if exists:
         path.unlink(missing_ok=True)
 
@@ -85,28 +101,18 @@ def release_cpu_allreduce_buffer() -> None:
 def on_rank0(rank: int, fn):
     """``fn()`` on global rank 0 (its result there, None elsewhere); a ConfigError it raises is
     raised on every rank, so no rank waits in a collective for a rank that gave up."""
-    import torch.distributed as dist
-
     result, error = None, None
     if rank == 0:
         try:
             result = fn()
         except ConfigError as e:
             error = str(e)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+    error = control.broadcast_object(error, src=0)
     if error:
         raise ConfigError(error)
     return result
 
 
 def sync_flag(flag: bool) -> bool:
-    """True on every rank when any rank got a stop signal."""
-    import torch.distributed as dist
-
-    t = torch.tensor([1.0 if flag else 0.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    """True on every rank when any rank's ``flag`` is (one all-reduce MAX on the control group)."""
+    return control.all_reduce_max([1.0 if flag else 0.0])[0] > 0

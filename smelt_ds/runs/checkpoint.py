@@ -40,6 +40,7 @@ import torch
 
 from smelt_ds.config.train import resolve_batch
 from smelt_ds.errors import ConfigError
+from smelt_ds.parallel import control
 from smelt_ds.runs.reference_weights import REFERENCE_DIR, gather_reference_shard, shard_path
 
 __all__ = ["checkpoint_dir", "save", "choose", "load", "load_from", "latest_complete", "read_marker", "verify",
@@ -241,16 +242,6 @@ def _atomic_save(obj: Any, path: Path) -> dict[str, Any]:
     return digest
 
 
-def _gather_objects(obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def offline_exportable(layout: dict[str, Any]) -> bool:
     """Whether DeepSpeed's own files of a checkpoint written with ``layout`` (:func:`run_layout`)
     give its fp32 weights without the reference shards: the reference backend at ZeRO 1-3, whose
@@ -372,7 +363,7 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
                                         reference, optimizer_state)
     error = None if failed is None else (f"rank {rank} could not write checkpoint {root / tag}: {failed}"
                                          if world > 1 else f"could not write checkpoint {root / tag}: {failed}")
-    gathered = _gather_objects((written, error))
+    gathered = control.gather_objects((written, error))
     errors = [e for _, e in gathered if e]
     if errors:
         if rank == 0:  # no marker was written: the partial directory is no checkpoint, only used space
@@ -383,10 +374,7 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     if rank == 0:
         meta = {"step": step, "tokens_seen": tokens_seen, **layout, "layout_free": bool(reference and optimizer_state)}
         error = _complete(root, tag, gathered, meta, keep_last, reference_weights != "every_save")
-    if dist.is_initialized() and world > 1:  # also the barrier: no rank goes on before the marker is written
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+    error = control.broadcast_object(error, src=0)  # also the barrier: no rank goes on before the marker is written
     if error:
         raise CheckpointWriteError(error)
     return root / tag
@@ -585,7 +573,7 @@ def _verify_everywhere(path: Path) -> list[str]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     mine = verify(path, rank, world_size=world) if world > 1 else verify(path)
-    return [p for problems in _gather_objects(mine) for p in problems]
+    return [p for problems in control.gather_objects(mine) for p in problems]
 
 
 def _quarantine(path: Path) -> Path:
@@ -625,8 +613,7 @@ def _choose(run_dir: Path, resume: str) -> Path | None:
             moved = _quarantine(path)
             print(f"checkpoint {path} is damaged ({'; '.join(problems[:3])}): moved to {moved} (kept, not "
                   "deleted); trying the next newest complete checkpoint", file=sys.stderr)
-        if dist.is_initialized():
-            dist.barrier()
+        control.barrier()
     if damaged:  # never start again from step 0 over a run whose checkpoints are all damaged
         raise ConfigError(f"--resume auto: no checkpoint of {run_dir} verifies (damaged: {', '.join(damaged[:4])}, "
                           "moved to checkpoints/damaged-*): nothing to continue from; start a new run in a new "

@@ -21,8 +21,9 @@ is ``RANK`` (0 when unset). Each fault fires at most once per process.
 - ``nan:rank=R:step=S``: the training loss of rank R at step S is multiplied by NaN (the graph
   and the gradients are NaN);
 - ``spike:rank=R:step=S:factor=F``: the loss of rank R at step S is multiplied by F;
-- ``sleep:rank=R:step=S:seconds=X``: rank R sleeps X seconds in the step-end collective of step S
-  (after the step was trained), as a rank hung in or around a collective;
+- ``sleep:rank=R:step=S:seconds=X``: rank R sleeps X seconds in the control collective of step S
+  (``agree``, at the accumulation boundary, after the step's forward and backward), as a rank
+  hung in or around a collective;
 - ``raise:rank=R:step=S``: rank R raises ``RuntimeError("injected fault: rank R step S")`` at the
   start of step S;
 - ``save_error:rank=R:step=S[:errno=ENOSPC]``: rank R fails to write its first file of the

@@ -31,7 +31,9 @@ from smelt_ds.config.run import RunConfig
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
 from smelt_ds.model.router import TopKRouter
+from smelt_ds.parallel import control
 from smelt_ds.parallel.build_lock import check_build_lock
+from smelt_ds.parallel.device import device_of, to_device
 from smelt_ds.parallel.distributed import find_free_port, init_distributed, on_rank0
 from smelt_ds.parallel.grad_norm import clip_before_step, logged_grad_norm
 from smelt_ds.parallel.hardware import training_precision
@@ -214,7 +216,7 @@ def _train(cfg: RunConfig, resume: str, run_dir: str | None, threads: ThreadChoi
     lock, created = lock_run_dir(out_dir, rank)
     try:
         check_run_dir(out_dir, cfg, resume, world)
-        dist.barrier()
+        control.barrier()
         return _fit(cfg, resume, out_dir, rank, world, threads, unreachable)
     except ConfigError:
         if rank == 0 and created and lock is not None:  # a refused new run leaves no directory behind
@@ -248,6 +250,9 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
     if rank == 0 and cfg.deepspeed.offload_optimizer != "none":
         _print_lines(_deepspeed_op_notices(("CPUAdamBuilder",)))
     built = build(cfg, world)  # before anything is written: a recipe the engine refuses leaves no trace
+    # DeepSpeed's groups (data-parallel, expert, expert-data) were made with the backend's default
+    # timeout: every group gets the start-up timeout now, the steady one after the first steps
+    set_collective_timeout(cfg.train.watchdog.init_timeout_s)
     on_rank0(rank, lambda: record_run_tokenizer(out_dir, data.prepared, resuming=resume != "none"))
     if rank == 0 and cfg.train.compile != "none":
         print(f"train.compile: {cfg.train.compile} (backend {cfg.train.compile_backend}): the first step compiles, and "
@@ -277,6 +282,7 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
     fit.t_last = time.perf_counter()  # the first window starts at step 1
     with StopSources(out_dir, check_file=rank == 0) as stops, \
             HangWatchdog(cfg.train.watchdog, out_dir, rank, peers) as watchdog:
+        fit.stops = stops
         try:
             _steps(fit, stops, watchdog)
         except Exception as e:
@@ -331,10 +337,8 @@ def _steps(fit: _Fit, stops: StopSources, watchdog: HangWatchdog) -> None:
             watchdog.arm(slow, f"harness evaluation at step {fit.step}")
             run_harness_eval(built.engine, cfg, data.prepared, fit.step, fit.tokens_seen, fit.writer)
         fit.eval_s += time.perf_counter() - t_eval
-        watchdog.arm(watchdog.step_timeout(), f"step {fit.step} (the ranks' stop check)")
-        reason = agree(stops.poll())
         watchdog.arm(slow, f"the end of step {fit.step} (checkpoint save)")
-        stop = _save_or_stop(fit, stops, reason)
+        stop = _save_or_stop(fit, stops, fit.stop_reason)
         fit.profiler.after_step(fit.step)  # the profiled step spans the whole iteration
         if stop:
             break
@@ -395,6 +399,9 @@ class _Fit:
         self.guard = StepGuardState(cfg.train.step_guard)
         self.verdict = Verdict(math.nan, False, None)  # the last step's
         self.skipped_since_log = 0
+        self.device = device_of(built.engine)  # where every batch goes (smelt_ds.parallel.device)
+        self.stops: StopSources | None = None  # polled at each step's accumulation boundary
+        self.stop_reason: str | None = None  # what the ranks agreed on at the last step
 
 
 def _train_step(fit: _Fit) -> tuple[float, list[int], float | None, dict[str, float]]:
@@ -409,50 +416,45 @@ def _train_step(fit: _Fit) -> tuple[float, list[int], float | None, dict[str, fl
     ids: list[int] = []
     grad_norm = None
     lr = step_lr(engine)  # the LR this optimizer step uses (the scheduler moves on in engine.step)
-    loss_sum, nonfinite = 0.0, 0
+    means: dict[str, float] = {}
     for m in range(fit.accum):
         batch = fit.data.train.next_batch()
-        ids.extend(int(i) for i in batch.sample_ids)
-        out = engine(batch.input_ids, labels=batch.labels)
+        ids.extend(batch.sample_ids.tolist())  # host values: they stay on the host
+        input_ids, labels = to_device(fit.device, batch.input_ids, batch.labels)
+        out = engine(input_ids, labels=labels)
         loss = total_loss(out, cfg.train)  # lm + aux_coef * aux + z_coef * z
-        value = float(loss.detach())
-        loss_sum += value if math.isfinite(value) else 0.0
-        nonfinite += not math.isfinite(value)
         engine.backward(loss)
+        fit.micro.add(out, loss)  # on the device: read once per step, below
         if m < fit.accum - 1:
             engine.step()
-            fit.micro.add(out, loss)
             continue
         grad_norm = _grad_norm_before_step(engine, cfg)
-        fit.verdict = fit.guard.decide(loss_sum, nonfinite, fit.accum, grad_norm)
+        # the step's one control all-reduce: losses for the guard and the logs, and the stop poll
+        fit.stop_reason, totals = agree(fit.stops.poll() if fit.stops is not None else None, fit.micro.local())
+        fit.verdict = fit.guard.decide(totals[0], totals[1], totals[2], grad_norm)
+        means = fit.micro.means(totals)
         if fit.verdict.skip is None:
             engine.step()
         else:
             with skipping_update(engine):
                 engine.step()
-        fit.micro.add(out, loss)
     fit.step += 1
     fit.tokens_seen += fit.tokens_per_step
     if fit.verdict.skip is None:
         _after_step(fit.built.model, cfg)
     else:
         _report_skip(fit, ids)
-    return lr, ids, grad_norm, fit.micro.means()
+    return lr, ids, grad_norm, means
 
 
 def _report_skip(fit: _Fit, ids: list[int]) -> None:
     """A skipped step: the routers' load counts of the step are dropped (no bias update), and rank 0
     writes a ``metrics.jsonl`` row (``skipped``, ``skip_reason``, ``skipped_total`` and every rank's
     ``sample_ids``) and a console line naming the step, the reason and the samples."""
-    import torch.distributed as dist
-
     for m in fit.built.model.modules():
         if isinstance(m, TopKRouter):
             m.tokens_per_expert.zero_()
-    every: list[Any] = [ids]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, ids)
+    every: list[Any] = control.gather_objects(ids)
     fit.skipped_since_log += 1
     samples = [i for rank_ids in every for i in rank_ids]
     fit.writer.write(fit.step, {"skipped": 1, "skip_reason": fit.verdict.skip, "skipped_total": fit.guard.skipped,
@@ -565,11 +567,16 @@ def _after_step(model, cfg: RunConfig) -> None:
 
     import torch.distributed as dist
 
-    for m in model.modules():
-        if isinstance(m, TopKRouter):
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(m.tokens_per_expert)
-            m.update_bias(cfg.moe.bias_update_rate)
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    if routers and dist.is_initialized() and dist.get_world_size() > 1:
+        # every router's counts in one all-reduce, on the model's device (data, not control)
+        counts = [m.tokens_per_expert for m in routers]
+        flat = torch.cat([c.reshape(-1) for c in counts])
+        dist.all_reduce(flat)
+        for c, summed in zip(counts, flat.split([c.numel() for c in counts]), strict=True):
+            c.copy_(summed.view_as(c))
+    for m in routers:
+        m.update_bias(cfg.moe.bias_update_rate)
 
 
 def _grad_norm_before_step(engine, cfg: RunConfig) -> float | None:
@@ -652,6 +659,7 @@ def _destroy_process_group() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+        control.reset()
 
 
 def _rank() -> int:

@@ -64,33 +64,50 @@ def memory_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-@dataclass
 class MicroStats:
-    """Sums over the micro-batches of one optimizer step (:meth:`means` resets them)."""
+    """Sums over this rank's micro-batches of one optimizer step, kept on the loss's device in
+    float64 (no host sync per micro-batch: the values travel to the host once per step, in the
+    step's control all-reduce, :mod:`smelt_ds.train.loop`).
 
-    n: int = 0
-    sums: dict[str, float] = field(default_factory=dict)
+    :meth:`local` is the vector ``[finite loss sum, non-finite count, micro-batches, loss sum,
+    lm_loss sum, aux_loss sum, z_loss sum]`` (:data:`WIDTH` values); :meth:`means` turns its sum
+    over the ranks into the step's means."""
+
+    KEYS = ("loss", "lm_loss", "aux_loss", "z_loss")
+    #: values per rank in :meth:`local`
+    WIDTH = 3 + len(KEYS)
+
+    def __init__(self) -> None:
+        self.acc: torch.Tensor | None = None
+        self.present: tuple[str, ...] = ()
 
     def add(self, out, loss: torch.Tensor) -> None:
         """Add one micro-batch: ``loss`` is the training objective
         (:func:`smelt_ds.train.objective.total_loss`), ``out`` the model's ``LMOutput`` (its
-        unweighted ``lm_loss``, ``aux_loss``, ``z_loss``)."""
-        self.n += 1
-        for k, v in (("loss", loss), ("lm_loss", out.lm_loss), ("aux_loss", out.aux_loss), ("z_loss", out.z_loss)):
-            if v is not None:
-                self.sums[k] = self.sums.get(k, 0.0) + float(v.detach())
+        unweighted ``lm_loss``, ``aux_loss``, ``z_loss``; a None one is left out of the means)."""
+        values = dict(zip(self.KEYS, (loss, out.lm_loss, out.aux_loss, out.z_loss), strict=True))
+        self.present = tuple(k for k, v in values.items() if v is not None)
+        value = loss.detach().double().reshape(())
+        finite = torch.isfinite(value)
+        zero = torch.zeros((), dtype=torch.float64, device=value.device)
+        row = torch.stack([torch.where(finite, value, zero), (~finite).double(), torch.ones_like(value),
+                           *(v.detach().double().reshape(()).to(value.device) if v is not None else zero
+                             for v in values.values())])
+        self.acc = row if self.acc is None else self.acc + row
 
-    def means(self) -> dict[str, float]:
-        """Means over this rank's micro-batches, then over data-parallel ranks (all-reduce)."""
-        import torch.distributed as dist
+    def local(self) -> torch.Tensor:
+        """This rank's sums since the last call (``(WIDTH,)`` float64 on the loss's device); resets."""
+        if self.acc is None:
+            raise ValueError("MicroStats.local() without a micro-batch since the last call")
+        acc, self.acc = self.acc, None
+        return acc
 
-        keys = sorted(self.sums)
-        t = torch.tensor([self.sums[k] / max(1, self.n) for k in keys], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(t)
-            t /= dist.get_world_size()
-        self.n, self.sums = 0, {}
-        return dict(zip(keys, t.tolist(), strict=True))
+    def means(self, totals: list[float]) -> dict[str, float]:
+        """The step's means over every rank's micro-batches, from :meth:`local`'s vector summed
+        over the ranks: ``{loss, lm_loss, aux_loss, z_loss}`` (those the model returned; a
+        non-finite loss on any rank makes ``loss`` non-finite)."""
+        n = max(totals[2], 1.0)
+        return {k: totals[3 + i] / n for i, k in enumerate(self.KEYS) if k in self.present}
 
 
 @dataclass

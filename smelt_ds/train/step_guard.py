@@ -1,8 +1,9 @@
 """Non-finite and spiking steps (``train.step_guard``): skip the update on every rank together.
 
-After the accumulation boundary's backward, before ``engine.step()``, the ranks all-reduce one
-small vector: the sum of their micro-batch losses, the count of non-finite ones, and the count
-of micro-batches. A step is skipped when
+After the accumulation boundary's backward, before ``engine.step()``, the ranks sum the step's
+control vector (one all-reduce, :mod:`smelt_ds.train.loop`), which holds the sum of their finite
+micro-batch losses, the count of non-finite ones and the count of micro-batches. A step is
+skipped when
 
 * any rank's loss is non-finite (NaN or +-inf), or the global gradient norm before clipping is
   (:func:`smelt_ds.parallel.grad_norm.clip_before_step`, the same value on every rank); or
@@ -24,8 +25,6 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from smelt_ds.config.train import StepGuard
 
@@ -58,17 +57,12 @@ class StepGuardState:
         self.consecutive = 0
         self.skipped = 0
 
-    def decide(self, loss_sum: float, nonfinite: int, count: int, grad_norm: float | None) -> Verdict:
-        """The verdict for a step from this rank's micro-batch losses (sum, non-finite count, count)
-        and the global gradient norm (None: not known here, e.g. optimizer offload). Collective:
-        one all-reduce over every rank."""
-        import torch.distributed as dist
-
-        t = torch.tensor([loss_sum if math.isfinite(loss_sum) else 0.0, float(nonfinite), float(count)],
-                         dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(t)
-        total, bad, n = t.tolist()
+    def decide(self, total: float, bad: float, n: float, grad_norm: float | None) -> Verdict:
+        """The verdict for a step from the sums over every rank (the step's control all-reduce,
+        :mod:`smelt_ds.train.loop`): ``total`` the finite micro-batch losses' sum, ``bad`` the
+        count of non-finite ones, ``n`` the count of micro-batches, and the global gradient norm
+        (None: not known here, e.g. optimizer offload). Every rank gets the same sums, so every
+        rank decides the same."""
         nonfinite_any = bad > 0 or (grad_norm is not None and not math.isfinite(grad_norm))
         mean = total / max(n - bad, 1.0) if bad < n else math.nan
         skip = None

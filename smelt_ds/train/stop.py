@@ -1,8 +1,9 @@
 """How a training learns that it must stop: a signal, a stop file, or the death of its launcher.
 
-Every rank polls :meth:`StopSources.poll` once per optimizer step and the ranks agree on the
-answer with one all-reduce (:func:`agree`), so all of them finish the same step, save one
-checkpoint together and exit with status 143 (:func:`smelt_ds.train.loop.main`). Three sources:
+Every rank polls :meth:`StopSources.poll` once per optimizer step, at the accumulation boundary,
+and the ranks agree on the answer in the step's one control all-reduce (:func:`agree`), so all of
+them finish the same step, save one checkpoint together and exit with status 143
+(:func:`smelt_ds.train.loop.main`). Three sources:
 
 * **signals**: SIGTERM, SIGINT and SIGHUP delivered to the rank (a scheduler, ``kill``, Ctrl-C, a
   launcher that forwards them, torchrun's shutdown);
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from smelt_ds.parallel import control
 
 __all__ = ["STOP_FILE", "STOP_SIGNALS", "LAUNCHER_PID_ENV", "Ancestor", "StopSources", "agree", "launcher_ancestors",
            "REASONS"]
@@ -178,12 +181,18 @@ class StopSources:
                       "resuming, or the resumed run ignores it only because it is older", file=sys.stderr)
 
 
-def agree(reason: str | None) -> str | None:
-    """The stop reason every rank acts on: the highest-priority reason any rank saw (one
-    all-reduce MAX over the ranks; collective), or None."""
-    import torch.distributed as dist
+def agree(reason: str | None, values: torch.Tensor | None = None) -> tuple[str | None, list[float]]:
+    """The step's control exchange (collective; one all-reduce SUM on the control group,
+    :mod:`smelt_ds.parallel.control`): ``values`` (this rank's vector of sums, on any device, e.g.
+    :meth:`smelt_ds.train.metrics.MicroStats.local`) followed by one count per stop reason.
 
-    t = torch.tensor([float(_CODES[reason])])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return REASONS[int(t.item())]
+    Returns the stop reason every rank acts on (the highest-priority reason any rank saw, or
+    None) and ``values`` summed over the ranks (host floats)."""
+    flags = torch.zeros(len(REASONS) - 1, dtype=torch.float64)
+    if reason is not None:
+        flags[_CODES[reason] - 1] = 1.0
+    local = flags if values is None else torch.cat([values.detach().to("cpu", torch.float64).reshape(-1), flags])
+    totals = control.all_reduce_sum(local)
+    counts, sums = totals[len(totals) - len(flags):], totals[:len(totals) - len(flags)]
+    agreed = max((code for code, c in enumerate(counts, start=1) if c > 0), default=0)
+    return REASONS[agreed], sums

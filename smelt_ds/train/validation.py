@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from smelt_ds.config.run import RunConfig
+from smelt_ds.parallel import control
+from smelt_ds.parallel.device import device_of, to_device
 from smelt_ds.runs.validation_loss import DomainLoss, validation_losses
 
 __all__ = ["evaluate", "validation_windows", "describe_validation"]
@@ -30,27 +32,31 @@ def evaluate(engine, data, cfg: RunConfig) -> dict[str, float]:
     micro-batches per rank and domain.
 
     Per domain, the cross-entropy (nats: ``lm_loss`` times the batch's label tokens) and the label
-    tokens are summed over the batches and all-reduced over the ranks into a
+    tokens are summed over the batches on the engine's device (every batch moved there by
+    :func:`~smelt_ds.parallel.device.to_device`), and all domains' sums all-reduced over the ranks
+    at once (one control all-reduce) into a
     :class:`~smelt_ds.runs.validation_loss.DomainLoss`; the values are
     :func:`~smelt_ds.runs.validation_loss.validation_losses` of those sums, the definition
     ``smelt-ds eval`` uses (token-weighted within a domain, ``all`` weighing the domains equally,
     domains without a label token left out). ``engine`` is called as ``engine(input_ids,
     labels=labels)`` and must return ``lm_loss``, the mean over the batch's label tokens.
     """
-    import torch.distributed as dist
-
     engine.eval()
-    parts: dict[str, DomainLoss] = {}
+    device = device_of(engine)
+    sums: dict[str, torch.Tensor] = {}
     for domain, batches in data.validation(cfg.eval.eval_batches).items():
-        s = torch.zeros(2, dtype=torch.float64)
+        s = torch.zeros(2, dtype=torch.float64, device=device)  # (nats, label tokens), on the device
         for batch in batches:
-            o = engine(batch.input_ids, labels=batch.labels)
-            n = int((batch.labels != -100).sum())
-            s += torch.tensor([float(o.lm_loss) * n, n], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(s)
-        parts[domain] = DomainLoss(nats=float(s[0]), tokens=int(s[1]))
+            n = int((batch.labels != -100).sum())  # the host's copy of the labels: no device sync
+            input_ids, labels = to_device(device, batch.input_ids, batch.labels)
+            o = engine(input_ids, labels=labels)
+            s += torch.stack([o.lm_loss.detach().double() * n, torch.tensor(float(n), dtype=torch.float64,
+                                                                             device=device)])
+        sums[domain] = s
     engine.train()
+    # every domain's sums in one all-reduce (the control group: smelt_ds.parallel.control)
+    totals = control.all_reduce_sum(torch.cat(list(sums.values()))) if sums else []
+    parts = {d: DomainLoss(nats=totals[2 * i], tokens=int(totals[2 * i + 1])) for i, d in enumerate(sums)}
     return validation_losses(parts)
 
 

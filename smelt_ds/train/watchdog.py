@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO
 
 from smelt_ds.config.train import Watchdog
+from smelt_ds.parallel import control
 
 __all__ = ["HANG_EXIT", "PEER_EXIT", "HANGS_DIR", "DUMP_SIGNAL", "CollectiveFailure", "HangWatchdog", "Peer",
            "describe_peers", "gather_peers", "is_collective_failure", "set_collective_timeout"]
@@ -56,14 +57,7 @@ Peer = tuple[str, int]  # (host name, pid)
 
 def gather_peers() -> list[Peer]:
     """``(host, pid)`` of every rank, indexed by rank (collective: one all_gather_object)."""
-    import torch.distributed as dist
-
-    me = (socket.gethostname(), os.getpid())
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [me]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, me)
-    return out
+    return control.gather_objects((socket.gethostname(), os.getpid()))
 
 
 def _status(pid: int) -> str:
@@ -106,15 +100,25 @@ def is_collective_failure(e: BaseException) -> bool:
         "NCCL", "Broken pipe", "Socket"))
 
 
-def set_collective_timeout(seconds: float) -> None:
-    """Set the default process group's collective timeout (torch.distributed's private
-    ``_set_pg_timeout``, as torchtitan does after its first step; gloo and NCCL read it for every
-    later collective). No effect without an initialised process group."""
+def set_collective_timeout(seconds: float) -> int:
+    """Set the collective timeout of every process group of this process: the default group,
+    DeepSpeed's data-parallel, expert-parallel and expert-data-parallel groups, the control group
+    (:func:`smelt_ds.parallel.control.all_groups`), every backend of each (torch.distributed's
+    private ``_set_pg_timeout``, as torchtitan does for its default group after its first step;
+    gloo and NCCL read it for every later collective). Returns the number of groups set; 0 without
+    an initialised process group of several ranks.
+
+    Groups made later keep their own timeout: call this again after making one (``new_group``
+    without ``timeout=`` takes the backend's default, NCCL 10 min, gloo 30 min)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        _set_pg_timeout(timedelta(seconds=seconds), None)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return 0
+    groups = control.all_groups()
+    for group in groups:
+        _set_pg_timeout(timedelta(seconds=seconds), group)
+    return len(groups)
 
 
 class HangWatchdog:

@@ -34,6 +34,8 @@ class _Engine:
     """Returns ``lm_loss`` = the batch's first input id (the mean over its label tokens, as the
     engine's forward does); counts eval()/train() calls."""
 
+    device = torch.device("cpu")  # a DeepSpeed engine's device: where validation moves the batches
+
     def __init__(self):
         self.modes: list[str] = []
 

@@ -88,7 +88,8 @@ def _skip_worker(rank: int, world: int) -> list[dict]:
             fit = SimpleNamespace(built=built, cfg=cfg, accum=1, micro=MicroStats(), step=0, tokens_seen=0,
                                   tokens_per_step=MICRO * SEQ * world, guard=StepGuardState(cfg.train.step_guard),
                                   skipped_since_log=0, writer=SimpleNamespace(write=lambda *a, **k: None),
-                                  console=SimpleNamespace(line=lambda *a, **k: None))
+                                  console=SimpleNamespace(line=lambda *a, **k: None), device=built.engine.device,
+                                  stops=None, stop_reason=None)
             weights = []
             for b in batches:
                 ids = shard(rank, b, world, 3)  # 3 distinct global batches

@@ -379,6 +379,8 @@ def test_validation_all_weighs_domains_equally_when_one_has_fewer_windows():
         return SimpleNamespace(input_ids=torch.full((2, 8), 0 if domain == "code" else 1), labels=torch.zeros(2, 8))
 
     class Engine:
+        device = torch.device("cpu")  # a DeepSpeed engine's device: where validation moves the batches
+
         def __call__(self, ids, labels):
             return SimpleNamespace(lm_loss=torch.tensor(1.0 if int(ids[0, 0]) == 0 else 4.0))
 

@@ -67,7 +67,8 @@ def _one_step(cfg, rank: int, world: int, on_built=None) -> tuple[object, Simple
     fit = SimpleNamespace(built=built, cfg=cfg, accum=accum, data=SimpleNamespace(train=SimpleNamespace(
         next_batch=next_batch)), micro=MicroStats(), step=0, tokens_seen=0,
         tokens_per_step=MICRO * SEQ * accum * world, guard=StepGuardState(cfg.train.step_guard), skipped_since_log=0,
-        writer=SimpleNamespace(write=lambda *a, **k: None), console=SimpleNamespace(line=lambda *a, **k: None))
+        writer=SimpleNamespace(write=lambda *a, **k: None), console=SimpleNamespace(line=lambda *a, **k: None),
+        device=built.engine.device, stops=None, stop_reason=None)
     fit.result = _train_step(fit)  # (lr, sample ids, grad norm before clipping, means)
     return built, fit
 
