@@ -102,8 +102,12 @@ def reset() -> None:
 def _reduce(values: Sequence[float] | torch.Tensor, op) -> torch.Tensor:
     import torch.distributed as dist
 
-    t = (values.detach().to("cpu", torch.float64) if isinstance(values, torch.Tensor)
-         else torch.tensor(list(values), dtype=torch.float64, device="cpu"))
+    if isinstance(values, torch.Tensor):
+        t = values.detach().to(torch.float64, copy=True)  # all_reduce works in place: not the caller's
+        if t.device.type != "cpu":
+            t = t.to("cpu")  # the one device read (a sync on a GPU)
+    else:
+        t = torch.tensor(list(values), dtype=torch.float64, device="cpu")
     if active():
         dist.all_reduce(t, op=op, group=control_group())
     return t

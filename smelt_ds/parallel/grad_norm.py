@@ -116,7 +116,8 @@ def global_grad_norm(shards: Iterable[GradShard], group=None) -> float:
     total = total.reshape(1)
     if _dist_ready():
         torch.distributed.all_reduce(total, group=_dp_group() if group is None else group)
-    return math.sqrt(float(total)) if float(total) >= 0 else float("nan")
+    value = float(total)  # the one host read (a device sync on a GPU)
+    return math.sqrt(value) if value >= 0 else float("nan")
 
 
 def param_grad_shards(params: Iterable[torch.nn.Parameter]) -> list[GradShard]:
