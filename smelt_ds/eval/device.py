@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from smelt_ds.errors import ConfigError
+from smelt_ds.parallel.hardware import cuda_bf16_native
 
 __all__ = ["DEVICES", "DTYPES", "parse_device", "resolve_device", "resolve_dtype", "place_runs", "model_device"]
 
@@ -49,16 +50,19 @@ def resolve_device(text: str) -> torch.device:
 
 
 def resolve_dtype(text: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on a CUDA device that supports it (what the SMELT recipes train in on
-    GPUs), else float32; ``float32`` or ``bfloat16`` as asked (bfloat16 also on the CPU, slowly).
-    Raises ConfigError naming ``--dtype`` for another value, or bfloat16 on a GPU without it."""
+    """``auto``: bfloat16 on a CUDA device with native bf16 (compute capability 8.0 or newer:
+    :func:`smelt_ds.parallel.hardware.cuda_bf16_native`; what the SMELT recipes train in on GPUs),
+    else float32 (also on V100 and T4, whose bf16 torch emulates); ``float32`` or ``bfloat16`` as
+    asked (bfloat16 also on the CPU, slowly). Raises ConfigError naming ``--dtype`` for another
+    value, or bfloat16 on a GPU without native bf16."""
     if text not in DTYPES:
         raise ConfigError(f"`--dtype` ({text!r}) is unknown: use auto, float32 or bfloat16")
-    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    cuda_bf16 = device.type == "cuda" and cuda_bf16_native(device)
     if text == "auto":
         return torch.bfloat16 if cuda_bf16 else torch.float32
     if text == "bfloat16" and device.type == "cuda" and not cuda_bf16:
-        raise ConfigError("`--dtype` ('bfloat16') is not supported by this GPU: use float32 or auto")
+        raise ConfigError("`--dtype` ('bfloat16') is not supported by this GPU (bf16 needs compute capability "
+                          "8.0 or newer): use float32 or auto")
     dtype = DTYPES[text]
     assert dtype is not None
     return dtype

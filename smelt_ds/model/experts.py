@@ -10,6 +10,17 @@ Layout (the Qwen3-MoE / Mixtral layout of transformers 5)::
 Shape legend (suffix letters, as in torchtitan's moe.py): B batch, S sequence, T = B*S tokens,
 H hidden, E experts, K top-k, F expert intermediate size, N = T*K routed token copies, R rows of
 the row-block layout (:data:`CPU_BF16_ROW_BLOCK`).
+
+Device branches: on CUDA (any device but the CPU) the groups always run as they are, through
+``torch._grouped_mm``; on the CPU bf16 groups run in row blocks (:func:`_uses_row_blocks`). The
+decision reads :func:`smelt_ds.model.grouped_gemm.branch_device_type`, so tests run the CUDA
+branch on CPU tensors (``device_branches({"cpu": "cuda"})``).
+
+Host reads of device tensors (a synchronisation on CUDA): the grouped path has none (its group
+offsets are ``torch.cumsum`` of the counts on the device, and ``torch._grouped_mm`` takes them
+there). The per-expert loop path reads ``counts_E`` once (``tolist``: ``torch.split`` takes Python
+sizes), and the CPU row-block layout reads two sums (the sizes of its index and zero-padded
+tensors); on the CPU a host read waits for nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smelt_ds.model.grouped_gemm import grouped_linear
+from smelt_ds.model.grouped_gemm import branch_device_type, grouped_linear
 
 __all__ = ["CPU_BF16_ROW_BLOCK", "GroupedExperts", "SwiGLU", "has_grouped_mm", "row_block_layout"]
 
@@ -92,8 +103,10 @@ class _SwiGLUActivation(torch.autograd.Function):
 def _uses_row_blocks(x_NH: torch.Tensor) -> bool:
     """bf16 copies on CPU, eagerly: where torch's matmul builds a kernel per shape
     (:data:`CPU_BF16_ROW_BLOCK`). fp32 and other devices run the groups as they are; so does a
-    compiled model (torch.compile lowers ``torch._grouped_mm`` itself)."""
-    return x_NH.dtype == torch.bfloat16 and x_NH.device.type == "cpu" and not torch.compiler.is_compiling()
+    compiled model (torch.compile lowers ``torch._grouped_mm`` itself). "On CPU" is
+    :func:`~smelt_ds.model.grouped_gemm.branch_device_type` (tests run the CUDA branch on CPU)."""
+    return (not torch.compiler.is_compiling() and x_NH.dtype == torch.bfloat16
+            and branch_device_type(x_NH) == "cpu")
 
 
 def row_block_layout(counts_E: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -193,6 +206,9 @@ class GroupedExperts(nn.Module):
                            "16 bytes; use expert_impl 'auto' or 'loop', or round the sizes")
 
     def _forward_grouped(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Both projections as ``torch._grouped_mm`` calls over the groups ``counts_E`` (E,):
+        ``x_NH`` (N, H) -> (N, H). No host read: the int32 offsets ``offs_E`` (E,) are computed
+        and passed on the device."""
         offs_E = torch.cumsum(counts_E, dim=0).to(torch.int32)
         h_N2F = grouped_linear(x_NH, self.gate_up_proj, offs_E)
         a_NF = _SwiGLUActivation.apply(h_N2F)
@@ -200,6 +216,8 @@ class GroupedExperts(nn.Module):
         return _contiguous_grad(out_NH)
 
     def _forward_loop(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """One ``F.linear`` pair per expert: ``x_NH`` (N, H) -> (N, H); reads ``counts_E`` on the
+        host (``torch.split`` takes Python sizes)."""
         # unbind, not self.gate_up_proj[e]: indexing a parameter E times makes backward allocate
         # and fill E full-size [E, 2F, H] gradients; unbind's backward stacks once.
         outs = []

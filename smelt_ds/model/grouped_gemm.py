@@ -14,13 +14,47 @@ Shapes: ``x_NK`` (N, K) rows sorted by group; ``w_EMK`` (E, M, K), each expert's
 N``); result (N, M), row block e = ``x[offs[e-1]:offs[e]] @ w[e]^T``. Backward: ``dx_e = dy_e @
 w_e`` and ``dw_e = dy_e^T @ x_e``, computed in the weight's own layout (no transposed copy of an
 (E, M, K) gradient).
+
+Which branch runs is decided by :func:`branch_device_type`, the tensor's device type unless
+:data:`DEVICE_BRANCHES` maps it to another: tests map ``"cpu"`` to ``"cuda"`` and run the CUDA
+branches (``torch._grouped_mm`` in every mode used here, which has CPU kernels too) on CPU
+tensors, next to the CPU branches and a per-group reference. None of the CUDA branches reads a
+tensor on the host: the groups are given by ``offs_E`` on the device. The CPU branches read
+``offs_E`` once per call (:func:`_group_bounds`), to slice the groups for one BLAS call each.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
-__all__ = ["grouped_linear"]
+__all__ = ["DEVICE_BRANCHES", "branch_device_type", "device_branches", "grouped_linear"]
+
+#: Device type -> the device type whose branches its tensors take, here and in
+#: :mod:`smelt_ds.model.experts` (``{}``: every tensor takes its own device's). Only tests set it
+#: (:func:`device_branches`), to run a device's branches on CPU tensors.
+DEVICE_BRANCHES: dict[str, str] = {}
+
+
+def branch_device_type(t: torch.Tensor) -> str:
+    """The device type whose branches ``t`` takes: ``t.device.type`` unless :data:`DEVICE_BRANCHES`
+    maps it to another."""
+    return DEVICE_BRANCHES.get(t.device.type, t.device.type)
+
+
+@contextlib.contextmanager
+def device_branches(mapping: dict[str, str]) -> Iterator[None]:
+    """Within the block, tensors of each device type in ``mapping`` take the mapped device type's
+    branches (e.g. ``{"cpu": "cuda"}``: CPU tensors run the CUDA code paths); restored after it."""
+    before = dict(DEVICE_BRANCHES)
+    DEVICE_BRANCHES.update(mapping)
+    try:
+        yield
+    finally:
+        DEVICE_BRANCHES.clear()
+        DEVICE_BRANCHES.update(before)
 
 
 def _group_bounds(offs_E: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -44,7 +78,7 @@ def _cpu_grouped_mm(a_NK: torch.Tensor, w_EKM: torch.Tensor, offs_E: torch.Tenso
 
 @torch.library.custom_op("smelt_ds::grouped_linear", mutates_args=())
 def _grouped_linear_op(x_NK: torch.Tensor, w_EMK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    if x_NK.device.type != "cpu":
+    if branch_device_type(x_NK) != "cpu":
         return torch._grouped_mm(x_NK, w_EMK.transpose(-2, -1), offs=offs_E)
     return _cpu_grouped_mm(x_NK, w_EMK.transpose(-2, -1), offs_E)
 
@@ -56,7 +90,7 @@ def _(x_NK: torch.Tensor, w_EMK: torch.Tensor, offs_E: torch.Tensor) -> torch.Te
 
 @torch.library.custom_op("smelt_ds::grouped_linear_input_grad", mutates_args=())
 def _input_grad_op(dy_NM: torch.Tensor, w_EMK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    if dy_NM.device.type != "cpu":
+    if branch_device_type(dy_NM) != "cpu":
         return torch._grouped_mm(dy_NM, w_EMK, offs=offs_E)
     return _cpu_grouped_mm(dy_NM, w_EMK, offs_E)
 
@@ -68,7 +102,7 @@ def _(dy_NM: torch.Tensor, w_EMK: torch.Tensor, offs_E: torch.Tensor) -> torch.T
 
 @torch.library.custom_op("smelt_ds::grouped_linear_weight_grad", mutates_args=())
 def _weight_grad_op(x_NK: torch.Tensor, dy_NM: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    if x_NK.device.type != "cpu":
+    if branch_device_type(x_NK) != "cpu":  # (M, N) x (N, K) -> (E, M, K): groups along the reduction
         return torch._grouped_mm(dy_NM.t(), x_NK, offs=offs_E)
     dw = x_NK.new_zeros(offs_E.shape[0], dy_NM.shape[1], x_NK.shape[1])  # empty groups: zero gradient
     for e, start, end in _group_bounds(offs_E):

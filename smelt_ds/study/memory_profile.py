@@ -3,14 +3,18 @@
 :func:`measure` builds the model, the MoE backend, activation checkpointing and (on CUDA) the
 DeepSpeed engine as training does, runs a few steps on random tokens and reports the bytes
 autograd saved for backward (:class:`SavedTensorCounter`, exact on any device) and, on CUDA, the
-allocator peak, beside :func:`smelt_ds.parallel.memory.activation_bytes`'s prediction. It sits above the
-analytic :mod:`smelt_ds.parallel.memory` (the cost layer) because it needs an engine.
+allocator peak (each checkpointing policy in a process of its own), beside
+:func:`smelt_ds.parallel.memory.activation_bytes`'s prediction. It sits above the analytic
+:mod:`smelt_ds.parallel.memory` (the cost layer) because it needs an engine.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -193,7 +197,10 @@ def _measure_cpu(cfg: RunConfig, policy: str, steps: int) -> Measurement:
 
 
 def _measure_cuda(cfg: RunConfig, policy: str, steps: int) -> Measurement:
-    """One GPU through the DeepSpeed engine with the recipe's ZeRO stage and precision."""
+    """One GPU through the DeepSpeed engine with the recipe's ZeRO stage and precision. Run it in
+    a process of its own (:func:`_measure_each_in_own_process`): the allocator's peak counts
+    whatever the process still holds, e.g. an earlier measurement's cached blocks, engine buffers
+    or communication state."""
 
     if not torch.distributed.is_initialized():
         init_distributed()
@@ -218,22 +225,48 @@ def _measure_cuda(cfg: RunConfig, policy: str, steps: int) -> Measurement:
                        row.model_states if row else 0, row.total if row else None)
 
 
+MeasureFn = Callable[[RunConfig, str, int], Measurement]
+
+
+def _measure_each_in_own_process(fn: MeasureFn, cfg: RunConfig, policies: Iterable[str],
+                                 steps: int) -> list[Measurement]:
+    """``fn(cfg, policy, steps)`` for each policy in order, each in a new process (``spawn``: a
+    fresh interpreter, no CUDA context, allocator or process group inherited from this one or
+    from the previous policy), one at a time; returns their results in ``policies``' order.
+    ``fn`` must be importable by name (a module-level function) and ``cfg`` picklable. An
+    exception in a measurement is raised here; a process that dies (e.g. killed for memory)
+    raises RuntimeError naming the policy."""
+    ctx = multiprocessing.get_context("spawn")
+    out = []
+    for policy in policies:
+        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            try:
+                out.append(pool.submit(fn, cfg, policy, steps).result())
+            except BrokenProcessPool as e:
+                raise RuntimeError(f"the memory measurement of policy {policy!r} died in its process "
+                                   f"({e}); nothing was measured for it") from e
+    return out
+
+
 def measure(cfg: RunConfig, policies: Iterable[str] | None = None, steps: int = 2,
             device: str | None = None) -> list[Measurement]:
-    """Run ``steps`` real training steps per policy in this process and measure memory.
+    """Run ``steps`` real training steps per policy and measure memory.
 
-    CPU: exact saved-tensor bytes (:class:`SavedTensorCounter`) and parameter / gradient /
-    optimizer storage of a plain PyTorch AdamW step (ZeRO-0, fp32: what one CPU rank holds).
-    CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``) of the DeepSpeed
-    engine on one GPU with the recipe's ZeRO stage and precision. Raises ConfigError for an
-    unknown policy.
+    CPU (in this process): exact saved-tensor bytes (:class:`SavedTensorCounter`) and parameter /
+    gradient / optimizer storage of a plain PyTorch AdamW step (ZeRO-0, fp32: what one CPU rank
+    holds); neither depends on what the process held before. CUDA: the caching allocator's peak
+    (``torch.cuda.max_memory_allocated``) of the DeepSpeed engine on one GPU with the recipe's
+    ZeRO stage and precision, each policy in a process of its own
+    (:func:`_measure_each_in_own_process`), so that no peak includes another policy's leftovers.
+    Raises ConfigError for an unknown policy.
     """
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     pols = list(policies) if policies is not None else list(POLICIES)
     bad = [p for p in pols if p not in POLICIES]
     if bad:
         raise ConfigError(f"unknown checkpointing policies {bad}: use {list(POLICIES)}")
-    fn = _measure_cuda if dev == "cuda" else _measure_cpu
-    return [fn(cfg, p, steps) for p in pols]
+    if dev == "cuda":
+        return _measure_each_in_own_process(_measure_cuda, cfg, pols, steps)
+    return [_measure_cpu(cfg, p, steps) for p in pols]
 
 

@@ -16,7 +16,7 @@ from smelt_ds.data.prepared import PreparedData
 from smelt_ds.errors import ConfigError
 from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.study.sweep_plan import PlannedRun, SweepPlan, run_status
-from smelt_ds.train.metrics import PEAK_TFLOPS, device_peak_tflops
+from smelt_ds.train.metrics import FORM_PEAK_TFLOPS, device_peak_tflops, layout_peak_tflops
 
 __all__ = ["check_data_passes", "plan_table", "RunEstimate", "measured_tokens_per_s", "estimate_runs",
            "estimate_summary", "format_duration", "ASSUMED_MFU", "CPU_FLOPS_PER_CORE"]
@@ -94,7 +94,7 @@ def check_data_passes(plan: SweepPlan, prepare: bool = False) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 #: model FLOPs utilisation assumed for an analytic estimate on GPUs (a share of the dense bf16
-#: peak of :data:`smelt_ds.train.metrics.PEAK_TFLOPS`): an assumption, not a measurement;
+#: peak of :func:`smelt_ds.train.metrics.layout_peak_tflops`): an assumption, not a measurement;
 #: Megatron-LM reports up to 52% of peak for large dense models (Narayanan et al. 2021), MoE
 #: training usually runs lower
 ASSUMED_MFU = 0.3
@@ -169,10 +169,12 @@ def _analytic(plan: SweepPlan, r: PlannedRun, nproc: int, cpu_cores: int | None,
         name = plan.sweep.launch.layout or r.config.cluster.default or next(iter(layouts))
         lay = layouts.get(name) or next(iter(layouts.values()))
         gpus = lay.nodes * lay.gpus_per_node
-        peak = next((v for k, v in PEAK_TFLOPS.items() if k.lower() in lay.gpu.lower()), None)
+        peak = layout_peak_tflops(lay.gpu)
         if peak is None:
+            known = ", ".join(f"{family} {form}" for family, form in FORM_PEAK_TFLOPS)
             return None, gpus, (f"analytic: no peak TFLOP/s known for GPU {lay.gpu!r} of layout {name!r} "
-                                f"(known: {', '.join(PEAK_TFLOPS)})")
+                                f"(known: {known}, named with the form factor, e.g. 'H100-SXM5-80GB', or a "
+                                "torch.cuda.get_device_name() name)")
         return (gpus * peak * 1e12 * mfu, gpus,
                 f"analytic: layout {name}, {gpus} x {lay.gpu} at {peak:g} TFLOP/s x MFU {mfu:g}")
     if local_peak_tflops:  # a local run on this machine's GPUs
@@ -207,8 +209,8 @@ def estimate_runs(plan: SweepPlan, nproc: int = 1, cpu_cores: int | None = None,
        (:func:`smelt_ds.cost.budget.compute_budget`: 3x forward, every visit). Sustained FLOP/s:
        for a recipe with cluster layouts, the GPUs of its layout (the sweep's ``launch.layout``,
        else the recipe's default) x their dense bf16 peak
-       (:data:`smelt_ds.train.metrics.PEAK_TFLOPS`) x ``mfu`` (default :data:`ASSUMED_MFU`; ``smelt-ds
-       sweep --mfu``); else, on this machine,
+       (:func:`smelt_ds.train.metrics.layout_peak_tflops`) x ``mfu`` (default
+       :data:`ASSUMED_MFU`; ``smelt-ds sweep --mfu``); else, on this machine,
        ``nproc`` GPUs x ``local_peak_tflops`` (TFLOP/s; None: the CUDA device's,
        :func:`smelt_ds.train.metrics.device_peak_tflops`; 0: no GPU) x ``mfu``, or without a
        known GPU ``cpu_cores`` (default: the cores this process may use) x

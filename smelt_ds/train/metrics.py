@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,28 +32,97 @@ from smelt_ds.train.console import summary_lines
 from smelt_ds.train.trackers import Tracker, scalars
 from smelt_ds.train.validation import describe_validation, validation_windows
 
-__all__ = ["RunResult", "PEAK_TFLOPS", "device_peak_tflops", "memory_bytes", "MicroStats", "IntervalMeans",
+__all__ = ["RunResult", "FORM_PEAK_TFLOPS", "DEVICE_PEAK_TFLOPS", "PEAK_TFLOPS", "peak_tflops",
+           "layout_peak_tflops", "device_peak_tflops", "memory_bytes", "MicroStats", "IntervalMeans",
            "routing_metrics", "MetricsWriter", "throughput", "write_summary", "VAL_ALL_NOTE"]
 
 #: how validation ``all`` combines the domains (smelt_ds.train.validation.evaluate), said wherever it is printed
 VAL_ALL_NOTE = ALL_DEFINITION
 
 
-# Dense bf16 peak TFLOP/s per device (no sparsity), from the vendors' datasheets.
-PEAK_TFLOPS = {
-    "H100": 989.0,  # NVIDIA H100 SXM5 datasheet, BF16 Tensor Core (dense)
-    "H200": 989.0,  # NVIDIA H200 datasheet (same compute as H100 SXM)
-    "A100": 312.0,  # NVIDIA A100 datasheet, BF16 Tensor Core (dense)
-    "B200": 2250.0,  # NVIDIA DGX B200 datasheet, per-GPU dense BF16
+#: Dense bf16 Tensor Core peak, TFLOP/s per GPU (no 2:4 structured sparsity: the datasheets'
+#: headline bf16 figures are with sparsity, twice these), by GPU family and form factor ("SXM",
+#: "PCIE", "NVL"). Sources:
+#:
+#: * H100 SXM5 989.4, H100 PCIe 756: NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022),
+#:   table "NVIDIA H100 compared to A100", Peak BF16 Tensor TFLOPS with FP32 accumulate (dense /
+#:   sparse 989.4 / 1978.9 and 756 / 1513).
+#: * H100 NVL 835.5: NVIDIA H100 datasheet, H100 NVL column, BF16 Tensor Core 1,671 TFLOPS per GPU
+#:   "with sparsity" (half: 835.5 dense).
+#: * H200 SXM 989.4, H200 NVL 835.5: NVIDIA H200 datasheet, BF16 Tensor Core 1,979 (SXM) and 1,671
+#:   (NVL) TFLOPS with sparsity; the H200 SXM is the H100 SXM's GH100 compute at its clocks, whose
+#:   dense value the whitepaper gives as 989.4.
+#: * A100 312 (SXM4 and PCIe, 40 GB and 80 GB alike): NVIDIA A100 datasheet, BF16 Tensor Core
+#:   312 TFLOPS (624 with sparsity).
+#: * B200 2250: NVIDIA GB200 NVL72 / HGX B200 specifications, HGX B200 FP16/BF16 Tensor Core 4.5
+#:   PFLOPS per GPU with sparsity (half: 2.25 PFLOPS dense).
+FORM_PEAK_TFLOPS: dict[tuple[str, str], float] = {
+    ("H100", "SXM"): 989.4, ("H100", "PCIE"): 756.0, ("H100", "NVL"): 835.5,
+    ("H200", "SXM"): 989.4, ("H200", "NVL"): 835.5,
+    ("A100", "SXM"): 312.0, ("A100", "PCIE"): 312.0,
+    ("B200", "SXM"): 2250.0,
 }
+
+#: Dense bf16 peak TFLOP/s per GPU (:data:`FORM_PEAK_TFLOPS`) by the exact name
+#: ``torch.cuda.get_device_name()`` returns for the device (the driver's product name). A name not
+#: listed has no peak: no MFU is reported rather than another part's peak.
+DEVICE_PEAK_TFLOPS: dict[str, float] = {
+    "NVIDIA H100 80GB HBM3": FORM_PEAK_TFLOPS[("H100", "SXM")],
+    "NVIDIA H100 PCIe": FORM_PEAK_TFLOPS[("H100", "PCIE")],
+    "NVIDIA H100 NVL": FORM_PEAK_TFLOPS[("H100", "NVL")],
+    "NVIDIA H200": FORM_PEAK_TFLOPS[("H200", "SXM")],
+    "NVIDIA H200 NVL": FORM_PEAK_TFLOPS[("H200", "NVL")],
+    "NVIDIA A100-SXM4-40GB": FORM_PEAK_TFLOPS[("A100", "SXM")],
+    "NVIDIA A100-SXM4-80GB": FORM_PEAK_TFLOPS[("A100", "SXM")],
+    "NVIDIA A100-PCIE-40GB": FORM_PEAK_TFLOPS[("A100", "PCIE")],
+    "NVIDIA A100 80GB PCIe": FORM_PEAK_TFLOPS[("A100", "PCIE")],
+    "NVIDIA B200": FORM_PEAK_TFLOPS[("B200", "SXM")],
+}
+
+#: Dense bf16 peak TFLOP/s of each family's SXM part (:data:`FORM_PEAK_TFLOPS`), by family name:
+#: what a cluster layout that names the family and the SXM form factor gets
+#: (:func:`layout_peak_tflops`); never matched against a device name.
+PEAK_TFLOPS: dict[str, float] = {family: v for (family, form), v in FORM_PEAK_TFLOPS.items() if form == "SXM"}
+
+#: a word of a layout's GPU name -> its form factor
+_FORMS = {"SXM": "SXM", "SXM4": "SXM", "SXM5": "SXM", "SXM6": "SXM", "PCIE": "PCIE", "NVL": "NVL"}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """Dense bf16 peak of the GPU called ``device_name``, in TFLOP/s per GPU, or None for a name
+    not in :data:`DEVICE_PEAK_TFLOPS` (matched exactly, surrounding blanks ignored; sources there)."""
+    return DEVICE_PEAK_TFLOPS.get(device_name.strip())
+
+
+def layout_peak_tflops(gpu: str) -> float | None:
+    """Dense bf16 peak in TFLOP/s per GPU of a cluster layout's ``gpu`` (``cluster.layouts.*.gpu``,
+    e.g. ``'H100-SXM5-80GB'``), or None. A device name of :data:`DEVICE_PEAK_TFLOPS` is read as
+    such; otherwise the name's words (split at blanks, ``-``, ``_``, ``/``; case ignored) must hold
+    one family of :data:`FORM_PEAK_TFLOPS` and at most one form factor (``SXM``, ``SXM4/5/6``,
+    ``PCIe``, ``NVL``); other words (memory sizes) are ignored. Without a form factor, a family
+    whose parts differ (H100, H200) has no peak, one whose parts agree (A100, B200) has theirs."""
+    exact = peak_tflops(gpu)
+    if exact is not None:
+        return exact
+    words = [w for w in re.split(r"[\s\-_/]+", gpu.strip().upper()) if w]
+    families = {w for w in words if any(w == f for f, _ in FORM_PEAK_TFLOPS)}
+    forms = {_FORMS[w] for w in words if w in _FORMS}
+    if len(families) != 1 or len(forms) > 1:
+        return None
+    family = families.pop()
+    if forms:
+        return FORM_PEAK_TFLOPS.get((family, forms.pop()))
+    values = {v for (f, _), v in FORM_PEAK_TFLOPS.items() if f == family}
+    return values.pop() if len(values) == 1 else None
 
 
 def device_peak_tflops() -> float | None:
-    """Peak dense bf16 TFLOP/s of the current CUDA device, or None (unknown device or CPU)."""
+    """Dense bf16 peak of the current CUDA device in TFLOP/s per GPU (:func:`peak_tflops` of
+    ``torch.cuda.get_device_name()``), or None: no CUDA, or a device not in
+    :data:`DEVICE_PEAK_TFLOPS` (no MFU is reported then)."""
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return peak_tflops(torch.cuda.get_device_name())
 
 
 def memory_bytes() -> int:

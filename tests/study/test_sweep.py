@@ -300,8 +300,8 @@ def test_estimate_of_a_cluster_sweep_uses_the_layout_gpus_peak_and_the_stated_mf
     path = ROOT / "recipes" / "sweeps" / "cluster.yaml"
     plan = plan_sweep(load_sweep(path), path)
     est = estimate_runs(plan, local_peak_tflops=0)
-    r, e = plan.runs[0], est[0]  # baseline-s-t5: layout h100 = 1 node x 8 H100 (989 dense bf16 TFLOP/s)
+    r, e = plan.runs[0], est[0]  # baseline-s-t5: layout h100 = 1 node x 8 H100 SXM5 (989.4 dense bf16 TFLOP/s)
     fpt = compute_budget(load_config(ROOT / "recipes" / "s" / "baseline.yaml")).train_flops_per_token
     assert r.name == "baseline-s-t5" and e.gpus == 8
-    assert e.seconds == pytest.approx(r.tokens * fpt / (8 * 989e12 * ASSUMED_MFU), rel=1e-12)
-    assert e.source == f"analytic: layout h100, 8 x H100-SXM5-80GB at 989 TFLOP/s x MFU {ASSUMED_MFU:g}"
+    assert e.seconds == pytest.approx(r.tokens * fpt / (8 * 989.4e12 * ASSUMED_MFU), rel=1e-12)
+    assert e.source == f"analytic: layout h100, 8 x H100-SXM5-80GB at 989.4 TFLOP/s x MFU {ASSUMED_MFU:g}"

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smelt_ds.model.experts import SwiGLU
+from smelt_ds.model.grouped_gemm import branch_device_type
 from smelt_ds.model.losses import load_balancing_loss, router_z_loss
 from smelt_ds.model.moe import MoE
 from smelt_ds.model.router import RouterOutput
@@ -49,17 +50,26 @@ class CapacityRouterOutput(RouterOutput):
     ``topk_idx_TK`` are the experts the router chose (before capacity dropping, as the reference
     router would choose them); ``kept_TK`` (bool) marks the routed copies that fit into their
     expert's capacity; ``topk_weight_TK`` are the combine weights DeepSpeed applied (0 for dropped
-    copies). ``capacity`` is in tokens per expert; ``ds_l_aux`` is DeepSpeed's own l_aux
-    (detached, for comparison; it does not enter the loss).
+    copies). ``capacity_t`` is the capacity in tokens per expert as DeepSpeed's gate returned it (a
+    0-d int64 tensor on the gate's device, or an int), kept unread so that recording a visit
+    reads nothing on the host; :attr:`capacity` and :attr:`dropped_share` read it when they are
+    read (at logging time). ``ds_l_aux`` is DeepSpeed's own l_aux (detached, for comparison; it
+    does not enter the loss).
     """
 
     kept_TK: torch.Tensor | None = None
-    capacity: int = 0
+    capacity_t: torch.Tensor | int = 0
     ds_l_aux: torch.Tensor | None = None
 
     @property
+    def capacity(self) -> int:
+        """Capacity in tokens per expert (reads ``capacity_t`` on the host)."""
+        return int(self.capacity_t)
+
+    @property
     def dropped_share(self) -> float:
-        """Share of the T*K routed copies dropped by the capacity limit (0..1)."""
+        """Share of the T*K routed copies dropped by the capacity limit (0..1; reads ``kept_TK``
+        on the host when read)."""
         return 0.0 if self.kept_TK is None else 1.0 - self.kept_TK.float().mean().item()
 
     def tokens_per_expert(self) -> list[int]:
@@ -123,8 +133,10 @@ def smelt_topk_gate_class() -> type[nn.Module]:
 
 
 def _use_bmm(t: torch.Tensor) -> bool:
-    """Whether :func:`_per_expert_mm` runs one ``torch.bmm`` (any device but the CPU)."""
-    return t.device.type != "cpu"
+    """Whether :func:`_per_expert_mm` runs one ``torch.bmm`` (any device but the CPU; the device
+    type as :func:`smelt_ds.model.grouped_gemm.branch_device_type` gives it, so that tests run
+    the ``bmm`` branch on CPU tensors)."""
+    return branch_device_type(t) != "cpu"
 
 
 def _per_expert_mm(a_ENK: torch.Tensor, b_EKM: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
@@ -301,14 +313,16 @@ class DeepSpeedMoE(nn.Module):
 
     def _route(self) -> CapacityRouterOutput:
         """Our :class:`RouterOutput` view of the gate's last call (``sparse_routes`` layout:
-        ``indices [K, T]`` with -1 for dropped copies, ``gates [K, T]``)."""
+        ``indices [K, T]`` with -1 for dropped copies, ``gates [K, T]``). Reads nothing on the
+        host: the capacity stays the gate's tensor (DeepSpeed's gating itself reads it, to size
+        its capacity buffers)."""
         logits_TE, gate_out = self.gate.last_logits_TE, self.gate.last_gate_out
         assert logits_TE is not None and gate_out is not None  # set by the gate's forward
         l_aux, capacity, _, idx_KT, _, gates_KT, _ = gate_out
         probs_TE = logits_TE.softmax(dim=-1)
         topk_idx_TK = _gate_choices(logits_TE, probs_TE, self.num_experts_per_tok)
         return CapacityRouterOutput(logits_TE, probs_TE, topk_idx_TK, gates_KT.t(), kept_TK=idx_KT.t() >= 0,
-                                    capacity=int(capacity), ds_l_aux=l_aux.detach())
+                                    capacity_t=capacity, ds_l_aux=l_aux.detach())
 
 
 def _gate_choices(logits_TE: torch.Tensor, probs_TE: torch.Tensor, k: int) -> torch.Tensor:
