@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from smelt_ds.eval.stratified import paired_difference
 from smelt_ds.model.looping import Visit
+from smelt_ds.parallel.device import device_of, to_device
 
 __all__ = ["AttentionStats", "RoutingStats", "LogitLens", "loop_boundaries", "analyze_model"]
 
@@ -217,7 +218,9 @@ class LogitLens:
 
     def run(self, model, input_ids: torch.Tensor, labels: torch.Tensor, **forward_kwargs):
         """One forward (with ``labels``, so ``lm_loss`` is set) with the lens attached; returns the
-        model output."""
+        model output. ``input_ids`` and ``labels`` (CPU) go to the model's device
+        (:func:`~smelt_ds.parallel.device.to_device`); the lens's sums are read back from there."""
+        input_ids, labels = to_device(device_of(model), input_ids, labels)
         argmax: dict[int, torch.Tensor] = {}
         mask = labels != -100
         depth = [0]

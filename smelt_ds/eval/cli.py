@@ -208,6 +208,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="test-time loop count: run every loop range R times (1: the looped layers once)")
     g.add_argument("--exit-after", type=int, default=None, metavar="P",
                    help="early exit: every loop range stops after at most P passes")
+    g.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="where the model decodes: auto (the default: CUDA when available, else the CPU), cpu, cuda "
+                        "or cuda:N")
+    g.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
+                   help="the model's dtype (default auto: bfloat16 on a CUDA device that supports it, else float32)")
     g.set_defaults(func=run_generate)
 
     lm = sub.add_parser("lm-eval", prefix_chars="+", add_help=False,  # every argument belongs to lm-eval
@@ -351,6 +356,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.loop_repeats is not None or args.exit_after is not None:
         run.model.set_loop(loop_with_repeats(run.cfg.loop, run.cfg.model.num_layers, args.loop_repeats,
                                              args.exit_after))
+    place_runs([run], args.device, args.dtype, log=lambda m: print(m, file=sys.stderr))
     data = open_eval_data(run.cfg)
     ids = encode_prompt(data.tokenizer, args.prompt, data.eot_id)
     eos = None if args.no_stop else data.eot_id

@@ -1,9 +1,11 @@
 """Where ``smelt-ds eval`` runs its models: ``--device`` and ``--dtype``.
 
 Runs are opened as CPU fp32 models (:mod:`smelt_ds.runs.load`); :func:`place_runs` moves them to
-the device and dtype asked for before any pass. Every pass then feeds the model on its own device
-(:func:`model_device`) and reads the results back to the CPU, so the numbers are reduced in fp64
-on the CPU whatever the device (:func:`smelt_ds.eval.loss.token_losses`).
+the device and dtype asked for before any pass. Every pass then moves its inputs to the model's
+own device with the one helper of :mod:`smelt_ds.parallel.device`
+(``to_device(device_of(model), ...)``) and reads the results back to the CPU, so the numbers are
+reduced in fp64 on the CPU whatever the device (:func:`smelt_ds.eval.loss.token_losses`). Sampled
+decoding draws from :func:`sampling_generator`, on the model's device when it is CUDA.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel.hardware import cuda_bf16_native
 
-__all__ = ["DEVICES", "DTYPES", "parse_device", "resolve_device", "resolve_dtype", "place_runs", "model_device"]
+__all__ = ["DEVICES", "DTYPES", "parse_device", "resolve_device", "resolve_dtype", "place_runs",
+           "sampling_generator"]
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -82,6 +85,10 @@ def place_runs(runs, device: str = "cpu", dtype: str = "auto", log=print) -> tup
     return dev, dt
 
 
-def model_device(model: torch.nn.Module) -> torch.device:
-    """The device of ``model``'s parameters (where its inputs must go)."""
-    return next(model.parameters()).device
+def sampling_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A ``torch.Generator`` seeded with ``seed`` for sampling from logits on ``device``: on that
+    device when it is a CUDA device (``torch.multinomial`` of CUDA probabilities takes only a CUDA
+    generator, and draws other numbers than the CPU's), else on the CPU (a CPU model; a device
+    without generators of its own, such as ``meta``, is not given one)."""
+    device = torch.device(device)
+    return torch.Generator(device=device if device.type == "cuda" else "cpu").manual_seed(seed)

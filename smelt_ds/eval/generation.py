@@ -2,7 +2,9 @@
 speed.
 
 ``tokens_per_s`` = new tokens / wall-clock seconds of the whole ``generate`` call (prefill of
-the prompt included), for batch size 1.
+the prompt included), for batch size 1. The prompt goes to the model's device
+(:func:`~smelt_ds.parallel.device.to_device`); sampling draws from
+:func:`~smelt_ds.eval.device.sampling_generator` (on the model's device when it is CUDA).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from smelt_ds.errors import ConfigError
+from smelt_ds.eval.device import sampling_generator
+from smelt_ds.parallel.device import device_of, to_device
 
 __all__ = ["GenerationResult", "encode_prompt", "generate_text"]
 
@@ -54,8 +58,9 @@ def generate_text(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, 
                           "or shorten the prompt")
     if max_new_tokens < 1:
         raise ConfigError(f"`--max-new-tokens` ({max_new_tokens}) must be >= 1")
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    dev = device_of(model)
+    gen = sampling_generator(dev, seed)
+    (ids,) = to_device(dev, torch.tensor([prompt_ids], dtype=torch.long))
     t0 = time.perf_counter()
     out = model.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=eos_id,
                          generator=gen)

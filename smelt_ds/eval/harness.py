@@ -63,7 +63,8 @@ from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.benchmarks import downloads_named, tasks_dir_for
 from smelt_ds.eval.data import open_eval_data
-from smelt_ds.eval.device import parse_device
+from smelt_ds.eval.device import parse_device, sampling_generator
+from smelt_ds.parallel.device import device_of, to_device
 from smelt_ds.runs.load import load_run
 from smelt_ds.runs.tokenizer_file import load_tokenizer, tokenizer_hash
 
@@ -165,11 +166,12 @@ def continuation_logprobs(model: SmeltLM, windows: list[tuple[list[int], list[in
     with ``pad_id`` to the longest row, ``(B, S_max)``; the model is causal, so no padded position
     influences a scored one. Returns per row ``log_softmax(logits.float())`` at those positions,
     ``(len(continuation), V)`` float32 (nats), in row order; only the scored positions go
-    through ``log_softmax``.
+    through ``log_softmax``. The batch goes to ``device`` (default: the model's,
+    :func:`~smelt_ds.parallel.device.device_of`) with :func:`~smelt_ds.parallel.device.to_device`.
     """
     if not windows:
         return []
-    dev = device if device is not None else next(model.parameters()).device
+    dev = device if device is not None else device_of(model)
     S = max(len(inp) for inp, _ in windows)
     batch_BS = torch.full((len(windows), S), pad_id, dtype=torch.long)
     rows: list[int] = []
@@ -178,7 +180,8 @@ def continuation_logprobs(model: SmeltLM, windows: list[tuple[list[int], list[in
         batch_BS[i, : len(inp)] = torch.tensor(inp, dtype=torch.long)
         rows += [i] * len(cont)
         cols += range(len(inp) - len(cont), len(inp))
-    logits_BSV = model(batch_BS.to(dev)).logits
+    (batch_BS,) = to_device(dev, batch_BS)
+    logits_BSV = model(batch_BS).logits
     picked_NV = logits_BSV[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)]  # N = scored tokens
     logp_NV = F.log_softmax(picked_NV.float(), dim=-1)
     return list(logp_NV.split([len(cont) for _, cont in windows]))
@@ -293,7 +296,7 @@ class SmeltHarnessLM(TemplateLM):
         dev, dt = _device_opt(device), _dtype_opt(dtype)
         if dev is not None or dt is not None:
             model.to(device=dev, dtype=dt)
-        self._device = next(model.parameters()).device
+        self._device = device_of(model)  # where every request's tokens go (lm-eval's LM.device)
         self.loop_repeats, self.exit_after = _int_opt("loop_repeats", loop_repeats), _int_opt("exit_after", exit_after)
         self._loop: LoopConfig | None = None
         if self.loop_repeats is not None or self.exit_after is not None:
@@ -504,7 +507,7 @@ class SmeltHarnessLM(TemplateLM):
 
         re_ord = Collator([req.args for req in requests], sort_fn=lambda a: (-len(cached_encode(a[0])), a[0]),
                           group_by="gen_kwargs", group_fn=lambda a: a[1])
-        generator = torch.Generator(device=self._device).manual_seed(self.seed)
+        generator = sampling_generator(self._device, self.seed)
         res: list[str] = []
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running generate_until requests")
         with self._running():
@@ -570,7 +573,7 @@ class SmeltHarnessLM(TemplateLM):
         end-of-text, as text cut at the first stop string."""
         from lm_eval.models.utils import postprocess_generated_text
 
-        batch = torch.tensor(ids, dtype=torch.long, device=self._device)
+        (batch,) = to_device(self._device, torch.tensor(ids, dtype=torch.long))
         until, eot = opts["until"], self.eot_token_id
 
         def every_row_stopped(new_BN: torch.Tensor) -> bool:

@@ -31,9 +31,10 @@ import torch
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval import sandbox
 from smelt_ds.eval.data import open_eval_data
-from smelt_ds.eval.device import model_device
+from smelt_ds.eval.device import sampling_generator
 from smelt_ds.eval.generation import encode_prompt
 from smelt_ds.eval.harness import SmeltHarnessLM
+from smelt_ds.parallel.device import device_of, to_device
 from smelt_ds.runs.load import LoadedRun, describe_model
 
 __all__ = ["STOP_SEQUENCES", "K_LIST", "REFUSAL", "load_problems", "pass_at_k", "cut_at_stop", "Completions",
@@ -171,9 +172,9 @@ def generate_completions(model, tokenizer, eot_id: int, problems: Sequence[dict]
     new_tokens: list[list[int]] = [[] for _ in problems]
     for idx in _chunks(prompts, temperature <= 0, max(1, batch_size)):
         S = len(prompts[idx[0]])
-        dev = model_device(model)  # sampling draws on the model's device (CUDA draws other numbers than the CPU)
-        batch = torch.tensor([prompts[i] for i in idx for _ in range(samples)], dtype=torch.long, device=dev)
-        gen = torch.Generator(device=dev).manual_seed(seed + idx[0])
+        dev = device_of(model)
+        (batch,) = to_device(dev, torch.tensor([prompts[i] for i in idx for _ in range(samples)], dtype=torch.long))
+        gen = sampling_generator(dev, seed + idx[0])  # on a CUDA model's device: CUDA draws other numbers
         new = model.generate(batch, max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=eot_id,
                              generator=gen, stop=lambda new_BN: _all_stopped(tokenizer, new_BN, eot_id, stop)
                              )[:, S:].tolist()

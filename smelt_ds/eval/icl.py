@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from smelt_ds.errors import ConfigError
-from smelt_ds.eval.device import model_device
+from smelt_ds.parallel.device import device_of, to_device
 
 __all__ = ["Episode", "ICLTask", "KVRecallTask", "PatternTask", "WordCaseTask", "LineCompletionTask",
            "word_token_ids", "build_tasks", "episode_batch", "score_episodes", "evaluate_task", "parse_shots",
@@ -263,9 +263,7 @@ def score_episodes(model, episodes: list[Episode], pad_id: int, batch_size: int 
     ``exact`` (episodes with every answer token the argmax), ``episodes``."""
     out = {"nats": 0.0, "tokens": 0, "correct_tokens": 0, "exact": 0, "episodes": len(episodes)}
     for i in range(0, len(episodes), batch_size):
-        ids, labels = episode_batch(episodes[i:i + batch_size], pad_id)
-        dev = model_device(model)
-        ids, labels = ids.to(dev), labels.to(dev)
+        ids, labels = to_device(device_of(model), *episode_batch(episodes[i:i + batch_size], pad_id))
         logits = model(ids).logits.float()
         mask = labels != -100
         nll = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")

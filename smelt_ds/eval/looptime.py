@@ -24,9 +24,9 @@ from smelt_ds.config.loop import LoopConfig, loop_with_repeats
 from smelt_ds.cost.budget import compute_budget
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.data import open_eval_data
-from smelt_ds.eval.device import model_device
 from smelt_ds.eval.loss import evaluate_domain
 from smelt_ds.model.attention import KVCache
+from smelt_ds.parallel.device import device_of, to_device
 from smelt_ds.runs.load import LoadedRun
 from smelt_ds.runs.validation_loss import combine_domains
 
@@ -57,7 +57,8 @@ def has_loop(run: LoadedRun) -> bool:
 def _kv_slots(model) -> int:
     """KV-cache slots a forward of one token creates: one per visit of the current plan."""
     cache = KVCache()
-    model(torch.zeros(1, 1, dtype=torch.long, device=model_device(model)), kv_cache=cache)
+    (token,) = to_device(device_of(model), torch.zeros(1, 1, dtype=torch.long))
+    model(token, kv_cache=cache)
     return len(cache.slots)
 
 

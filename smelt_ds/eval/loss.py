@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from smelt_ds.errors import ConfigError
-from smelt_ds.eval.device import model_device
+from smelt_ds.parallel.device import device_of, to_device
 from smelt_ds.runs.validation_loss import DomainLoss
 
 __all__ = ["token_losses", "position_buckets", "parse_buckets", "evaluate_domain"]
@@ -20,12 +20,13 @@ __all__ = ["token_losses", "position_buckets", "parse_buckets", "evaluate_domain
 @torch.no_grad()
 def token_losses(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cross-entropy (nats) and mask, both ``(B, S)`` on the CPU; ignored labels (-100)
-    give 0. ``input_ids`` and ``labels`` (CPU) go to the model's device; the logits are read in
-    fp32 there, whatever the model's dtype (:mod:`smelt_ds.eval.device`)."""
-    dev = model_device(model)
-    logits = model(input_ids.to(dev)).logits.float()
+    give 0. ``input_ids`` and ``labels`` (CPU) go to the model's device
+    (:func:`~smelt_ds.parallel.device.to_device`); the logits are read in fp32 there, whatever the
+    model's dtype (:mod:`smelt_ds.eval.device`). The mask is the CPU labels'."""
+    ids_dev, labels_dev = to_device(device_of(model), input_ids, labels)
+    logits = model(ids_dev).logits.float()
     B, S, V = logits.shape
-    nll = F.cross_entropy(logits.reshape(-1, V), labels.to(dev).reshape(-1), ignore_index=-100, reduction="none")
+    nll = F.cross_entropy(logits.reshape(-1, V), labels_dev.reshape(-1), ignore_index=-100, reduction="none")
     return nll.view(B, S).double().cpu(), labels != -100
 
 

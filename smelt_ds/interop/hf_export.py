@@ -39,6 +39,7 @@ from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import staged_directory, write_json_atomic, write_text_atomic
 from smelt_ds.interop import known_archs, smelt_format
+from smelt_ds.parallel.device import device_of, to_device
 from smelt_ds.runs.export import EXPORT_FILES, HF_MARKER, REFERENCE_OVERRIDES, load_exported
 from smelt_ds.runs.load import resolve_export
 from smelt_ds.runs.provenance import RUN_TOKENIZER
@@ -115,7 +116,10 @@ def _parity_batch(cfg: RunConfig) -> torch.Tensor:
 
 def _check_parity(out: Path, model, cfg: RunConfig, remote_code: bool) -> float:
     """Load ``out`` with ``AutoModelForCausalLM`` and compare its logits with ``model``'s. Returns
-    the max |difference|; raises ConfigError when it exceeds the tolerance or a weight is missing."""
+    the max |difference|; raises ConfigError when it exceeds the tolerance or a weight is missing.
+
+    Each model reads the batch on its own device (:func:`~smelt_ds.parallel.device.to_device` with
+    its :func:`~smelt_ds.parallel.device.device_of`); the logits are compared on the CPU."""
     from transformers import AutoModelForCausalLM
 
     loaded: Any = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=remote_code, dtype=torch.float32,
@@ -127,8 +131,8 @@ def _check_parity(out: Path, model, cfg: RunConfig, remote_code: bool) -> float:
                           "please report it")
     ids = _parity_batch(cfg)
     with torch.no_grad():
-        want = model(ids).logits.float()
-        got = hf(input_ids=ids).logits.float()
+        want = model(*to_device(device_of(model), ids)).logits.float().cpu()
+        got = hf(input_ids=to_device(device_of(hf), ids)[0]).logits.float().cpu()
     diff = float((got - want).abs().max())
     if not torch.allclose(got, want, atol=PARITY_ATOL, rtol=PARITY_RTOL):
         raise ConfigError(f"export check: the logits of the written directory differ from the source model's by up "

@@ -64,6 +64,7 @@ from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.eval.harness import evaluate_model, task_manager
 from smelt_ds.model import SmeltLM
+from smelt_ds.parallel import control
 from smelt_ds.runs.checkpoint import restore_rng, rng_state
 from smelt_ds.runs.reference_weights import gather_reference_shard, merge_shards
 from smelt_ds.train.metrics import MetricsWriter
@@ -116,7 +117,8 @@ def gather_reference_state(engine, cfg: RunConfig, group=None) -> dict[str, torc
         return merge_shards([shard], cfg, "the live engine")
     rank = dist.get_rank()
     shards: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(shard if rank != 0 else None, shards, dst=0, group=group)  # rank 0's stays in place
+    dist.gather_object(shard if rank != 0 else None, shards, dst=0,
+                       group=group if group is not None else control.control_group())  # rank 0's stays in place
     if rank != 0:
         return None
     assert shards is not None

@@ -164,6 +164,30 @@ def test_generate_with_a_test_time_loop_count(random_exports, capsys):
     assert "no loop range" in capsys.readouterr().err
 
 
+def test_generate_places_the_model_where_device_and_dtype_say(random_exports, capsys):
+    """--device/--dtype as eval's: bfloat16 on the CPU decodes with a bf16 model (its greedy ids equal
+    generate_text's on the same model cast to bf16, the same computation) and says where; CUDA on a
+    machine without it is one error."""
+    from smelt_ds.eval.data import open_eval_data
+    from smelt_ds.eval.generation import encode_prompt, generate_text
+    from smelt_ds.runs.load import load_run
+
+    args = ("generate", random_exports["smelt"], "--prompt", "def f(", "--max-new-tokens", "4", "--no-stop",
+            "--mode", "greedy", "--json")
+    assert _cli(*args, "--device", "cpu", "--dtype", "bfloat16") == 0
+    captured = capsys.readouterr()
+    got = json.loads(captured.out)[0]["ids"]
+    assert "evaluating on cpu in bfloat16" in captured.err
+    run = load_run(random_exports["smelt"])
+    run.model.to(torch.bfloat16)
+    data = open_eval_data(run.cfg)
+    want = generate_text(run.model, data.tokenizer, encode_prompt(data.tokenizer, "def f(", data.eot_id), 4).ids
+    assert got == want and next(run.model.parameters()).dtype == torch.bfloat16
+    if not torch.cuda.is_available():
+        assert _cli(*args, "--device", "cuda") == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
 def test_bad_input_is_one_clear_error(tmp_path, random_exports, capsys):
     assert _cli("eval", tmp_path / "nope") == 2
     assert "does not exist" in capsys.readouterr().err
