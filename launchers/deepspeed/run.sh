@@ -37,15 +37,17 @@ SMELT_RUN_DIR={{RUN_DIR}}
 # ---- network and runtime knobs: defaults here; export your own before running to override ----------
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-# faults and hangs (docs/cluster.md): a failed collective ends the ranks instead of hanging; on a
-# collective timeout each rank dumps its last collectives (the flight recorder) into RUN_DIR/nccl_trace/
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# faults and hangs (docs/cluster.md, docs/faults.md): a failed or timed-out collective does not abort the
+# rank (3, torch's default): on a collective timeout each rank dumps its last collectives (the flight
+# recorder) into RUN_DIR/nccl_trace/, and the hang watchdog ends it with its stacks in RUN_DIR/hangs/ (124)
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$SMELT_RUN_DIR/nccl_trace/rank_}"
 export TORCH_NCCL_ENABLE_MONITORING=${TORCH_NCCL_ENABLE_MONITORING:-1}
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-600}
-# Set when your fabric needs them: NCCL_SOCKET_IFNAME (e.g. ib0), NCCL_IB_HCA (e.g. mlx5_0,mlx5_1),
+# Set when your fabric needs them: NCCL_SOCKET_IFNAME (e.g. ib0), GLOO_SOCKET_IFNAME (the gloo control
+# group: stop, step guard, metrics; e.g. eth0), NCCL_IB_HCA (e.g. mlx5_0,mlx5_1),
 # NCCL_IB_DISABLE=1 (TCP only), NCCL_NET_GDR_LEVEL; SMELT_DS_CACHE (token cache, on a shared filesystem).
 {{ENV_EXPORTS}}
 
@@ -61,7 +63,7 @@ export DS_ENV_FILE
 trap 'rm -f "$DS_ENV_FILE"' EXIT
 for var in TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_NCCL_DUMP_ON_TIMEOUT TORCH_NCCL_TRACE_BUFFER_SIZE \
     TORCH_NCCL_DEBUG_INFO_TEMP_FILE TORCH_NCCL_ENABLE_MONITORING TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC \
-    OMP_NUM_THREADS SMELT_DS_CACHE HF_HOME HF_HUB_OFFLINE FI_PROVIDER FI_EFA_USE_DEVICE_RDMA {{ENV_NAMES}}; do
+    OMP_NUM_THREADS SMELT_DS_CACHE GLOO_SOCKET_IFNAME HF_HOME HF_HUB_OFFLINE FI_PROVIDER FI_EFA_USE_DEVICE_RDMA {{ENV_NAMES}}; do
   if [[ -n "${!var:-}" ]]; then echo "$var=${!var}" >> "$DS_ENV_FILE"; fi
 done
 launcher=(deepspeed --num_nodes "$SMELT_NNODES" --num_gpus "$SMELT_GPUS_PER_NODE"

@@ -57,10 +57,13 @@ TEMPLATES = {"deepspeed": LAUNCHERS_DIR / "deepspeed" / "run.sh",
 #: where the repository lives in the image of launchers/k8s/Dockerfile
 K8S_WORKDIR = "/workspace/smelt-ds"
 _FIELD = re.compile(r"\{\{([A-Z0-9_]+)\}\}")
-#: NCCL fault handling in every rendered job (docs/cluster.md, "Faults and hangs on a cluster"):
+#: NCCL fault handling in every rendered job (docs/cluster.md, "Faults and hangs on a cluster";
+#: docs/faults.md, the NCCL exit statuses): error handling 3 (SkipCleanUp, torch's default, as torchtitan
+#: sets it): a failed or timed-out collective does not abort the rank, so the flight-recorder dump is
+#: written and the hang watchdog ends the rank with its stacks and exit status 124;
 #: name -> default; ``{run_dir}`` is the run directory as the job sees it. The bash scripts export
 #: them unless already set, the Kubernetes pods list them; ``--env NAME=VALUE`` overrides any.
-NCCL_FAULT_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+NCCL_FAULT_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                   "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{run_dir}/nccl_trace/rank_",
                   "TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "600"}

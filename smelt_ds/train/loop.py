@@ -70,6 +70,7 @@ from smelt_ds.train.watchdog import (
     CollectiveFailure,
     HangWatchdog,
     describe_peers,
+    enable_flight_recorder,
     gather_peers,
     is_collective_failure,
     set_collective_timeout,
@@ -146,6 +147,7 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
         if not dist.is_initialized():
             if os.environ.get("RANK", "0") == "0":
                 _print_lines(_deepspeed_op_notices(("ShareMemCommBuilder",)))
+            enable_flight_recorder()  # before the process groups exist: they read it when made
             init_distributed(timeout_s=cfg.train.watchdog.init_timeout_s)
         return _train(cfg, resume, run_dir, threads)
     finally:

@@ -8,8 +8,12 @@ each step, validation and save with a timeout (``train.watchdog``, :meth:`HangWa
 when it expires it writes every thread's Python stack (:func:`faulthandler.dump_traceback`) to
 ``<run_dir>/hangs/rank<R>.txt``, asks the other ranks of its host to write theirs (SIGCONT, then
 SIGUSR2, on which every rank has :func:`faulthandler.register`-ed a dump: it runs in C, without the
-GIL or the main thread), prints what it knows of its peers and exits with status
-:data:`HANG_EXIT` (124), so that the launcher ends the job and a scheduler requeues it.
+GIL or the main thread), writes its flight-recorder traces (its last collectives, torch's format:
+:func:`dump_flight_recorder`), prints what it knows of its peers and exits with status
+:data:`HANG_EXIT` (124), so that the launcher ends the job and a scheduler requeues it. Under NCCL
+this is the path a hung or dead peer takes too: the rendered jobs keep NCCL's error handling at
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` (torch's default: no abort, so the dumps are not cut short),
+and a rank blocked on a collective that never completes is ended here (docs/faults.md).
 
 A rank whose collective fails (a peer died: gloo and NCCL report the closed connection; or the
 collective timed out) raises :class:`CollectiveFailure` with :func:`describe_peers`' diagnosis
@@ -34,7 +38,8 @@ from typing import IO
 from smelt_ds.config.train import Watchdog
 from smelt_ds.parallel import control
 
-__all__ = ["HANG_EXIT", "PEER_EXIT", "HANGS_DIR", "DUMP_SIGNAL", "CollectiveFailure", "HangWatchdog", "Peer",
+__all__ = ["HANG_EXIT", "PEER_EXIT", "HANGS_DIR", "DUMP_SIGNAL", "FLIGHT_RECORDER_ENTRIES", "FR_PREFIXES",
+           "CollectiveFailure", "HangWatchdog", "Peer", "enable_flight_recorder", "dump_flight_recorder",
            "describe_peers", "gather_peers", "is_collective_failure", "set_collective_timeout"]
 
 #: exit status of a rank whose watchdog fired (as coreutils' ``timeout``)
@@ -119,6 +124,56 @@ def set_collective_timeout(seconds: float) -> int:
     for group in groups:
         _set_pg_timeout(timedelta(seconds=seconds), group)
     return len(groups)
+
+
+#: entries the flight recorder keeps per rank when the environment sets no size (torch's default is 0: off)
+FLIGHT_RECORDER_ENTRIES = 2000
+#: file-name prefixes of this rank's flight-recorder dumps in ``<run_dir>/hangs/`` (``<prefix><rank>``, the
+#: layout torch's analyser reads: ``python -m torch.distributed.flight_recorder.fr_trace DIR -p PREFIX``):
+#: the CPU backends' recorder (gloo, the control group) and, on a CUDA build, NCCL's
+FR_PREFIXES = {"_dump_fr_trace": "fr_trace_rank_", "_dump_nccl_trace": "nccl_trace_rank_"}
+
+
+def enable_flight_recorder(environ=None) -> None:
+    """Turn torch's flight recorder on for the process groups made after this call: a ring buffer of
+    each rank's last :data:`FLIGHT_RECORDER_ENTRIES` collectives (operation, group, sequence number,
+    sizes, state, timeout, Python stack), which :func:`dump_flight_recorder` writes when a rank hangs
+    or a collective fails. Sets ``TORCH_FR_BUFFER_SIZE`` only when neither it nor its older spelling
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is set (the user's value, or the rendered job's, wins; 0 turns
+    the recorder off)."""
+    env = os.environ if environ is None else environ
+    if "TORCH_FR_BUFFER_SIZE" not in env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+        env["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
+
+
+def dump_flight_recorder(directory: Path, rank: int) -> list[Path]:
+    """Write this rank's flight-recorder traces (torch's pickled format, the one NCCL's dump on
+    timeout writes and ``torch.distributed.flight_recorder.fr_trace`` reads) to
+    ``directory/<prefix><rank>`` for each recorder this torch has (:data:`FR_PREFIXES`) that holds an
+    entry. Safe from the watchdog thread while the main thread is blocked in a collective. Returns
+    the files written (none when the recorder is off or torch has none)."""
+    import pickle
+
+    import torch
+
+    written = []
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    for fn_name, prefix in FR_PREFIXES.items():
+        dump = getattr(c10d, fn_name, None)
+        if dump is None:
+            continue
+        try:
+            raw = dump()
+            if not pickle.loads(raw).get("entries"):
+                continue
+            path = Path(directory) / f"{prefix}{rank}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(raw)
+            written.append(path)
+        except Exception as e:  # noqa: BLE001 - a failed dump must not stop the stacks and the exit
+            print(f"rank {rank}: could not write the flight recorder ({fn_name}: {type(e).__name__}: {e})",
+                  file=sys.stderr, flush=True)
+    return written
 
 
 class HangWatchdog:
@@ -221,12 +276,14 @@ class HangWatchdog:
         self._file.flush()
         faulthandler.dump_traceback(file=self._file, all_threads=True)
         self._file.flush()
+        traces = dump_flight_recorder(self.dir, self.rank)
         asked = self._ask_local_peers(stamp)
         peers = describe_peers(self.peers, self.rank)
         print(f"\nrank {self.rank}: hang watchdog: no progress for {self._armed_s:.0f} s in {self._what}; "
               f"every thread's stack written to {self.path}"
               + (f" (ranks {', '.join(map(str, asked))} of this host asked to write theirs to "
                  f"{self.dir}/rank<R>.txt)" if asked else "")
+              + (f"; its last collectives (the flight recorder) in {', '.join(map(str, traces))}" if traces else "")
               + f". Peers: {peers}. Exiting with status {HANG_EXIT} so that the job ends (a scheduler may "
               "requeue it); --resume auto continues from the newest complete checkpoint. "
               "Timeouts: train.watchdog (docs/faults.md)", file=sys.stderr, flush=True)
@@ -262,5 +319,6 @@ class HangWatchdog:
         self._file.flush()
         faulthandler.dump_traceback(file=self._file, all_threads=True)
         self._file.flush()
+        dump_flight_recorder(self.dir, self.rank)
         self._what = why
         self._ask_local_peers(stamp)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,9 @@ import yaml
 from smelt_ds.config.train import StepGuard
 from smelt_ds.testing import run_distributed, scaled_timeout
 from smelt_ds.testing.faults import fault_env
+from smelt_ds.train.metrics import MicroStats
 from smelt_ds.train.step_guard import StepGuardState
+from smelt_ds.train.stop import REASONS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -215,6 +218,9 @@ def test_a_rank_that_dies_ends_the_job_promptly_naming_it(tmp_path):
     latest = ckpt.latest_complete(tmp_path / "run")
     assert latest is not None and latest.name == "step00000004" and not ckpt.verify(latest)
     assert seconds < scaled_timeout(120)  # start-up included; the death itself is seen within seconds
+    # rank 0's last collectives: the failed one is the control all-reduce of step 5, never completed
+    last = pickle.loads((tmp_path / "run" / "hangs" / "fr_trace_rank_0").read_bytes())["entries"][-1]
+    assert last["profiling_name"].startswith("gloo:") and last["state"] != "completed", last
 
 
 @pytest.mark.slow
@@ -234,4 +240,26 @@ def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout_with_every_stack_o
         assert f"rank {r} (pid" in text and "File " in text, text[:2000]
     assert "sleep" in (hangs / "rank00001.txt").read_text() or "faults.py" in (hangs / "rank00001.txt").read_text()
     assert seconds < scaled_timeout(120)
+    # rank 0 waits in step 4's control all-reduce for rank 1: its flight recorder names that collective,
+    # unfinished, with the steady collective timeout (train.watchdog.collective_timeout_s, 600 s default)
+    # that every group carries after the start-up steps
+    trace = pickle.loads((hangs / "fr_trace_rank_0").read_bytes())
+    last = trace["entries"][-1]
+    assert last["profiling_name"] == "gloo:all_reduce" and last["state"] != "completed", last
+    assert last["timeout_ms"] == 600_000, last
+    assert last["input_sizes"] == [[MicroStats.WIDTH + len(REASONS) - 1]], last  # the step's control vector
+    assert any(f["name"] == "agree" for f in last["frames"]), last["frames"]
 
+
+
+def test_the_flight_recorder_is_on_unless_the_environment_sizes_it():
+    """Training turns torch's flight recorder on (2000 entries) before its process groups exist, and
+    leaves a size the user or the rendered job set, under either spelling, as it is (0 keeps it off)."""
+    from smelt_ds.train.watchdog import FLIGHT_RECORDER_ENTRIES, enable_flight_recorder
+
+    for env, want in (({}, {"TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES)}),
+                      ({"TORCH_FR_BUFFER_SIZE": "0"}, {"TORCH_FR_BUFFER_SIZE": "0"}),
+                      ({"TORCH_NCCL_TRACE_BUFFER_SIZE": "64"}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "64"})):
+        enable_flight_recorder(env)
+        assert env == want
+    assert FLIGHT_RECORDER_ENTRIES == 2000
