@@ -1,49 +1,65 @@
-"""One script for the first GPU we get: speed, MFU, memory and attention kernels of smelt-ds on one GPU.
+"""One prepared script for one GPU: the user's journey, two ranks on one GPU, memory and MFU of smelt-ds.
 
-    python bench/gpu_check.py --out DIR            # one CUDA GPU (an H200): about 7 minutes
+    python bench/gpu_check.py --out DIR            # one CUDA GPU (an H100 or H200): under 8 minutes
     python bench/gpu_check.py --dry-run --out DIR  # CPU, fp32, tiny sizes: the same code, about a minute
-    python bench/gpu_check.py --dry-run --sections sdpa,memory --out DIR   # some sections only
+    python bench/gpu_check.py --dry-run --sections sdpa,mfu_layer --out DIR   # some sections only
 
-What it measures, each section in its own process with its own time budget (a section that
-fails, hangs or runs out of time is recorded as such, with the exception text and the tail of its
-traceback and log, and the next section runs):
+Each section runs in its own process with its own time budget; a section that fails, hangs or runs
+out of time is recorded as such (the exception text, the tail of its traceback and log, and what it
+had done until then) and the next section runs. In the order they run:
 
-- ``sdpa`` (d): which ``F.scaled_dot_product_attention`` backend the model's attention runs for
-  the recipe's shapes (bf16 on CUDA): each of flash / memory-efficient / cuDNN / math forced
-  with ``torch.nn.attention.sdpa_kernel`` (works or not, and its forward+backward time), and the
-  one the default dispatch picks, read from the aten op the profiler records.
-- ``moe_layer`` (a): ``bench/moe_layer.py``'s forward+backward of our MoE layer (loop and
-  grouped_mm experts) vs transformers' Qwen3-MoE block (eager, batched_mm, grouped_mm experts)
-  at the recipe's MoE shape, as ratios to transformers' fastest.
-- ``train_eager`` / ``train_compiled`` (b): optimizer steps of the single-GPU S-family recipe
-  through the real training path (``smelt_ds.train.build.build`` -> DeepSpeed engine; forward,
-  ``total_loss``, ``engine.backward``, the pre-step gradient norm, ``engine.step`` as
-  ``smelt_ds/train/loop.py`` runs them) eager and with ``train.compile=layers``: median step
-  time after warm-up, tokens/s, first-step (compile) time, achieved TFLOP/s from
-  ``compute_budget(cfg).train_flops_per_token`` and MFU against the H200's dense bf16 peak, the
-  allocator peak, and a short ``torch.profiler`` run (top 15 CUDA kernels by device time).
-- ``memory`` (c): ``smelt-ds memory --measure``'s measurement
-  (``smelt_ds.study.memory_profile.measure``) for the same recipe: the CUDA allocator peak
-  next to the analytic prediction, and their ratio.
-
-The single-GPU recipe is ``recipes/s/smelt.yaml`` with its architecture and loop plan unchanged
-(11 unique layers, 16 visits, 94 experts): ``smelt-ds memory`` predicts it fits the H200's
-140 GiB on one GPU (at most about 103 GiB) at ZeRO-2 with micro-batch 8 (the recipe's h200
-layout), so no layers or experts are removed; what changes is one GPU and no gradient accumulation
-(one micro-batch per optimizer step). A training leg that runs out of CUDA memory is retried once
-with half the micro-batch, and the later sections use that size too; the output says so.
+- ``sdpa``: which ``F.scaled_dot_product_attention`` backend the model's attention runs at recipe
+  s's shapes (bf16): each of flash / memory-efficient / cuDNN / math forced with
+  ``torch.nn.attention.sdpa_kernel`` (runs or not, forward+backward time), and the one the default
+  dispatch picks, read from the aten op the profiler records.
+- ``tiny_journey``: what a user does, through the real command line (``python -m smelt_ds.cli``):
+  ``train recipes/tiny/smelt.yaml`` in bf16 on the GPU for 200 steps, stopped after 120 by
+  ``train.exit_after_steps``, ``train --resume auto`` to the end, beside an uninterrupted run of
+  the same 200 steps; ``export``; ``eval RUN --device cuda --training-windows`` (the windows the
+  in-loop validation read, so its loss must equal the run's last ``val/all`` up to bf16 rounding)
+  then the same of the export with ``--device cpu --dtype float32`` (the reference); ``generate EXPORT``
+  (greedy, ``--no-stop``; ``--device cuda`` when its ``--help`` offers it, else it runs where the
+  command runs its models). Records every command's exit status, that the resumed run's
+  ``metrics.jsonl`` holds each step once, its losses against the uninterrupted run's, the eval
+  numbers (against training's ``val/*`` and the CPU's float32) and the generated text's length.
+- ``two_ranks_one_gpu``: 2 ranks on the one GPU (``python -m smelt_ds.train`` started here with
+  ``RANK`` 0/1, ``WORLD_SIZE`` 2, ``LOCAL_RANK`` 0, ``SMELT_DIST_BACKEND=cuda:gloo``: CUDA tensors
+  through gloo, no CPU backend; smelt-ds adds a gloo control group for host values), the tiny
+  recipe in fp32 with AutoEP (EP 2) at ZeRO-3 for 20 steps, against the same recipe on 1 rank
+  (reference MoE backend, ZeRO-3; the global batch of 1024 tokens kept: micro-batch 4, accumulation
+  2 on 1 rank, 1 on 2). A 2-rank configuration that fails (gloo may lack an operation on CUDA
+  tensors that DeepSpeed needs) is retried with the next: AutoEP EP 2 at ZeRO-2, then the reference
+  backend at ZeRO-3; the JSON says which ran and the line of the log that made the others fail.
+  Per-step losses against the 1 rank's, next to the fp32 bound (``tests/numerics.py``).
+- ``memory``: ``smelt-ds memory --measure --json`` for recipe s shrunk to 4 unique layers (6
+  visits) of 16 experts at micro-batch 2 x 4096 tokens, ONE checkpointing policy per process
+  (``none``, ``looped``, ``full``: each a fresh ``python -m smelt_ds.cli memory`` process, so no
+  policy's peak holds another's leftovers): ``torch.cuda.max_memory_allocated`` of 2 steps
+  through the DeepSpeed engine (bf16, ZeRO-2, 1 GPU) against the estimate
+  (``smelt_ds.parallel.memory.estimate``'s total, via ``smelt_ds.study.memory_profile.measure``).
+- ``mfu_layer``: one layer of recipe s (attention with 8 heads of 128 at width 1024, then the MoE
+  layer: 94 experts of 448, top-8) forward+backward in bf16 on micro-batch 4 x 4096 tokens: CUDA
+  events around each call, the median of 20 after 3 warm-up calls; achieved FLOP/s = 3 x the
+  layer's forward FLOPs per token (``compute_budget(cfg).forward_flops_per_token`` less the output
+  head's ``2 H V``, divided by the visits: every visit of recipe s runs an identical MoE layer) x
+  tokens / time; MFU = that / the device's dense bf16 peak
+  (``smelt_ds.train.metrics.device_peak_tflops``; none for a device it does not know).
 
 Output (``--out DIR`` or ``$OUT``): ``gpu_check.json`` (machine, every section's numbers or error,
 a summary), rewritten atomically after every section so that a killed run keeps what finished;
-``gpu_check.txt`` (the same as tables); ``logs/SECTION.log`` (each section's output). Exit status:
-0 every section ran, 1 some section failed or was skipped (the reason is in the JSON), 2 no output directory, no
-CUDA without ``--dry-run``. A Python module a section needs (e.g. deepspeed) that is missing skips that
-section, recorded as such (nothing is installed).
+``gpu_check.txt`` (one table of every section's numbers); ``logs/SECTION.log`` (each section's
+output, with the output of every command it ran); ``artifacts/SECTION/`` (the small files the
+numbers come from: ``metrics.jsonl`` of the runs, ``eval.json``, the generated text, each memory
+process's JSON). Exit status: 0 every section ran, 1 some section failed or was skipped (the reason
+is in the JSON), 2 no output directory, no CUDA without ``--dry-run``. A Python module a section
+needs (e.g. deepspeed) that is missing skips that section, recorded as such (nothing is installed).
 
-Takes: about 7 minutes on one H200 (``--budget-s``, default 420 s, is shared among the sections;
-time one section leaves unused goes to the later ones), about a minute for ``--dry-run`` on two
-CPU cores. Afterwards paste ``gpu_check.txt`` into docs/results/benchmarks.md under a dated
-"Measured on one GPU" heading, with the commit it ran on; a dry run's numbers are not measurements (the text says so).
+Takes: at most ``--budget-s`` (default 420 s, shared among the sections; time one section leaves
+unused goes to the later ones) plus the start-up of this process; a dry run on two CPU cores about
+a minute. The dry run runs the same code on the CPU in fp32 at tiny sizes and fewer steps (12,
+stopped at 6; 4 steps on 2 gloo ranks); its numbers are not measurements (the text says so).
+Afterwards paste ``gpu_check.txt`` into docs/results/benchmarks.md under a dated "Measured on one
+GPU" heading, with the commit it ran on.
 """
 
 from __future__ import annotations
@@ -55,7 +71,10 @@ import importlib.util
 import json
 import os
 import platform
+import re
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -68,25 +87,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (str(BENCH), str(ROOT)):  # smelt_ds and bench/moe_layer.py importable without installing
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(ROOT) not in sys.path:  # smelt_ds (and tests.numerics) importable without installing
+    sys.path.insert(0, str(ROOT))
 
-JSON_NAME, TEXT_NAME, LOG_DIR = "gpu_check.json", "gpu_check.txt", "logs"
+JSON_NAME, TEXT_NAME, LOG_DIR, ARTIFACTS = "gpu_check.json", "gpu_check.txt", "logs", "artifacts"
 
 #: sections in the order they run; the shares of ``--budget-s`` each may use
-SECTIONS = ("sdpa", "moe_layer", "eval_device", "train_eager", "memory", "train_compiled")
-BUDGET_SHARE = {"sdpa": 0.06, "moe_layer": 0.11, "eval_device": 0.04, "train_eager": 0.23, "memory": 0.18,
-                "train_compiled": 0.36}
+SECTIONS = ("sdpa", "tiny_journey", "two_ranks_one_gpu", "memory", "mfu_layer")
+BUDGET_SHARE = {"sdpa": 0.05, "tiny_journey": 0.30, "two_ranks_one_gpu": 0.30, "memory": 0.26, "mfu_layer": 0.09}
+_TRAINING = ("torch", "yaml", "pydantic", "deepspeed", "hjson", "tokenizers", "datasets")
 #: importable modules each section needs (checked before it starts; nothing is installed)
-NEEDS = {"sdpa": ("torch", "yaml", "pydantic"),
-         "moe_layer": ("torch", "yaml", "pydantic", "transformers"),
-         "eval_device": ("torch", "yaml", "pydantic"),
-         "train_eager": ("torch", "yaml", "pydantic", "deepspeed", "hjson"),
-         "memory": ("torch", "yaml", "pydantic", "deepspeed", "hjson"),
-         "train_compiled": ("torch", "yaml", "pydantic", "deepspeed", "hjson")}
-TRAIN_SECTIONS = ("train_eager", "train_compiled")
+NEEDS = {"sdpa": ("torch", "yaml", "pydantic"), "tiny_journey": _TRAINING, "two_ranks_one_gpu": _TRAINING,
+         "memory": ("torch", "yaml", "pydantic", "deepspeed", "hjson"), "mfu_layer": ("torch", "yaml", "pydantic")}
 FAIL_MODES = ("raise", "exit", "hang")
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 #: aten op of each SDPA backend (forward), as the profiler names it
@@ -96,13 +108,32 @@ SDPA_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
             "aten::_scaled_dot_product_cudnn_attention": "cudnn",
             "aten::_scaled_dot_product_attention_math": "math",
             "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable"}
-PEAK_SOURCE = ("NVIDIA H200 datasheet: 989 TFLOP/s BF16 Tensor Core, dense (the datasheet's 1979 is with 2:4 "
-               "sparsity); smelt_ds.train.metrics.PEAK_TFLOPS['H200']")
-FLOPS_CONVENTION = ("smelt_ds.cost.budget.compute_budget(cfg, seq_len).train_flops_per_token: 3 x forward, matrix "
-                    "multiplies only (2 FLOPs per multiply-add): q/k/v/o projections, attention scores and values "
-                    "over all seq_len keys ('full', Hoffmann et al. 2022 App. F; causal masking does half that "
-                    "attention work, see the *_causal numbers), router, top-k experts, output head; per visit")
+FLOPS_CONVENTION = ("smelt_ds.cost.budget.compute_budget: matrix multiplies only (2 FLOPs per multiply-add), "
+                    "training = 3 x forward; per visit q/k/v/o projections, attention scores and values over "
+                    "all seq_len keys ('full', Hoffmann et al. 2022 App. F; causal masking does half that "
+                    "attention work: the *_causal numbers), router 2HE, top-k experts K x 6HF")
+POLICIES = ("none", "looped", "full")
+#: the 2-rank configurations tried in turn: (name, --set strings); the 1-rank comparison is REFERENCE_ONE_RANK
+TWO_RANK_CONFIGS = (
+    ("autoep_ep2_zero3", ["moe_runtime.backend=autoep", "moe_runtime.ep_size=2", "deepspeed.zero_stage=3"]),
+    ("autoep_ep2_zero2", ["moe_runtime.backend=autoep", "moe_runtime.ep_size=2", "deepspeed.zero_stage=2"]),
+    ("reference_zero3", ["moe_runtime.backend=reference", "moe_runtime.ep_size=1", "deepspeed.zero_stage=3"]),
+)
+REFERENCE_ONE_RANK = ["moe_runtime.backend=reference", "moe_runtime.ep_size=1", "deepspeed.zero_stage=3"]
+#: a line of a rank's log saying that the process group lacks an operation (gloo on CUDA tensors)
+GLOO_MISSING = re.compile(r"ProcessGroupGloo::\w+|does not support \w+|unsupported device( type)?|"
+                          r"no backend type associated with device type|not (yet )?(implemented|supported)"
+                          r".*(gloo|device|cuda)|(gloo|cuda).*not (yet )?(implemented|supported)|"
+                          r"only (cpu|CPU) tensors", re.IGNORECASE)
+#: a line of a Python traceback naming the exception: ``RuntimeError: ...``, ``torch.distributed.DistBackendError: ...``
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:")
+#: launcher variables of an outer job: never passed on to the commands a section runs
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "SMELT_LAUNCHER_PID", "SMELT_DIST_BACKEND")
 MIN_SECTION_S = 5.0
+#: seconds the other ranks of a run get to end by themselves after one failed (then they are killed)
+LINKED_GRACE_S = 10.0
+NOT_MEASURED = "not a measurement (CPU dry run)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,29 +144,36 @@ MIN_SECTION_S = 5.0
 def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The sizes every section reads (passed to the section processes as JSON).
 
-    GPU: ``recipes/s/smelt.yaml`` at micro-batch 8 (tokens per step ``8 * 4096``), bf16; MoE layer
-    at T = 8192 and 32768 tokens. Dry run: ``recipes/tiny/smelt.yaml`` at micro-batch 2 and
-    seq_len 32, fp32 on CPU, ZeRO-2 as the S recipe; MoE layer at T = 64."""
+    GPU: the layer sections at recipe s's shapes (micro-batch 4 x 4096 tokens, its h100 layout) in
+    bf16; the tiny recipe's own data and 200 steps stopped at 120; 20 steps on 2 ranks; recipe s
+    shrunk to 4 layers of 16 experts for memory. Dry run: the tiny recipe's width, seq_len 32,
+    fp32 on the CPU; a small built-in corpus (150 kB per domain, vocabulary 512); 12 steps stopped
+    at 6; 4 steps on 2 ranks."""
     dry = args.dry_run
-    mb = args.micro_batch or (2 if dry else 8)
-    recipe = args.recipe or ("recipes/tiny/smelt.yaml" if dry else "recipes/s/smelt.yaml")
-    sizes = ["train.seq_len=32", "deepspeed.zero_stage=2"] if dry else []
+    # the built-in corpus, tokenizer and shards of the dry run: small, so that preparing them takes seconds
+    data = ["data.builtin_max_bytes=150000", "data.tokenizer.vocab_size=512", "model.vocab_size=512"] if dry else []
     return {
         "dry_run": dry, "device": "cpu" if dry else "cuda", "dtype": "float32" if dry else "bfloat16",
-        "recipe": recipe, "micro_batch": mb, "user_sets": list(args.set), "sizes": sizes,
-        "precision": "fp32" if dry else "bf16",
-        "warmup_steps": 1 if dry else 3, "timed_steps": 3 if dry else 10, "profile_steps": 1 if dry else 2,
-        "moe_tokens": [64] if dry else [8192, 32768], "moe_repeats": 3 if dry else 10, "moe_warmup": 1 if dry else 3,
-        "batched_mm_max_gib": 2.0 if dry else 24.0, "sdpa_repeats": 2 if dry else 5, "top_kernels": 15,
-        "fail": dict(args.fail_section),
+        "precision": "fp32" if dry else "bf16", "fail": dict(args.fail_section),
+        "layer": {"recipe": "recipes/tiny/smelt.yaml" if dry else "recipes/s/smelt.yaml",
+                  "batch": 2 if dry else 4, "seq_len": 32 if dry else 4096,
+                  "warmup": 1 if dry else 3, "repeats": 3 if dry else 20, "sdpa_repeats": 2 if dry else 5},
+        "journey": {"recipe": "recipes/tiny/smelt.yaml", "steps": 12 if dry else 200, "stop_at": 6 if dry else 120,
+                    "sets": [*data, "train.warmup_steps=2", "eval.eval_batches=1"] if dry else [],
+                    "eval_args": (["--episodes", "2", "--shots", "0,1", "--tasks", "kv_recall"] if dry
+                                  else ["--episodes", "16", "--shots", "0,4"]),
+                    "eval_cpu_reference": not dry,  # on a GPU, the same eval on the CPU in float32 beside it
+                    "prompt": "def ", "new_tokens": 16 if dry else 64},
+        "two_ranks": {"recipe": "recipes/tiny/smelt.yaml", "steps": 4 if dry else 20, "micro_batch": 4,
+                      "global_batch_tokens": 1024, "precision": "fp32",
+                      "sets": [*data, "train.warmup_steps=2", "eval.eval_batches=1"] if dry
+                      else ["train.warmup_steps=5", "eval.eval_batches=1"],
+                      "backend": None if dry else "cuda:gloo"},
+        "memory": {"recipe": "recipes/tiny/smelt.yaml" if dry else "recipes/s/smelt.yaml",
+                   "sets": [] if dry else ["model.num_layers=4", "moe.num_experts=16"],
+                   "micro_batch": 2, "seq_len": 32 if dry else None, "steps": 1 if dry else 2,
+                   "policies": list(POLICIES), "concurrent": dry},
     }
-
-
-def overrides(plan: dict[str, Any]) -> list[str]:
-    """``--set`` strings applied to the recipe: the plan's sizes, one micro-batch per optimizer
-    step (no gradient accumulation on one GPU), the precision, then the user's ``--set``."""
-    return [*plan["sizes"], f"train.micro_batch_size={plan['micro_batch']}", "train.global_batch_tokens=null",
-            "train.gradient_accumulation_steps=1", f"train.precision={plan['precision']}", *plan["user_sets"]]
 
 
 def _fail_arg(text: str) -> tuple[str, str]:
@@ -149,14 +187,17 @@ def _fail_arg(text: str) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# section bodies (each runs in its own process: `--child NAME`)
+# helpers of the section processes
 # ---------------------------------------------------------------------------------------------
 
+_PARTIAL: dict[str, Any] = {}  # what the running section has so far (kept when it fails)
 
-def _load(plan: dict[str, Any]):
-    from smelt_ds.config.loading import load_config
 
-    return load_config(ROOT / plan["recipe"], overrides(plan))
+def _progress(plan: dict[str, Any], **values: Any) -> None:
+    """Record ``values`` as the running section's progress and write it, so that a section killed
+    at its time limit keeps what it had."""
+    _PARTIAL.update(values)
+    write_json_atomic(Path(plan["result_path"]), {"status": "partial", "result": _PARTIAL})
 
 
 def _torch_dtype(plan: dict[str, Any]):
@@ -172,54 +213,175 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _soft_deadline(plan: dict[str, Any]) -> float:
-    """``time.time()`` after which a section stops taking more samples (it keeps a quarter of its
-    remaining time, at least 5 s, for the profiler and for writing its result)."""
-    left = plan["deadline"] - time.time()
-    return time.time() + left - max(5.0, 0.25 * left)
+def _layer_config(plan: dict[str, Any]):
+    """The config of the layer sections: the layer recipe at the plan's batch shape."""
+    from smelt_ds.config.loading import load_config
+
+    L = plan["layer"]
+    return load_config(ROOT / L["recipe"], [f"train.seq_len={L['seq_len']}", f"train.micro_batch_size={L['batch']}"])
 
 
-def top_ops(prof, device: str, steps: int, n: int) -> dict[str, Any]:
-    """The ``n`` largest entries of a ``torch.profiler`` run of ``steps`` steps.
-
-    CUDA: kernels (and copies) by device time, summed per kernel name over the run (each device
-    event's ``time_range``, microseconds). CPU: aten ops by self CPU time (``key_averages``).
-    Returns ``{"what", "steps", "total_ms", "top": [{"name", "ms", "ms_per_step", "share", "calls"}]}``
-    with ``share`` = that entry's time / the total of all entries."""
-    agg: dict[str, list[float]] = {}
-    if device == "cuda":
-        from torch.autograd import DeviceType
-
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA:
-                a = agg.setdefault(e.name, [0.0, 0])
-                a[0] += e.time_range.end - e.time_range.start
-                a[1] += 1
-        what = "CUDA kernels by device time"
-    else:
-        for k in prof.key_averages():
-            agg[k.key] = [float(k.self_cpu_time_total), k.count]
-        what = "CPU ops by self CPU time (no CUDA in a dry run)"
-    total = sum(v[0] for v in agg.values())
-    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:n]
-    return {"what": what, "steps": steps, "total_ms": total / 1e3,
-            "top": [{"name": name[:160], "ms": t / 1e3, "ms_per_step": t / 1e3 / steps,
-                     "share": t / total if total else 0.0, "calls": int(c)} for name, (t, c) in rows]}
+def _short(argv: list[str], plan: dict[str, Any]) -> list[str]:
+    """``argv`` as the JSON shows it: the interpreter as ``python``, the work directory as ``$WORK``."""
+    work = plan["work"]
+    return ["python" if a == sys.executable else a.replace(work, "$WORK").replace(str(ROOT) + "/", "")
+            for a in argv]
 
 
-def _profile(fn: Callable[[], Any], device: str, steps: int, n: int) -> dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
+def _env(plan: dict[str, Any], **extra: str) -> dict[str, str]:
+    """A command's environment: this process's without an outer job's launcher variables, one
+    thread per process on a dry run (several commands share the cores), then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    if plan["dry_run"]:
+        env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            fn()
-        _sync(device)
-    return top_ops(prof, device, steps, n)
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a process and everything it started (compile workers, ranks)."""
+    try:
+        import psutil
+
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:
+        kids = []
+    for k in kids:
+        try:
+            k.kill()
+        except Exception:
+            pass
+    try:
+        proc.kill()
+    except OSError:
+        pass
+    proc.wait()
+
+
+def run_commands(plan: dict[str, Any], cmds: dict[str, tuple[list[str], dict[str, str]]], share: float = 1.0,
+                 linked: tuple[str, ...] = ()) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Run ``cmds`` (key -> (argv, extra environment)) at the same time in the section's work
+    directory, each with its output in ``WORK/KEY.log``, until they end or ``share`` of the
+    section's remaining time (less 3 s to write the result) is spent: then they are killed. The
+    commands named in ``linked`` (the ranks of one run) end together: when one of them fails, the
+    others are killed ``LINKED_GRACE_S`` later (they would wait for it in a collective). Appends every log to
+    this process's output (the section log). Returns ``(records, logs)``: per key ``{"argv", "rc"
+    (None when killed), "timed_out", "elapsed_s", "pid"}`` (and the log's tail when it failed), and
+    the logs' text."""
+    work = Path(plan["section_work"])
+    end = time.time() + max(1.0, (plan["deadline"] - time.time() - 3.0) * share)
+    procs: dict[str, subprocess.Popen] = {}
+    t0: dict[str, float] = {}
+    done: dict[str, tuple[int | None, float]] = {}
+    try:
+        for key, (argv, extra) in cmds.items():
+            with open(work / f"{key}.log", "w") as log:
+                procs[key] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(plan, **extra),
+                                              cwd=str(ROOT))
+            t0[key] = time.time()
+        linked_failed_at: float | None = None
+        while len(done) < len(procs):
+            now = time.time()
+            for key, proc in procs.items():
+                if key in done:
+                    continue
+                rc = proc.poll()
+                killed = now > end or (key in linked and linked_failed_at is not None
+                                              and now > linked_failed_at + LINKED_GRACE_S)
+                if rc is None and killed:
+                    _kill_tree(proc)
+                if rc is not None or killed:
+                    done[key] = (rc, now - t0[key])
+                    if key in linked and rc != 0 and linked_failed_at is None:
+                        linked_failed_at = now
+            time.sleep(0.1)
+    finally:
+        for key, proc in procs.items():
+            if key not in done:
+                _kill_tree(proc)
+    recs: dict[str, dict[str, Any]] = {}
+    texts: dict[str, str] = {}
+    for key, (rc, elapsed) in done.items():
+        text = texts[key] = (work / f"{key}.log").read_text(errors="replace")
+        rec: dict[str, Any] = {"argv": _short(cmds[key][0], plan), "rc": rc, "timed_out": rc is None,
+                               "elapsed_s": elapsed, "pid": procs[key].pid}
+        if rc != 0:
+            rec["log_tail"] = text[-2500:]
+        recs[key] = rec
+        print(f"===== {key}: {' '.join(rec['argv'])}\n===== exit status {rc}, {elapsed:.1f} s\n{text}", flush=True)
+    return {k: recs[k] for k in cmds}, texts
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "smelt_ds.cli", *args]
+
+
+def _sets(values: list[str]) -> list[str]:
+    return [a for v in values for a in ("--set", v)]
+
+
+def metrics_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` ([] when it does not exist)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_losses(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Training loss by optimizer step (the rows with a ``loss``)."""
+    return {int(r["step"]): float(r["loss"]) for r in rows if "loss" in r}
+
+
+def _json_block(text: str, first: str, last: str) -> str:
+    """The JSON a command printed with ``indent`` among its other output: from the line that is
+    ``first`` alone to the last line that is ``last`` alone."""
+    lines = text.splitlines()
+    start = lines.index(first)
+    end = max(i for i, ln in enumerate(lines) if ln == last)
+    return "\n".join(lines[start:end + 1])
+
+
+def _keep(plan: dict[str, Any], src: Path, name: str) -> str | None:
+    """Copy ``src`` into ``OUT/artifacts/SECTION/name``; returns that path relative to OUT (None
+    when ``src`` does not exist)."""
+    if not src.is_file():
+        return None
+    dest = Path(plan["out_dir"]) / ARTIFACTS / plan["section"] / name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dest)
+    return str(dest.relative_to(plan["out_dir"]))
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+def fp32_loss_bound(cfg, tokens_per_step: int, step: int) -> float | None:
+    """``tests.numerics.prob_tol(step * lm_chain_length(cfg, tokens_per_step))``: how far apart two
+    fp32 computations of the loss at optimizer step ``step`` may be in other summation orders
+    (relative; as tests/runs/test_reshard.py); None when the tests are not importable."""
+    try:
+        from tests.numerics import lm_chain_length, prob_tol
+    except ImportError:
+        return None
+    return prob_tol(step * lm_chain_length(cfg, tokens_per_step))
+
+
+def _first_failure(plan: dict[str, Any], recs: dict[str, dict[str, Any]]) -> None:
+    bad = {k: r["rc"] for k, r in recs.items() if r["rc"] != 0}
+    if bad:
+        raise RuntimeError(f"commands failed (exit status; None = killed at the time limit): {bad}; their logs are "
+                           f"in {LOG_DIR}/{plan['section']}.log")
+
+
+# ---------------------------------------------------------------------------------------------
+# section bodies (each runs in its own process: `--child NAME`)
+# ---------------------------------------------------------------------------------------------
 
 
 def section_sdpa(plan: dict[str, Any]) -> dict[str, Any]:
-    """(d) SDPA backends for the model's own attention module at the recipe's shapes."""
+    """SDPA backends for the model's own attention module at the layer recipe's shapes."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
@@ -227,12 +389,12 @@ def section_sdpa(plan: dict[str, Any]) -> dict[str, Any]:
     from smelt_ds.model.attention import CausalSelfAttention, RotaryEmbedding
     from smelt_ds.model.looping import Visit
 
-    cfg, dev, dtype = _load(plan), plan["device"], _torch_dtype(plan)
+    cfg, dev, dtype = _layer_config(plan), plan["device"], _torch_dtype(plan)
     m, B, S = cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len
     torch.manual_seed(0)
     attn = CausalSelfAttention(m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim, m.dropout,
                                m.qk_norm, m.norm_eps).to(dev, dtype).train()
-    cos, sin = RotaryEmbedding(m.resolved_head_dim, m.max_seq_len, m.rope_theta).to(dev)(torch.arange(S, device=dev))
+    cos, sin = RotaryEmbedding(m.resolved_head_dim, m.max_seq_len, m.rope_theta).to(dev).span(0, S)
     x = torch.randn(B, S, m.hidden_size, device=dev, dtype=dtype, requires_grad=True)
 
     def fwd_bwd() -> None:
@@ -248,7 +410,7 @@ def section_sdpa(plan: dict[str, Any]) -> dict[str, Any]:
                 fwd_bwd()  # warm-up (and the "no kernel" error, if any)
                 _sync(dev)
                 t: list[float] = []
-                for _ in range(plan["sdpa_repeats"]):
+                for _ in range(plan["layer"]["sdpa_repeats"]):
                     t0 = time.perf_counter()
                     fwd_bwd()
                     _sync(dev)
@@ -275,268 +437,326 @@ def section_sdpa(plan: dict[str, Any]) -> dict[str, Any]:
             "default_aten_ops": ops, "default_kernels": kernels[:10]}
 
 
-def section_moe_layer(plan: dict[str, Any]) -> dict[str, Any]:
-    """(a) bench/moe_layer.py at the recipe's MoE shape on the plan's device and dtype."""
-    from moe_layer import batched_mm_gib, build, measure
+def section_tiny_journey(plan: dict[str, Any]) -> dict[str, Any]:
+    """train (stopped part-way), train --resume auto, an uninterrupted run beside it, export, eval,
+    generate: each through ``python -m smelt_ds.cli``."""
+    j, dev, work = plan["journey"], plan["device"], Path(plan["section_work"])
+    N, stop = j["steps"], j["stop_at"]
+    run, full, export, evald = work / "run", work / "uninterrupted", work / "export", work / "eval"
+    sets = [f"data.cache_dir={plan['cache_dir']}", f"train.max_steps={N}", f"train.precision={plan['precision']}",
+            "train.log_every=1", f"train.eval_every={N}", f"train.save_every={N}", *j["sets"]]
+    recipe = str(ROOT / j["recipe"])
+    train = _cli("train", recipe, *_sets(sets))
+    out: dict[str, Any] = {"recipe": j["recipe"], "overrides": sets, "steps": N, "stopped_at": stop,
+                           "precision": plan["precision"], "device": dev, "commands": {}}
+    _progress(plan, **out)
 
-    cfg, dev, dtype = _load(plan), plan["device"], _torch_dtype(plan)
-    H, F, E, K = cfg.model.hidden_size, cfg.moe.expert_ffn_size, cfg.moe.num_experts, cfg.moe.top_k
-    cands = build(H, F, E, K, device=dev, dtype=dtype)
-    soft = _soft_deadline(plan)
-    rows: list[dict[str, Any]] = []
-    for T in plan["moe_tokens"]:
-        if rows and time.time() > soft:
-            break
-        skip = {"hf:batched_mm"} if batched_mm_gib(T, H, F, K) > plan["batched_mm_max_gib"] else set()
-        here = {n: mod for n, mod in cands.items() if n not in skip}
-        med = measure(here, T, H, plan["moe_repeats"], plan["moe_warmup"], device=dev, dtype=dtype)
-        hf = {n: v for n, v in med.items() if n.startswith("hf:")}
-        best = min(hf, key=lambda n: hf[n])
-        dropped = dict(getattr(measure, "dropped", {}))  # candidates that cannot run on this device, and why
-        rows.append({"tokens": T, "median_ms": {n: v * 1e3 for n, v in med.items()}, "skipped": sorted(skip),
-                     "dropped": dropped,
-                     "hf_fastest": best,
-                     "ratio_to_hf_fastest": {n: v / med[best] for n, v in med.items() if n.startswith("ours:")}})
-    return {"shape": {"hidden": H, "expert_ffn": F, "experts": E, "top_k": K}, "device": dev, "dtype": plan["dtype"],
-            "repeats": plan["moe_repeats"], "warmup": plan["moe_warmup"], "rows": rows,
-            "note": "forward+backward per call, median of interleaved rounds (bench/moe_layer.py measure); "
-                    "ratio < 1: ours faster than transformers' fastest experts implementation at that shape"}
+    def step(cmds: dict[str, tuple[list[str], dict[str, str]]], share: float) -> dict[str, str]:
+        recs, texts = run_commands(plan, cmds, share)
+        out["commands"].update(recs)
+        _progress(plan, **out)
+        _first_failure(plan, recs)
+        return texts
+
+    # 1. stopped part-way by train.exit_after_steps (it saves a checkpoint and says how to continue);
+    # beside it, whether `generate` takes --device (its --help says)
+    texts = step({"train_stop": ([*train, "--run-dir", str(run), "--set", f"train.exit_after_steps={stop}"], {}),
+                  "generate_help": (_cli("generate", "--help"), {})}, 0.35)
+    gen_device = "--device" in texts["generate_help"]
+    out["steps_before_resume"] = sorted(step_losses(metrics_rows(run / "metrics.jsonl")))
+    # 2. resumed to the end, and the same run uninterrupted (the data are prepared: they may run together)
+    step({"train_resume": ([*train, "--run-dir", str(run), "--resume", "auto"], {}),
+          "train_uninterrupted": ([*train, "--run-dir", str(full)], {})}, 0.55)
+    rows, rows_full = metrics_rows(run / "metrics.jsonl"), metrics_rows(full / "metrics.jsonl")
+    resumed, uninterrupted = step_losses(rows), step_losses(rows_full)
+    out["steps_logged"] = [int(r["step"]) for r in rows if "loss" in r]  # in file order, repeats kept
+    out["each_step_once"] = out["steps_logged"] == list(range(1, N + 1))
+    out["losses"] = {"resumed": [resumed.get(s) for s in range(1, N + 1)],
+                     "uninterrupted": [uninterrupted.get(s) for s in range(1, N + 1)]}
+    both = [s for s in range(1, N + 1) if s in resumed and s in uninterrupted]
+    out["resumed_vs_uninterrupted"] = {
+        "max_rel_diff_before_stop": max((_rel(resumed[s], uninterrupted[s]) for s in both if s <= stop), default=None),
+        "max_rel_diff_after_stop": max((_rel(resumed[s], uninterrupted[s]) for s in both if s > stop), default=None),
+        "steps_compared": len(both),
+        "note": "the same recipe, data and seed: the resumed steps continue the uninterrupted run's trajectory; "
+                "on a GPU nondeterministic kernels (atomic adds) let the two drift apart"}
+    val = [r for r in rows if "val/all" in r]
+    out["training_val"] = {"step": int(val[-1]["step"]), "all": float(val[-1]["val/all"]),
+                           **{k.removeprefix("val/"): float(v) for k, v in val[-1].items()
+                              if k.startswith("val/")}} if val else None
+    out["artifacts"] = {"resumed_metrics": _keep(plan, run / "metrics.jsonl", "resumed.metrics.jsonl"),
+                        "uninterrupted_metrics": _keep(plan, full / "metrics.jsonl", "uninterrupted.metrics.jsonl")}
+    _progress(plan, **out)
+    # 3. export, and eval of the run on the device (the in-loop validation's windows); 4. generation from the
+    # export and, on a GPU, the same eval of the export on the CPU in float32 (the reference; not of the run
+    # directory beside the first: each would write the run's own export)
+    def eval_cmd(source: Path, device: str, out_dir: Path, *extra: str) -> list[str]:
+        return _cli("eval", str(source), "--device", device, *extra, "--training-windows", "--no-plots", "-o",
+                    str(out_dir), *j["eval_args"])
+
+    step({"export": (_cli("export", str(run), "-o", str(export)), {}), "eval": (eval_cmd(run, dev, evald), {})}, 0.6)
+    gen = _cli("generate", str(export), "--prompt", j["prompt"], "--max-new-tokens", str(j["new_tokens"]),
+               "--mode", "greedy", "--no-stop", "--json", *(["--device", dev] if gen_device else []))
+    cmds: dict[str, tuple[list[str], dict[str, str]]] = {"generate": (gen, {})}
+    if j["eval_cpu_reference"]:
+        cmds["eval_cpu"] = (eval_cmd(export, "cpu", work / "eval_cpu", "--dtype", "float32"), {})
+    texts = step(cmds, 1.0)
+    name, domains, described = eval_domains(evald / "eval.json")
+    out["eval"] = {"device": dev, "run": name, "domains": domains, "run_described": described,
+                   "loss_rel_diff_to_training_val": (_rel(domains["all"]["loss"], out["training_val"]["all"])
+                                                     if out["training_val"] else None)}
+    if j["eval_cpu_reference"]:
+        _, ref, _ = eval_domains(work / "eval_cpu" / "eval.json")
+        out["eval"]["cpu_float32"] = {"domains": ref, "loss_rel_diff": {
+            d: _rel(v["loss"], ref[d]["loss"]) for d, v in domains.items() if d in ref},
+            "note": "the device's loss (--dtype auto: bfloat16 on a GPU) against the CPU's in float32: bfloat16's "
+                    "8-bit significand moves it by about 1e-3 to 1e-2"}
+    text = texts["generate"]
+    gens = json.loads(_json_block(text, "[", "]"))  # --json: a list, one entry per mode
+    g = gens[0]
+    (work / "generate.json").write_text(json.dumps(gens, indent=1))
+    out["generate"] = {"device": dev if gen_device else "where `smelt-ds generate` runs its models (it has no "
+                                                           "--device here)",
+                       "device_flag": gen_device, "mode": g.get("mode"), "prompt": j["prompt"],
+                       "prompt_tokens": g.get("prompt_tokens"), "new_tokens": g.get("new_tokens"),
+                       "requested_tokens": j["new_tokens"], "text_chars": len(g.get("text", "")),
+                       "tokens_per_s": g.get("tokens_per_s")}
+    out["artifacts"].update({"eval": _keep(plan, evald / "eval.json", "eval.json"),
+                             "eval_cpu": _keep(plan, work / "eval_cpu" / "eval.json", "eval_cpu.json"),
+                             "generate": _keep(plan, work / "generate.json", "generate.json")})
+    return out
 
 
-def section_eval_device(plan: dict[str, Any]) -> dict[str, Any]:
-    """(e) ``smelt-ds eval --device``: the tiny SMELT (random weights, seed 0) scored on the same
-    random windows by the evaluation's own loss and in-context functions
-    (:func:`smelt_ds.eval.loss.token_losses`, :func:`smelt_ds.eval.icl.score_episodes`) on the CPU
-    in float32 (the reference) and on the plan's device in float32 and in the dtype
-    ``--dtype auto`` picks there (:mod:`smelt_ds.eval.device`). Relative differences of the mean
-    loss: float32 on another device differs by reduction order only (~1e-6); bfloat16 by its
-    8-bit significand (~1e-3 to 1e-2)."""
-    import copy
+def eval_domains(path: Path) -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
+    """``smelt-ds eval``'s ``eval.json``: the first run's name, its loss, bits per byte, windows
+    and tokens per domain (``all`` included), and its description's plain values."""
+    result = json.loads(path.read_text())
+    name = result["runs"][0]["name"]
+    domains = {d: {k: v[k] for k in ("loss", "bits_per_byte", "windows", "tokens") if k in v}
+               for d, v in result["domains"][name].items()}
+    return name, domains, {k: v for k, v in result["runs"][0].items() if isinstance(v, (str, int, float))}
 
-    import torch
 
+def _two_rank_cmds(plan: dict[str, Any], recipe: str, sets: list[str], run: Path, port: int,
+                   backend: str | None) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """The two ranks of one run: ``python -m smelt_ds.train`` with the launcher's variables set
+    here, both ``LOCAL_RANK`` 0 (so both take ``cuda:0``)."""
+    argv = [sys.executable, "-m", "smelt_ds.train", recipe, "--run-dir", str(run), *_sets(sets)]
+    common = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+              **({"SMELT_DIST_BACKEND": backend} if backend else {})}
+    return {f"rank{r}": (argv, {**common, "RANK": str(r)}) for r in (0, 1)}
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (as smelt_ds.parallel.distributed's,
+    without importing torch into this process)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _failure_line(texts: dict[str, str]) -> tuple[str | None, bool]:
+    """The line of the ranks' logs (in rank order) that says why they failed: the first exception
+    line saying that the process group lacks an operation (``(line, True)``), else the first other
+    line naming gloo that says so (a warning naming another device does not count), else the last
+    exception line (``(line, False)``)."""
+    lines = [ln.strip() for t in texts.values() for ln in t.splitlines()]
+    errors = [ln for ln in lines if EXCEPTION_LINE.match(ln)]
+    for ln in errors:
+        if GLOO_MISSING.search(ln):
+            return ln[:500], True
+    for ln in lines:
+        if GLOO_MISSING.search(ln) and "gloo" in ln.lower() and not ln.startswith(("File ", "warnings.warn")):
+            return ln[:500], True
+    return (errors[-1][:500] if errors else None), False
+
+
+def section_two_ranks_one_gpu(plan: dict[str, Any]) -> dict[str, Any]:
+    """2 ranks on one device against 1 rank, per-step losses; the 2-rank configuration falls back
+    (AutoEP ZeRO-3, AutoEP ZeRO-2, reference ZeRO-3) when one fails."""
     from smelt_ds.config.loading import load_config
-    from smelt_ds.eval.device import resolve_device, resolve_dtype
-    from smelt_ds.eval.icl import Episode, score_episodes
-    from smelt_ds.eval.loss import token_losses
-    from smelt_ds.model import SmeltLM
 
-    cfg = load_config(ROOT / "recipes" / "tiny" / "smelt.yaml", ["train.seq_len=64"])
-    torch.manual_seed(0)
-    ref = SmeltLM(cfg.model, cfg.moe, cfg.loop).eval()
-    g = torch.Generator().manual_seed(0)
-    V, S = cfg.model.vocab_size, 64
-    ids = torch.randint(0, V, (4, S + 1), generator=g)
-    episodes = [Episode(tokens=torch.randint(0, V, (S,), generator=g).tolist(), answer_start=S - 8, answer_len=8)
-                for _ in range(8)]
-
-    def score(model) -> dict[str, float]:
-        nll, mask = token_losses(model, ids[:, :-1], ids[:, 1:])
-        icl = score_episodes(model, episodes, pad_id=0)
-        return {"loss": float(nll.sum() / mask.sum()), "icl_nats": icl["nats"], "icl_correct": icl["correct_tokens"]}
-
-    dev = resolve_device(plan["device"])
-    want = score(ref)
-    legs = {"reference: cpu float32": want}
-    # on a GPU: float32 and what --dtype auto picks there; on the CPU (dry run): float32 and bfloat16
-    for dtype in ("float32", "auto" if dev.type == "cuda" else "bfloat16"):
-        dt = resolve_dtype(dtype, dev)
-        legs[f"{dev} {str(dt).removeprefix('torch.')} (--dtype {dtype})"] = score(
-            copy.deepcopy(ref).to(device=dev, dtype=dt))
-    rel = {k: abs(v["loss"] - want["loss"]) / abs(want["loss"]) for k, v in legs.items()}
-    return {"device": str(dev), "legs": legs, "loss_rel_diff_to_cpu_float32": rel,
-            "note": "the same model and windows; the float32 leg on the device must match the CPU to ~1e-6"}
-
-
-def _train_step(engine, cfg, batches: list, i: int):
-    """One optimizer step as ``smelt_ds.train.loop._train_step`` runs it: per micro-batch forward,
-    ``total_loss``, ``engine.backward``, at the boundary the gradient norm before clipping
-    (``clip_before_step``), ``engine.step``. Returns the last micro-batch's loss (a tensor)."""
-    from smelt_ds.parallel.grad_norm import clip_before_step
-    from smelt_ds.train.objective import total_loss
-
-    accum = engine.gradient_accumulation_steps()
-    loss = None
-    for m in range(accum):
-        ids, labels = batches[(i * accum + m) % len(batches)]
-        loss = total_loss(engine(ids, labels=labels), cfg.train)
-        engine.backward(loss)
-        if m == accum - 1:
-            clip_before_step(engine, cfg.train.grad_clip)
-        engine.step()
-    return loss
-
-
-def _dynamo_counters() -> dict[str, Any]:
-    from torch._dynamo.utils import counters
-
-    out: dict[str, Any] = {k: dict(counters[k]) for k in ("stats", "frames", "aot_autograd") if k in counters}
-    breaks: dict[str, int] = dict(counters.get("graph_break", {}))
-    out["graph_breaks"] = int(sum(breaks.values()))
-    out["graph_break_reasons"] = [str(r)[:200] for r in list(breaks)[:5]]
-    return out
-
-
-def _variant(cfg, plan: dict[str, Any], device_memory: int | None) -> dict[str, Any]:
-    """What the single-GPU recipe is, its budgets and the memory estimate at its ZeRO stage."""
-    from smelt_ds.cost.budget import compute_budget
-    from smelt_ds.parallel.memory import estimate
-
-    b = compute_budget(cfg, cfg.train.seq_len)
-    mem = device_memory or 141 * 10**9
-    rep = estimate(cfg, 1, 1, mem, policies=[cfg.train.activation_checkpointing.policy])
-    row = rep.configured
-    gib = 2**30
-    pred = f"{row.total / gib:.1f} GiB of {mem / gib:.1f} GiB" if row else "no estimate"
-    text = (f"{plan['recipe']} with its architecture and loop plan unchanged ({cfg.model.num_layers} unique layers, "
-            f"{b.visits} visits, {cfg.moe.num_experts} experts of {cfg.moe.expert_ffn_size}, top-{cfg.moe.top_k}); "
-            f"{'1 GPU' if device_memory else '1 CPU process'}, ZeRO-{cfg.deepspeed.zero_stage}, "
-            f"micro-batch {cfg.train.micro_batch_size} x {cfg.train.seq_len} "
-            f"tokens, no gradient accumulation, {plan['precision']}; smelt-ds memory predicts {pred}, so no layers "
-            f"or experts were removed")
-    return {"recipe": plan["recipe"], "overrides": overrides(plan), "description": text,
-            "unique_layers": cfg.model.num_layers, "visits": b.visits, "num_experts": cfg.moe.num_experts,
-            "non_embedding_params": b.non_embedding_params,
-            "active_non_embedding_params": b.active_non_embedding_params,
-            "embedding_params": b.embedding_params, "predicted_total_bytes": row.total if row else None,
-            "device_memory_bytes": mem}
-
-
-def _peak(device_name: str) -> tuple[float, str]:
-    """Dense bf16 peak TFLOP/s of this GPU and where the number comes from (the H200's when the
-    device is not in ``smelt_ds.train.metrics.PEAK_TFLOPS``)."""
-    from smelt_ds.train.metrics import PEAK_TFLOPS, device_peak_tflops
-
-    known = device_peak_tflops()
-    if "H200" in device_name or known is None:
-        return PEAK_TFLOPS["H200"], PEAK_SOURCE + ("" if known else f" (assumed: {device_name!r} is not in the table)")
-    return known, f"smelt_ds.train.metrics.PEAK_TFLOPS for {device_name!r} (vendor datasheet, dense bf16)"
-
-
-def _progress(plan: dict[str, Any], partial: dict[str, Any]) -> None:
-    """Write what a section has so far, so that a section killed at its time limit keeps it."""
-    write_json_atomic(Path(plan["result_path"]), {"status": "partial", "result": partial})
-
-
-def _train(plan: dict[str, Any], compile_mode: str) -> dict[str, Any]:
-    """(b) One training leg: build, warm-up, timed steps, profiler."""
-    import torch
-
-    from smelt_ds.cost.budget import compute_budget
-    from smelt_ds.parallel.distributed import init_distributed
-    from smelt_ds.parallel.hardware import training_precision
-    from smelt_ds.train.build import build
-
-    if compile_mode != "none":  # the config key train.compile (none | layers | model) selects it
-        plan = {**plan, "user_sets": [f"train.compile={compile_mode}", *plan["user_sets"]]}
-    cfg, dev = _load(plan), plan["device"]
-    init_distributed()
-    total_mem = torch.cuda.get_device_properties(0).total_memory if dev == "cuda" else None
-    variant = _variant(cfg, plan, total_mem)
-    partial: dict[str, Any] = {"compile": compile_mode, "variant": variant, "phase": "build"}
-    _progress(plan, partial)
-    t_build = time.perf_counter()
-    built = build(cfg, 1)
-    build_s = time.perf_counter() - t_build
-    partial.update({"phase": "first step (compiles when compiled)", "build_s": build_s, "step_s": []})
-    _progress(plan, partial)
-    engine = built.engine
-    device = engine.device
-    if dev == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    B, S, V = cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.vocab_size
-    accum = engine.gradient_accumulation_steps()
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, V, (B, S), generator=g).to(device),
-                torch.randint(0, V, (B, S), generator=g).to(device)) for _ in range(4)]
-    soft = _soft_deadline(plan)
-    times: list[float] = []
-    losses: list[float] = []
-    n_warm, n_timed = plan["warmup_steps"], plan["timed_steps"]
-    for i in range(n_warm + n_timed):
-        if i >= n_warm + 2 and time.time() > soft:  # out of time: keep the steps taken (at least 2)
+    t, work = plan["two_ranks"], Path(plan["section_work"])
+    N, recipe = t["steps"], str(ROOT / t["recipe"])
+    common = [f"data.cache_dir={plan['cache_dir']}", f"train.max_steps={N}", f"train.precision={t['precision']}",
+              f"train.micro_batch_size={t['micro_batch']}", f"train.global_batch_tokens={t['global_batch_tokens']}",
+              "train.log_every=1", f"train.eval_every={N}", f"train.save_every={N}", *t["sets"]]
+    out: dict[str, Any] = {"recipe": t["recipe"], "overrides": common, "steps": N, "precision": t["precision"],
+                           "dist_backend": t["backend"] or "gloo (SMELT_DIST_BACKEND unset: the CPU accelerator's)",
+                           "one_rank": {"overrides": REFERENCE_ONE_RANK}, "attempts": []}
+    _progress(plan, **out)
+    one = work / "one_rank"
+    one_cmd: tuple[list[str], dict[str, str]] = ([sys.executable, "-m", "smelt_ds.train", recipe, "--run-dir", str(one),
+                *_sets([*common, *REFERENCE_ONE_RANK])], {})
+    ran = None
+    for i, (name, extra) in enumerate(TWO_RANK_CONFIGS):
+        run = work / f"two_ranks_{name}"
+        cmds = _two_rank_cmds(plan, recipe, [*common, *extra], run, find_free_port(), t["backend"])
+        if i == 0:  # beside the first attempt (rank 0 and it prepare the data, if not yet, each in its own
+            cmds["one_rank"] = one_cmd  # temporary directory: the first rename wins, data.cache.build_dir_atomically)
+        left = len(TWO_RANK_CONFIGS) - i
+        recs, texts = run_commands(plan, cmds, 1.0 if left == 1 else 0.55, linked=("rank0", "rank1"))
+        if "one_rank" in recs:
+            out["one_rank"]["command"] = recs.pop("one_rank")
+            texts.pop("one_rank")
+        ok = all(r["rc"] == 0 for r in recs.values())
+        line, missing = (None, False) if ok else _failure_line(texts)
+        out["attempts"].append({"config": name, "overrides": extra, "ranks": recs, "ok": ok,
+                                "failure_line": line, "process_group_lacks_an_operation": missing})
+        _progress(plan, **out)
+        if ok:
+            ran = (name, extra, run)
             break
-        _sync(dev)
-        t0 = time.perf_counter()
-        loss = _train_step(engine, cfg, batches, i)
-        _sync(dev)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-        partial.update({"phase": f"step {i + 2}", "step_s": times, "losses": losses})
-        _progress(plan, partial)
-    warm, timed = times[:n_warm], times[n_warm:]
-    med = statistics.median(timed)
-    tokens_per_step = B * S * accum
-    tps = tokens_per_step / med
-    fpt = compute_budget(cfg, S).train_flops_per_token
-    fpt_causal = compute_budget(cfg, S, attention_convention="causal").train_flops_per_token
-    tflops = tps * fpt / 1e12
-    precision = training_precision(cfg)
-    on_gpu_bf16 = dev == "cuda" and precision == "bf16"
-    peak, peak_source = _peak(torch.cuda.get_device_name()) if on_gpu_bf16 else (None, None)
-    out: dict[str, Any] = {
-        "compile": compile_mode, "variant": variant, "device": str(device), "precision": precision,
-        "bf16_note": "DeepSpeed bf16 (the training path): bf16 weights and activations, fp32 master weights and Adam "
-                     "states; no autocast" if precision == "bf16" else "fp32",
-        "zero_stage": built.ds_config.get("zero_optimization", {}).get("stage"),
-        "micro_batch": B, "seq_len": S, "grad_accum": accum, "tokens_per_step": tokens_per_step,
-        "build_s": build_s, "warmup_step_s": warm, "timed_step_s": timed, "median_step_s": med,
-        "first_step_s": times[0], "compile_s": max(0.0, times[0] - med),
-        "tokens_per_s": tps, "train_flops_per_token": fpt, "tflops_per_s": tflops,
-        "train_flops_per_token_causal": fpt_causal, "tflops_per_s_causal": tps * fpt_causal / 1e12,
-        "peak_tflops": peak, "peak_source": peak_source,
-        "mfu": tflops / peak if peak else None,
-        "mfu_causal": tps * fpt_causal / 1e12 / peak if peak else None,
-        "flops_convention": FLOPS_CONVENTION, "losses": losses,
-        "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()) if dev == "cuda" else None,
-        "note": "median over timed optimizer steps after warm-up, random tokens already on the device (no data "
-                "loading); compile_s = first step - median step (compilation and other first-step work)",
-    }
-    if compile_mode != "none":
-        out["dynamo_counters"] = _dynamo_counters()
-    partial.update({**out, "phase": "profile"})
-    _progress(plan, partial)
-    if time.time() < soft:
-        steps = plan["profile_steps"]
-        out["profile"] = _profile(lambda: _train_step(engine, cfg, batches, 0), dev, steps, plan["top_kernels"])
-    else:
-        out["profile"] = None
-        out["profile_skipped"] = "out of the section's time"
+    if out["one_rank"].get("command", {}).get("rc") != 0:
+        raise RuntimeError(f"the 1-rank run failed: {out['one_rank'].get('command')}")
+    if ran is None:
+        raise RuntimeError("no 2-rank configuration ran: " + "; ".join(
+            f"{a['config']}: {a['failure_line']}" for a in out["attempts"]))
+    name, extra, run = ran
+    failed = [a for a in out["attempts"] if not a["ok"]]
+    out["configuration"] = name
+    kind = {True: "the process group lacks an operation", False: "another error"}
+    out["why"] = ("the first choice (AutoEP EP 2, ZeRO-3)" if not failed else "; ".join(
+        f"{a['config']} failed ({kind[a['process_group_lacks_an_operation']]}): {a['failure_line']}" for a in failed))
+    two, ref = step_losses(metrics_rows(run / "metrics.jsonl")), step_losses(metrics_rows(one / "metrics.jsonl"))
+    out["artifacts"] = {"two_ranks_metrics": _keep(plan, run / "metrics.jsonl", "two_ranks.metrics.jsonl"),
+                        "one_rank_metrics": _keep(plan, one / "metrics.jsonl", "one_rank.metrics.jsonl")}
+    cfg = load_config(recipe, [*common, *extra])
+    tokens: int = t["global_batch_tokens"]
+    rows: list[dict[str, Any]] = [{"step": s, "two_ranks": two.get(s), "one_rank": ref.get(s),
+                                   "rel_diff": _rel(two[s], ref[s]) if s in two and s in ref else None,
+                                   "fp32_bound": fp32_loss_bound(cfg, tokens, s)} for s in range(1, N + 1)]
+    diffs = [r["rel_diff"] for r in rows if r["rel_diff"] is not None]
+    complete = len(diffs) == N and all(r["fp32_bound"] is not None for r in rows)
+    out.update({"losses": rows, "global_batch_tokens": tokens, "steps_compared": len(diffs),
+                "max_rel_diff": max(diffs) if len(diffs) == N else None,
+                "within_fp32_bound": all(r["rel_diff"] <= r["fp32_bound"] for r in rows) if complete else None,
+                "bound_note": "tests.numerics.prob_tol(step * lm_chain_length(cfg, global_batch_tokens)): fp32 sums "
+                              "in other orders (Higham & Mary 2019), as tests/runs/test_reshard.py"})
     return out
-
-
-def section_train_eager(plan: dict[str, Any]) -> dict[str, Any]:
-    return _train(plan, "none")
-
-
-def section_train_compiled(plan: dict[str, Any]) -> dict[str, Any]:
-    return _train(plan, "layers")
 
 
 def section_memory(plan: dict[str, Any]) -> dict[str, Any]:
-    """(c) ``smelt-ds memory --measure`` for the same recipe (smelt_ds.study.memory_profile.measure)."""
-    from smelt_ds.study.memory_profile import measure
-
-    cfg, dev = _load(plan), plan["device"]
-    policy = cfg.train.activation_checkpointing.policy
-    m = measure(cfg, [policy], steps=2, device=dev)[0]
+    """``smelt-ds memory --measure --json``, one checkpointing policy per process."""
+    mem, dev = plan["memory"], plan["device"]
+    shape = ["--micro-batch", str(mem["micro_batch"]), *(["--seq-len", str(mem["seq_len"])] if mem["seq_len"] else [])]
+    out: dict[str, Any] = {"recipe": mem["recipe"], "overrides": mem["sets"], "micro_batch": mem["micro_batch"],
+                           "seq_len": mem["seq_len"], "steps": mem["steps"], "device": dev, "policies": {},
+                           "section_pid": os.getpid()}
     if dev == "cuda":
-        measured, predicted = m.peak_allocated, m.predicted_total
-        what = ("CUDA allocator peak (torch.cuda.max_memory_allocated) of 2 training steps through the DeepSpeed "
-                "engine vs smelt_ds.parallel.memory.estimate's total (model states + activations + temporaries)")
+        out["what"] = ("torch.cuda.max_memory_allocated of the steps through the DeepSpeed engine (the recipe's ZeRO "
+                       "stage and bf16, 1 GPU) against smelt_ds.parallel.memory.estimate's total for that setting "
+                       "(model states + activations + temporaries), smelt_ds.study.memory_profile.measure")
     else:
-        measured, predicted = m.saved_activations, m.predicted_activations
-        what = ("CPU (no allocator peak): bytes autograd saved for backward (SavedTensorCounter) vs "
-                "smelt_ds.parallel.memory.activation_bytes(...).stored, fp32, plain PyTorch AdamW (ZeRO-0)")
-    return {"policy": policy, "device": dev, "what": what, "measured_bytes": measured, "predicted_bytes": predicted,
-            "ratio": measured / predicted if measured is not None and predicted else None,
-            "measurement": m.as_dict(), "recipe": plan["recipe"], "overrides": overrides(plan)}
+        out["what"] = ("CPU: bytes autograd saved for backward (SavedTensorCounter) against "
+                       "smelt_ds.parallel.memory.activation_bytes(...).stored, fp32, plain PyTorch AdamW; "
+                       + NOT_MEASURED)
+    _progress(plan, **out)
+    argv = {p: _cli("memory", str(ROOT / mem["recipe"]), "--measure", "--policies", p, "--steps", str(mem["steps"]),
+                    "--json", "--nodes", "1", "--gpus-per-node", "1", *shape, *_sets(mem["sets"]))
+            for p in mem["policies"]}
+    # one after the other on a GPU (the allocators of several processes would share its memory); on
+    # the CPU (a dry run) at the same time: each process counts its own saved tensors
+    batches = [mem["policies"]] if mem["concurrent"] else [[p] for p in mem["policies"]]
+    for i, batch in enumerate(batches):
+        recs, texts = run_commands(plan, {p: (argv[p], {}) for p in batch}, 1.0 / (len(batches) - i))
+        for policy in batch:
+            rec, text = recs[policy], texts[policy]
+            row: dict[str, Any] = {"command": rec, "pid": rec["pid"]}
+            out["policies"][policy] = row
+            if rec["rc"] not in (0, 3):  # 3: the recipe's own setting does not fit its layout (still measured)
+                _progress(plan, **out)
+                raise RuntimeError(f"`smelt-ds memory --measure --policies {policy}` failed: exit status {rec['rc']}")
+            report = json.loads(_json_block(text, "{", "}"))
+            (Path(plan["section_work"]) / f"{policy}.json").write_text(json.dumps(report, indent=1))
+            m = report["measured"][0]
+            est, got = ((m["predicted_total"], m["peak_allocated"]) if dev == "cuda"
+                        else (m["predicted_activations"], m["saved_activations"]))
+            row.update({"estimate_bytes": est, "measured_bytes": got,
+                        "ratio": got / est if got is not None and est else None, "measurement": m,
+                        "artifact": _keep(plan, Path(plan["section_work"]) / f"{policy}.json", f"{policy}.json")})
+            if dev != "cuda":
+                row["ratio_note"] = NOT_MEASURED
+        _progress(plan, **out)
+    return out
+
+
+def layer_forward_flops(cfg, attention_convention: str = "full") -> float:
+    """Forward FLOPs per token of one visit of a layer of ``cfg``: ``compute_budget(cfg)``'s forward
+    FLOPs less the output head's ``2 H V``, divided by the visits (every visit runs an identical MoE
+    layer: no dense first layers). Raises ValueError for a recipe with dense first layers."""
+    from smelt_ds.cost.budget import compute_budget
+
+    if cfg.model.first_k_dense:
+        raise ValueError("the layers differ (model.first_k_dense): one layer's FLOPs are not the mean")
+    b = compute_budget(cfg, cfg.train.seq_len, attention_convention=attention_convention)
+    return (b.forward_flops_per_token - 2 * cfg.model.hidden_size * cfg.model.vocab_size) / b.visits
+
+
+def section_mfu_layer(plan: dict[str, Any]) -> dict[str, Any]:
+    """One layer of the layer recipe, forward+backward: time, FLOP/s and MFU."""
+    import torch
+
+    from smelt_ds.model.attention import RotaryEmbedding
+    from smelt_ds.model.lm import Block
+    from smelt_ds.train.metrics import device_peak_tflops
+
+    cfg, dev, dtype, L = _layer_config(plan), plan["device"], _torch_dtype(plan), plan["layer"]
+    m, moe = cfg.model, cfg.moe
+    B, S = cfg.train.micro_batch_size, cfg.train.seq_len
+    torch.manual_seed(0)
+    block = Block(m, moe, 0).to(dev, dtype).train()
+    cos, sin = RotaryEmbedding(m.resolved_head_dim, m.max_seq_len, m.rope_theta).to(dev).span(0, S)
+    x = torch.randn(B, S, m.hidden_size, device=dev, dtype=dtype, requires_grad=True)
+    grad = torch.randn(B, S, m.hidden_size, device=dev, dtype=dtype)
+
+    def fwd_bwd() -> None:
+        y, _, _ = block.compute(x, cos, sin, True)
+        torch.autograd.backward([y], [grad])
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+
+    times: list[float] = []
+    for i in range(L["warmup"] + L["repeats"]):
+        if dev == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fwd_bwd()
+            end.record()
+            torch.cuda.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fwd_bwd()
+            dt = time.perf_counter() - t0
+        if i >= L["warmup"]:
+            times.append(dt)
+        _progress(plan, times_s=times)
+    med = statistics.median(times)
+    tokens = B * S
+    fwd, fwd_causal = layer_forward_flops(cfg), layer_forward_flops(cfg, "causal")
+    tflops, tflops_causal = tokens * 3 * fwd / med / 1e12, tokens * 3 * fwd_causal / med / 1e12
+    peak = device_peak_tflops() if dev == "cuda" and plan["dtype"] == "bfloat16" else None
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    return {"recipe": L["recipe"], "device": dev, "device_name": name, "dtype": plan["dtype"],
+            "shape": {"hidden": m.hidden_size, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
+                      "head_dim": m.resolved_head_dim, "experts": moe.num_experts, "top_k": moe.top_k,
+                      "expert_ffn": moe.expert_ffn_size, "batch": B, "seq_len": S, "vocab": m.vocab_size},
+            "expert_impl": getattr(block.mlp.experts, "impl", None) if hasattr(block.mlp, "experts") else None,
+            "tokens": tokens, "forward_flops_per_token": fwd, "train_flops_per_token": 3 * fwd,
+            "train_flops_per_token_causal": 3 * fwd_causal, "warmup": L["warmup"], "times_s": times,
+            "median_s": med, "tflops_per_s": tflops, "tflops_per_s_causal": tflops_causal,
+            "peak_tflops": peak, "mfu": tflops / peak if peak else None,
+            "mfu_causal": tflops_causal / peak if peak else None,
+            "mfu_note": (None if peak else "n/a: CPU dry run" if dev != "cuda" else
+                         f"n/a: device_peak_tflops() does not know {name!r}"),
+            "flops_convention": FLOPS_CONVENTION,
+            "timing": "CUDA events around each forward+backward" if dev == "cuda" else "time.perf_counter (CPU)"}
 
 
 SECTION_FUNCS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "eval_device": section_eval_device,
-    "sdpa": section_sdpa, "moe_layer": section_moe_layer, "train_eager": section_train_eager,
-    "memory": section_memory, "train_compiled": section_train_compiled}
+    "sdpa": section_sdpa, "tiny_journey": section_tiny_journey, "two_ranks_one_gpu": section_two_ranks_one_gpu,
+    "memory": section_memory, "mfu_layer": section_mfu_layer}
 
 
 def error_record(e: BaseException) -> dict[str, Any]:
@@ -554,17 +774,19 @@ def _forced_failure(name: str, mode: str) -> None:
 
 
 def child_main(name: str, params_path: str, result_path: str) -> None:
-    """Run one section and write ``{"status", "result" | "error", "elapsed_s"}`` to ``result_path``;
-    then leave without interpreter teardown (process groups, compile workers)."""
+    """Run one section and write ``{"status", "result" | "error" (and "partial"), "elapsed_s"}`` to
+    ``result_path``; then leave without interpreter teardown (process groups, compile workers)."""
     t0 = time.time()
     plan = {**json.loads(Path(params_path).read_text()), "result_path": result_path}
     try:
         if name in plan["fail"]:
             _forced_failure(name, plan["fail"][name])
         rec: dict[str, Any] = {"status": "ok", "result": SECTION_FUNCS[name](plan)}
-    except BaseException as e:  # SystemExit too: bench/moe_layer.py's parity check raises it
+    except BaseException as e:
         traceback.print_exc()
         rec = {"status": "failed", "error": error_record(e)}
+        if _PARTIAL:
+            rec["partial"] = _PARTIAL
     rec["elapsed_s"] = time.time() - t0
     write_json_atomic(Path(result_path), rec)
     sys.stdout.flush()
@@ -625,23 +847,6 @@ def machine_info(dry_run: bool) -> dict[str, Any]:
     return info
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """Kill a section process and everything it started (compile workers)."""
-    try:
-        import psutil
-
-        kids = psutil.Process(proc.pid).children(recursive=True)
-    except Exception:
-        kids = []
-    for k in kids:
-        try:
-            k.kill()
-        except Exception:
-            pass
-    proc.kill()
-    proc.wait()
-
-
 class _Interrupted(Exception):
     pass
 
@@ -661,7 +866,10 @@ def run_section(name: str, plan: dict[str, Any], timeout: float, out_dir: Path, 
     """Run section ``name`` in a child process with a wall-clock limit; returns its record."""
     params, result = work / f"{name}.params.json", work / f"{name}.result.json"
     result.unlink(missing_ok=True)
-    params.write_text(json.dumps({**plan, "deadline": time.time() + timeout}))
+    section_work = work / name
+    section_work.mkdir(parents=True, exist_ok=True)
+    params.write_text(json.dumps({**plan, "deadline": time.time() + timeout, "section": name,
+                                  "section_work": str(section_work), "out_dir": str(out_dir)}))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -678,13 +886,11 @@ def run_section(name: str, plan: dict[str, Any], timeout: float, out_dir: Path, 
         except subprocess.TimeoutExpired:
             _kill_tree(proc)
             rec: dict[str, Any] = {"status": "timeout", "elapsed_s": time.time() - t0,
-                   "error": {"type": "Timeout", "message": f"section {name!r} ran past its {timeout:.0f} s and was "
-                                                           "killed", "traceback_tail": _log_tail(log_path)}}
-            if result.exists():  # what it had measured when it was killed
-                partial: dict[str, Any] = json.loads(result.read_text()).get("result") or {}
-                rec["partial"] = partial
-                if partial.get("phase") == "profile":  # killed in the profiler: its numbers are complete
-                    rec["result"] = {**partial, "profile": None, "profile_skipped": "killed at the time limit"}
+                                   "error": {"type": "Timeout",
+                                             "message": f"section {name!r} ran past its {timeout:.0f} s and was killed",
+                                             "traceback_tail": _log_tail(log_path)}}
+            if result.exists():  # what it had done when it was killed
+                rec["partial"] = json.loads(result.read_text()).get("result") or {}
             return rec
         except BaseException:
             _kill_tree(proc)
@@ -703,11 +909,6 @@ def run_section(name: str, plan: dict[str, Any], timeout: float, out_dir: Path, 
     return rec
 
 
-def _is_oom(rec: dict[str, Any]) -> bool:
-    err = rec.get("error") or {}
-    return err.get("type") == "OutOfMemoryError" or "CUDA out of memory" in err.get("message", "")
-
-
 def _timeout_for(name: str, selected: list[str], budget: float, deadline: float) -> float:
     """Its share of the budget, or more when earlier sections left time: the remaining time minus
     the shares of the sections still to come; never past the deadline."""
@@ -720,14 +921,15 @@ def _timeout_for(name: str, selected: list[str], budget: float, deadline: float)
 
 def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     """Every selected section in order, writing the JSON and text after each."""
-    plan = make_plan(args)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    # one data cache for the sections (the tokenizer and shards of the tiny recipe are the same)
+    plan = {**make_plan(args), "work": str(work), "cache_dir": str(work / "data_cache")}
     selected = [s for s in SECTIONS if s in args.sections]
     start = time.time()
     deadline = start + args.budget_s
     state: dict[str, Any] = {"script": "bench/gpu_check.py", "dry_run": plan["dry_run"], "device": plan["device"],
                              "budget_s": args.budget_s, "started_utc": None, "finished_utc": None, "elapsed_s": None,
-                             "machine": machine_info(plan["dry_run"]), "plan": {**plan, "overrides": overrides(plan)},
-                             "sections": {}, "summary": {}}
+                             "machine": machine_info(plan["dry_run"]), "plan": plan, "sections": {}, "summary": {}}
     state["started_utc"] = state["machine"]["date_utc"]
     (out_dir / LOG_DIR).mkdir(parents=True, exist_ok=True)
     missing = set(state["machine"]["missing_modules"])
@@ -739,7 +941,6 @@ def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         _write_text_atomic(out_dir / TEXT_NAME, render_text(state))
 
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     try:
         for name in selected:
             lacking = sorted(set(NEEDS[name]) & missing)
@@ -753,14 +954,6 @@ def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
             state["sections"][name] = {"status": "running", "budget_s": timeout}
             save()
             rec = run_section(name, plan, timeout, out_dir, work)
-            if name in TRAIN_SECTIONS and _is_oom(rec) and plan["micro_batch"] > 1 and not plan["dry_run"]:
-                retry_timeout = _timeout_for(name, selected, args.budget_s, deadline)
-                if retry_timeout >= MIN_SECTION_S:
-                    plan = {**plan, "micro_batch": plan["micro_batch"] // 2}  # later sections use it too
-                    first = rec
-                    rec = run_section(name, plan, retry_timeout, out_dir, work)
-                    rec["oom_retry"] = {"micro_batch": plan["micro_batch"], "first_error": first.get("error")}
-                    state["plan"] = {**plan, "overrides": overrides(plan)}
             rec["budget_s"] = timeout
             state["sections"][name] = rec
             save()
@@ -774,9 +967,7 @@ def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
             signal.signal(s, h)
         state["finished_utc"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         save()
-        for f in work.iterdir():
-            f.unlink()
-        work.rmdir()
+        shutil.rmtree(work, ignore_errors=True)
     return state
 
 
@@ -786,166 +977,172 @@ def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
 
 
 def _ok(state: dict[str, Any], name: str) -> dict[str, Any] | None:
-    """A section's result: it ran, or it was killed after all its numbers but the profile."""
+    """A section's result, when it ran to its end."""
     rec = state["sections"].get(name) or {}
-    return rec.get("result") if rec.get("status") in ("ok", "timeout") else None
+    return rec.get("result") if rec.get("status") == "ok" else None
 
 
 def summarize(state: dict[str, Any]) -> dict[str, Any]:
     """Headline numbers of the sections that ran."""
     s: dict[str, Any] = {}
-    eager, comp = _ok(state, "train_eager"), _ok(state, "train_compiled")
-    for leg, r in (("eager", eager), ("compiled", comp)):
-        if r:
-            s[f"tokens_per_s_{leg}"] = r["tokens_per_s"]
-            s[f"mfu_{leg}"] = r["mfu"]
-    if eager and comp:
-        s["compiled_speedup"] = comp["tokens_per_s"] / eager["tokens_per_s"]
-    mfus = [r["mfu"] for r in (eager, comp) if r and r["mfu"] is not None]
-    if mfus:
-        s["mfu_best"] = max(mfus)
-        s["mfu_target_0.40_met"] = max(mfus) >= 0.40
-    moe = _ok(state, "moe_layer")
-    if moe:
-        s["moe_ours_grouped_mm_over_hf_fastest"] = {str(r["tokens"]): r["ratio_to_hf_fastest"].get("ours:grouped_mm")
-                                                    for r in moe["rows"]}
-    mem = _ok(state, "memory")
-    if mem:
-        s["memory_measured_over_predicted"] = mem["ratio"]
     sdpa = _ok(state, "sdpa")
     if sdpa:
         s["sdpa_default_backend"] = sdpa["default_backend"]
-    ev = _ok(state, "eval_device")
-    if ev:
-        s["eval_loss_rel_diff_to_cpu"] = ev["loss_rel_diff_to_cpu_float32"]
+    j = _ok(state, "tiny_journey")
+    if j:
+        s["journey_commands_ok"] = all(c["rc"] == 0 for c in j["commands"].values())
+        s["journey_each_step_once"] = j["each_step_once"]
+        s["journey_resumed_max_rel_diff"] = j["resumed_vs_uninterrupted"]["max_rel_diff_after_stop"]
+        s["journey_eval_loss"] = j["eval"]["domains"]["all"]["loss"]
+    t = _ok(state, "two_ranks_one_gpu")
+    if t:
+        s["two_ranks_configuration"] = t["configuration"]
+        s["two_ranks_max_rel_loss_diff"] = t["max_rel_diff"]
+        s["two_ranks_within_fp32_bound"] = t["within_fp32_bound"]
+    mem = _ok(state, "memory")
+    if mem:
+        s["memory_measured_over_estimate"] = {p: r["ratio"] for p, r in mem["policies"].items()}
+    mfu = _ok(state, "mfu_layer")
+    if mfu:
+        s["layer_tflops_per_s"] = mfu["tflops_per_s"]
+        s["layer_mfu"] = mfu["mfu"]
     s["sections_ok"] = [n for n, r in state["sections"].items() if r.get("status") == "ok"]
     s["sections_not_ok"] = [n for n, r in state["sections"].items() if r.get("status") != "ok"]
     return s
 
 
 def fmt(x: Any) -> str:
-    """A table cell: 4 significant digits, ``-`` for None."""
+    """A table cell: 4 significant digits, ``-`` for None, ``yes``/``no`` for booleans."""
     if x is None:
         return "-"
     if isinstance(x, bool):
         return "yes" if x else "no"
     if isinstance(x, float):
         return f"{x:.4g}"
-    return str(x)
+    return str(x).replace("  ", " ") or "-"
 
 
-def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
-    cells = [head] + [[fmt(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in cells]
-    return [lines[0], "-" * len(lines[0])] + lines[1:] + [""]  # a blank line ends a table
+TABLE_HEAD = ("section", "item", "value", "note")
 
 
-TRAIN_HEAD = ["leg", "tokens/step", "median_step_s", "tokens/s", "TFLOP/s", "MFU", "MFU_causal", "first_step_s",
-              "compile_s", "peak_GiB"]
-MOE_HEAD_FIXED = ["tokens", "hf_fastest"]
+def table_rows(state: dict[str, Any]) -> list[tuple[str, str, Any, str]]:
+    """The rows of the one table: ``(section, item, value, note)``; every section's status and
+    time, then its numbers (from its result) or its error."""
+    rows: list[tuple[str, str, Any, str]] = []
+    dry = state["dry_run"]
+    for name, rec in state["sections"].items():
+        status = rec.get("status")
+        budget = rec.get("budget_s")
+        rows.append((name, "status", status, rec.get("reason", "")))
+        rows.append((name, "elapsed_s", rec.get("elapsed_s"), f"of {budget:.0f} s" if budget else ""))
+        if status not in ("ok", "running", "skipped"):
+            err = rec.get("error") or {}
+            rows.append((name, "error", err.get("type"), " ".join((err.get("message") or "").split())[:300]))
+        r = rec.get("result") if status == "ok" else None
+        if r is None:  # what a section that did not finish had done
+            part = rec.get("partial") or {}
+            for key, c in (part.get("commands") or {}).items():
+                rows.append((name, f"{key}.exit_status", c["rc"], f"{c['elapsed_s']:.1f} s (before it stopped)"))
+            for a in part.get("attempts") or []:
+                rows.append((name, f"attempt.{a['config']}", "ok" if a["ok"] else "failed",
+                             a.get("failure_line") or ""))
+            continue
+        if name == "sdpa":
+            sh = r["shape"]
+            rows.append((name, "default_backend", r["default_backend"] if isinstance(r["default_backend"], str)
+                         else ",".join(r["default_backend"] or []) or None,
+                         f"B={sh['batch']} heads={sh['heads']} S={sh['seq_len']} D={sh['head_dim']} {sh['dtype']} "
+                         f"causal on {sh['device']}"))
+            for b, f in r["forced"].items():
+                rows.append((name, f"{b}.fwd_bwd_ms", f.get("fwd_bwd_ms"),
+                             "" if f["ok"] else ((f.get("reasons") or [f.get("error") or ""])[0])[:150]))
+        elif name == "tiny_journey":
+            for key, c in r["commands"].items():
+                rows.append((name, f"{key}.exit_status", c["rc"], f"{c['elapsed_s']:.1f} s"))
+            rows.append((name, "each_step_once", r["each_step_once"],
+                         f"metrics.jsonl of the run stopped at {r['stopped_at']} and resumed: steps 1..{r['steps']}"))
+            rv = r["resumed_vs_uninterrupted"]
+            rows.append((name, "resumed_max_rel_diff", rv["max_rel_diff_after_stop"],
+                         f"losses of steps {r['stopped_at'] + 1}..{r['steps']} against the uninterrupted run"))
+            if r["training_val"]:
+                rows.append((name, "training_val_loss", r["training_val"]["all"],
+                             f"val/all of metrics.jsonl at step {r['training_val']['step']}"))
+            ev = r["eval"]
+            for dom, v in ev["domains"].items():
+                rows.append((name, f"eval.{dom}.loss", v["loss"], f"nats/token, smelt-ds eval --device {ev['device']} "
+                             "--training-windows"))
+            rows.append((name, "eval_rel_diff_to_training_val", ev["loss_rel_diff_to_training_val"],
+                         "eval's val/all against training's at the same step"))
+            for dom, d in (ev.get("cpu_float32") or {}).get("loss_rel_diff", {}).items():
+                rows.append((name, f"eval.{dom}.rel_diff_to_cpu_float32", d, f"--device {ev['device']} against "
+                             "--device cpu --dtype float32"))
+            g = r["generate"]
+            rows.append((name, "generated_tokens", g["new_tokens"], f"asked {g['requested_tokens']}, --no-stop"))
+            rows.append((name, "generated_chars", g["text_chars"], f"device: {g['device']}"))
+        elif name == "two_ranks_one_gpu":
+            rows.append((name, "configuration", r["configuration"], r["why"][:300]))
+            rows.append((name, "attempts", len(r["attempts"]), f"process group: {r['dist_backend']}"))
+            rows.append((name, "max_rel_loss_diff", r["max_rel_diff"],
+                         f"per step, {r['steps']} steps, 2 ranks against 1 rank, {r['precision']}"))
+            last = r["losses"][-1]["fp32_bound"] if r["losses"] else None
+            rows.append((name, "fp32_bound_last_step", last, "tests.numerics.prob_tol(step * lm_chain_length)"))
+            rows.append((name, "within_fp32_bound", r["within_fp32_bound"], "every step"))
+        elif name == "memory":
+            for p, v in r["policies"].items():
+                rows.append((name, f"{p}.estimate_bytes", v["estimate_bytes"], f"pid {v['pid']}"))
+                rows.append((name, f"{p}.measured_bytes", v["measured_bytes"], ""))
+                rows.append((name, f"{p}.ratio", v["ratio"], NOT_MEASURED if dry else "measured / estimate"))
+        elif name == "mfu_layer":
+            sh = r["shape"]
+            rows.append((name, "tokens", r["tokens"], f"B={sh['batch']} x S={sh['seq_len']}, H={sh['hidden']} "
+                         f"E={sh['experts']} K={sh['top_k']} F={sh['expert_ffn']}, {r['dtype']} on {r['device_name']}"))
+            rows.append((name, "train_flops_per_token", r["train_flops_per_token"], "3 x forward, one layer"))
+            rows.append((name, "median_ms", r["median_s"] * 1e3, f"forward+backward, median of {len(r['times_s'])}"))
+            rows.append((name, "tflops_per_s", r["tflops_per_s"], "full attention convention"))
+            rows.append((name, "tflops_per_s_causal", r["tflops_per_s_causal"], "causal convention"))
+            rows.append((name, "mfu", "n/a" if r["mfu"] is None else r["mfu"],
+                         r["mfu_note"] or f"dense bf16 peak {r['peak_tflops']:g} TFLOP/s"))
+            rows.append((name, "mfu_causal", "n/a" if r["mfu_causal"] is None else r["mfu_causal"], ""))
+    return rows
 
 
-def _render_header(state: dict[str, Any]) -> list[str]:
+def render_table(rows: list[tuple[str, str, Any, str]]) -> list[str]:
+    """The table as text: columns separated by at least two spaces (cells hold none), the note
+    last; a header, a line of dashes, the rows, a blank line."""
+    cells = [list(TABLE_HEAD)] + [[s, i, fmt(v), " ".join(str(n).split())] for s, i, v, n in rows]
+    widths = [max(len(r[c]) for r in cells) for c in range(3)]
+    lines = ["  ".join([*(r[c].ljust(widths[c]) for c in range(3)), r[3]]).rstrip() for r in cells]
+    return [lines[0], "-" * max(len(ln) for ln in lines)] + lines[1:] + [""]
+
+
+def render_text(state: dict[str, Any]) -> str:
+    """``gpu_check.txt``: the machine, then one table of every section's numbers."""
     m = state["machine"]
     kind = ("DRY RUN on CPU (fp32, tiny sizes): checks the script, these numbers are not measurements"
-            if state["dry_run"] else "one GPU, bf16")
+            if state["dry_run"] else "one GPU")
     gpu = (f"{m['device_name']} (sm_{''.join(map(str, m['capability']))}, {m['gpu_memory_bytes'] / 2**30:.1f} GiB, "
            f"bf16 {fmt(m['bf16_supported'])})" if m.get("device_name") else "no CUDA device")
     L = [f"smelt-ds gpu_check {m['date_utc']}  ({kind})",
          f"machine: {gpu}; torch {m['torch']}, CUDA {m['cuda_version']}, deepspeed {m['packages']['deepspeed']}, "
-         f"transformers {m['packages']['transformers']}, python {m['python']}, {m['cpu_count']} CPUs"]
+         f"python {m['python']}, {m['cpu_count']} CPUs"]
     if m["missing_modules"]:
         L.append(f"MISSING Python modules: {', '.join(m['missing_modules'])} (sections needing them are skipped)")
-    L.append("")
-    L += _table(["section", "status", "elapsed_s", "budget_s"],
-                [[n, r.get("status"), r.get("elapsed_s"), r.get("budget_s")] for n, r in state["sections"].items()])
-    for n, r in state["sections"].items():
-        if r.get("status") not in ("ok", "running"):
-            err = r.get("error") or {}
-            L.append(f"  {n}: {err.get('type', '')}: {(err.get('message') or r.get('reason', ''))[:300]}")
-    return L if L[-1] == "" else L + [""]
+    L += [f"FLOPs: {FLOPS_CONVENTION}", ""]
+    return "\n".join(L + render_table(table_rows(state))) + "\n"
 
 
-def _render_train(state: dict[str, Any]) -> list[str]:
-    legs: list[tuple[str, dict[str, Any]]] = [(leg, r) for leg in ("eager", "compiled")
-                                              if (r := _ok(state, f"train_{leg}")) is not None]
-    if not legs:
-        return []
-    first = legs[0][1]
-    v = first["variant"]
-    L = ["(b) training steps", f"recipe: {v['description']}", f"overrides: {' '.join(v['overrides'])}",
-         f"non-embedding params {v['non_embedding_params']:,} (all experts; embeddings excluded), active "
-         f"{v['active_non_embedding_params']:,}; train FLOPs/token {first['train_flops_per_token']:.4g}",
-         f"precision: {first['bf16_note']}",
-         f"MFU = TFLOP/s / {first['peak_tflops']:g} ({first['peak_source']})" if first["peak_tflops"]
-         else "MFU: not reported (CPU / not bf16)",
-         f"FLOPs: {FLOPS_CONVENTION}"]
-    L += _table(TRAIN_HEAD, [[leg, r["tokens_per_step"], r["median_step_s"], r["tokens_per_s"], r["tflops_per_s"],
-                              r["mfu"], r["mfu_causal"], r["first_step_s"], r["compile_s"],
-                              None if r["peak_allocated_bytes"] is None else r["peak_allocated_bytes"] / 2**30]
-                             for leg, r in legs])
-    if "compiled_speedup" in state["summary"]:
-        L += [f"compiled / eager throughput: {fmt(state['summary']['compiled_speedup'])}x", ""]
-    for leg, r in legs:
-        if r.get("dynamo_counters"):
-            c = r["dynamo_counters"]
-            L += [f"{leg} dynamo: {c.get('stats', {})}, graph breaks {c.get('graph_breaks')}", ""]
-        if r.get("profile"):
-            p = r["profile"]
-            L += [f"profile, {leg}: top {len(p['top'])} {p['what']} over {p['steps']} step(s), "
-                      f"total {fmt(p['total_ms'])} ms"]
-            L += _table(["name", "ms_per_step", "share", "calls"],
-                        [[e["name"][:90], e["ms_per_step"], e["share"], e["calls"]] for e in p["top"]])
-    return L
-
-
-def _render_moe(moe: dict[str, Any]) -> list[str]:
-    sh = moe["shape"]
-    names = sorted({n for r in moe["rows"] for n in r["median_ms"]}, key=lambda n: (not n.startswith("ours"), n))
-    ours = [n for n in names if n.startswith("ours:")]
-    L = [f"(a) MoE layer forward+backward, {moe['device']} {moe['dtype']}, H={sh['hidden']} F={sh['expert_ffn']} "
-             f"E={sh['experts']} K={sh['top_k']}, median ms (ratio < 1: ours faster)"]
-    return L + _table(["tokens"] + [f"{n}_ms" for n in names] + ["hf_fastest"] + [f"{n}/hf" for n in ours],
-                      [[r["tokens"]] + [r["median_ms"].get(n) for n in names] + [r["hf_fastest"]]
-                       + [r["ratio_to_hf_fastest"][n] for n in ours] for r in moe["rows"]])
-
-
-def _render_memory(mem: dict[str, Any]) -> list[str]:
-    return [f"(c) memory, policy {mem['policy']}: {mem['what']}"] + _table(
-        ["measured_bytes", "predicted_bytes", "measured/predicted"],
-        [[mem["measured_bytes"], mem["predicted_bytes"], mem["ratio"]]])
-
-
-def _render_sdpa(sdpa: dict[str, Any]) -> list[str]:
-    sh = sdpa["shape"]
-    L = [f"(d) SDPA for (B={sh['batch']}, heads={sh['heads']}, S={sh['seq_len']}, D={sh['head_dim']}) "
-             f"{sh['dtype']} causal on {sh['device']}: default dispatch -> {sdpa['default_backend']} "
-             f"({', '.join(sdpa['default_aten_ops'])})"]
-    L += _table(["backend", "runs", "fwd_bwd_ms", "why_not"],
-                [[b, f["ok"], f.get("fwd_bwd_ms"), ((f.get("reasons") or [f.get("error") or ""])[0])[:110]]
-                 for b, f in sdpa["forced"].items()])
-    if sdpa["default_kernels"]:
-        L.append(f"attention kernels: {', '.join(sdpa['default_kernels'])}")
-    return L
-
-
-def _render_eval(ev: dict[str, Any]) -> list[str]:
-    return [f"(e) smelt-ds eval --device: the tiny SMELT's loss on {ev['device']} against the CPU in float32"] + _table(
-        ["leg", "loss", "rel_diff_to_cpu", "icl_correct"],
-        [[k, v["loss"], ev["loss_rel_diff_to_cpu_float32"][k], v["icl_correct"]] for k, v in ev["legs"].items()])
-
-
-def render_text(state: dict[str, Any]) -> str:
-    """``gpu_check.txt``: the machine, the section statuses and one table per section."""
-    L = _render_header(state) + _render_train(state)
-    for name, render in (("moe_layer", _render_moe), ("memory", _render_memory), ("sdpa", _render_sdpa),
-                         ("eval_device", _render_eval)):
-        r = _ok(state, name)
-        if r is not None:
-            L += render(r)
-    return "\n".join(L) + "\n"
+def parse_table(text: str) -> list[tuple[str, str, str, str]]:
+    """The rows of the table in ``text`` (as :func:`render_table` writes it): ``(section, item,
+    value, note)`` strings."""
+    lines = text.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.split()[:4] == list(TABLE_HEAD))
+    rows = []
+    for ln in lines[head + 2:]:
+        if not ln.strip():
+            break
+        parts = re.split(r"\s{2,}", ln.strip(), maxsplit=3)
+        rows.append((*parts, *[""] * (4 - len(parts))))
+    return [tuple(r[:4]) for r in rows]  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -962,20 +1159,15 @@ def _sections_arg(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="gpu_check.py", description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="sections: " + ", ".join(SECTIONS))
+                                epilog="sections, in the order they run: " + ", ".join(SECTIONS))
     p.add_argument("--out", default=None, help="output directory (default: $OUT)")
     p.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny sizes: the same code path, for CI")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="wall-clock seconds for all sections together (default 420: done within 8 minutes)")
     p.add_argument("--sections", type=_sections_arg, default=list(SECTIONS),
                    help="comma-separated subset to run (default: all)")
-    p.add_argument("--recipe", default=None,
-                   help="recipe for every section (default recipes/s/smelt.yaml; dry run recipes/tiny/smelt.yaml)")
-    p.add_argument("--micro-batch", type=int, default=None, help="samples per step (default 8; dry run 2)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra recipe override for every section, e.g. --set moe.expert_impl=grouped_mm")
     p.add_argument("--fail-section", action="append", default=[], metavar="NAME[:MODE]", type=_fail_arg,
                    help="TEST-ONLY HOOK: make section NAME fail (MODE raise: an exception; exit: the process dies "
                         "without a result; hang: it sleeps until its time is up), to test that failures are "

@@ -1,7 +1,8 @@
 """`smelt-ds eval --device / --dtype`: the models run where and in what dtype they are asked to,
 the numbers are those of a plain-PyTorch evaluation of the same model in that dtype, and what a
 machine cannot do is one clear error. The CUDA path runs in bench/gpu_check.py (section
-``eval_device``), on a GPU machine, against the CPU's numbers."""
+``tiny_journey``: ``--device cuda`` against the export on ``--device cpu --dtype float32``), on a GPU
+machine."""
 
 from __future__ import annotations
 
