@@ -24,6 +24,7 @@ from smelt_ds.config.loading import config_from_dict, config_to_dict
 from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.model import SmeltLM
+from smelt_ds.parallel.device import to_device
 from smelt_ds.parallel.distributed import init_distributed
 from smelt_ds.parallel.engine import configure_activation_checkpointing
 from smelt_ds.parallel.memory import POLICIES, activation_bytes, estimate, model_states, param_counts
@@ -150,8 +151,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 def _random_batch(cfg: RunConfig, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     B, S, V = cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.vocab_size
-    ids = torch.randint(0, V, (B, S), generator=g).to(device)
-    labels = torch.randint(0, V, (B, S), generator=g).to(device)
+    ids, labels = to_device(device, torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g))
     return ids, labels
 
 
