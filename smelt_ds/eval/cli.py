@@ -187,6 +187,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--domains", default=None, action=CommaList,
                    help="comma-separated validation domains (default: all)")
     a.add_argument("--top", type=int, default=3, help="how many highest-mass positions to report (default 3)")
+    a.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="where the models run: auto (the default: CUDA when available, else the CPU), cpu, cuda "
+                        "or cuda:N")
+    a.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
+                   help="the models' dtype (default auto: bfloat16 on a CUDA device that supports it, else float32)")
     a.set_defaults(func=run_analyze)
 
     g = sub.add_parser("generate", help="decode text with the per-visit KV cache and print tokens/s",
@@ -249,7 +254,8 @@ def _load(args):
         resolve_dtype(args.dtype, resolve_device(args.device))
     runs = load_runs(args.runs, args.set, _comma_list(args.names), args.allow_other_tokenizer)
     if getattr(args, "device", None) is not None:
-        place_runs(runs, args.device, args.dtype)
+        dev, dt = place_runs(runs, args.device, args.dtype)
+        args.placement = {"device": str(dev), "dtype": str(dt).removeprefix("torch.")}
     if getattr(args, "corpus", None):
 
         for r in runs:
@@ -264,8 +270,13 @@ def _out_dir(args, runs) -> Path:
     return Path("evals") / "_vs_".join(safe_name(r.name) for r in runs)
 
 
-def _finish(result, rows, out: Path, stem: str, plot, no_plots: bool) -> None:
-
+def _finish(result, rows, out: Path, stem: str, plot, no_plots: bool, placement: dict | None = None) -> None:
+    """Plots, ``<stem>.json`` / ``<stem>.md`` and the console table; ``placement`` (``{"device",
+    "dtype"}`` the models ran in) goes into the result's settings and a note of both files."""
+    if placement:
+        result["settings"] = {**result.get("settings", {}), **placement}
+        result["notes"] = [*result.get("notes", []), f"computed with the models on {placement['device']} in "
+                                                     f"{placement['dtype']} (--device, --dtype)"]
     if not no_plots:
         result["figures"] = plot(result, out)
     jpath, mpath = write_report(result, rows, out, stem)
@@ -330,7 +341,8 @@ def _run_default(args: argparse.Namespace) -> int:
                             training_windows=args.training_windows)
     runs = _load(args)
     result = evaluate_runs(runs, settings)
-    _finish(result, eval_table(result), _out_dir(args, runs), "eval", plot_eval, args.no_plots)
+    _finish(result, eval_table(result), _out_dir(args, runs), "eval", plot_eval, args.no_plots,
+            getattr(args, "placement", None))
     return 0
 
 
@@ -341,7 +353,8 @@ def run_analyze(args: argparse.Namespace) -> int:
                                 domains=_comma_list(args.domains), top_m=args.top)
     runs = _load(args)
     result = analyze_runs(runs, settings)
-    _finish(result, analysis_table(result), _out_dir(args, runs), "analysis", plot_analysis, args.no_plots)
+    _finish(result, analysis_table(result), _out_dir(args, runs), "analysis", plot_analysis, args.no_plots,
+            getattr(args, "placement", None))
     return 0
 
 
@@ -356,7 +369,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.loop_repeats is not None or args.exit_after is not None:
         run.model.set_loop(loop_with_repeats(run.cfg.loop, run.cfg.model.num_layers, args.loop_repeats,
                                              args.exit_after))
-    place_runs([run], args.device, args.dtype, log=lambda m: print(m, file=sys.stderr))
+    place_runs([run], args.device, args.dtype, log=lambda m: print(m, file=sys.stderr), verb="decoding")
     data = open_eval_data(run.cfg)
     ids = encode_prompt(data.tokenizer, args.prompt, data.eot_id)
     eos = None if args.no_stop else data.eot_id

@@ -71,17 +71,19 @@ def resolve_dtype(text: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def place_runs(runs, device: str = "cpu", dtype: str = "auto", log=print) -> tuple[torch.device, torch.dtype]:
+def place_runs(runs, device: str = "cpu", dtype: str = "auto", log=print,
+               verb: str = "evaluating") -> tuple[torch.device, torch.dtype]:
     """Move every run's model (``LoadedRun.model``) to ``device`` in ``dtype`` (see
-    :func:`resolve_device`, :func:`resolve_dtype`), in place; says where when it is not CPU fp32.
+    :func:`resolve_device`, :func:`resolve_dtype`), in place; says where when it is not CPU fp32
+    (``verb``: what the models are for; ``"evaluating"`` adds that losses are reduced in fp64).
     Returns the device and dtype. Raises ConfigError as those do."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     for r in runs:
         r.model.to(device=dev, dtype=dt)
     if (dev.type, dt) != ("cpu", torch.float32):
-        log(f"evaluating on {dev} in {str(dt).removeprefix('torch.')} (--device {device}, --dtype {dtype}); "
-            "losses are reduced in fp64 on the CPU")
+        log(f"{verb} on {dev} in {str(dt).removeprefix('torch.')} (--device {device}, --dtype {dtype})"
+            + ("; losses are reduced in fp64 on the CPU" if verb == "evaluating" else ""))
     return dev, dt
 
 

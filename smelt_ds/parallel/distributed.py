@@ -15,7 +15,7 @@ import torch
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel import control
 
-__all__ = ["BACKEND_ENV", "find_free_port", "init_distributed", "on_rank0", "sync_flag"]
+__all__ = ["BACKEND_ENV", "check_backend", "find_free_port", "init_distributed", "on_rank0", "sync_flag"]
 
 
 def find_free_port() -> int:
@@ -31,12 +31,38 @@ def find_free_port() -> int:
 BACKEND_ENV = "SMELT_DIST_BACKEND"
 
 
+_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
+def check_backend(text: str) -> str:
+    """``$SMELT_DIST_BACKEND``'s value checked before any process group: one backend name
+    (:data:`_BACKENDS`) or ``device:backend`` pairs separated by commas (devices ``cpu``, ``cuda``),
+    each usable on this machine (NCCL and the ``cuda`` device need CUDA). Returns ``text``; raises
+    ConfigError naming the variable, the value and the fix."""
+    import torch.distributed as dist
+
+    fix = f"unset {BACKEND_ENV}, or set e.g. cuda:gloo (NCCL's device map through gloo) on a CUDA machine"
+    pairs = [p.strip().split(":", 1) if ":" in p else ["", p.strip()] for p in text.split(",")]
+    if any(backend not in _BACKENDS or device not in ("", "cpu", "cuda") or (device == "" and len(pairs) > 1)
+           for device, backend in pairs):
+        raise ConfigError(f"`{BACKEND_ENV}` ({text!r}) is not a torch.distributed backend: use one of "
+                          f"{', '.join(_BACKENDS)} or device:backend pairs such as cpu:gloo,cuda:nccl; or {fix}")
+    for device, backend in pairs:
+        if (backend == "nccl" or device == "cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"`{BACKEND_ENV}` ({text!r}) needs CUDA, which this machine lacks "
+                              f"(torch.cuda.is_available() is False): {fix}")
+        if backend == "nccl" and not dist.is_nccl_available():
+            raise ConfigError(f"`{BACKEND_ENV}` ({text!r}): this torch has no NCCL: {fix}")
+    return text
+
+
 def init_distributed(timeout_s: float | None = None) -> tuple[int, int, int]:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA, or the backend
     string of ``$SMELT_DIST_BACKEND``) when launched with several ranks, or as a world of one,
     then the control group (:func:`smelt_ds.parallel.control.init_control_group`: a gloo group
     for host values when the default group has no CPU backend). ``timeout_s``: every group's
-    collective timeout in seconds (None: DeepSpeed's default, 30 minutes).
+    collective timeout in seconds (None: DeepSpeed's default, 30 minutes). Raises ConfigError for
+    a bad ``$SMELT_DIST_BACKEND`` (:func:`check_backend`).
 
     The CUDA device of a rank is ``LOCAL_RANK`` modulo the visible devices: a scheduler that binds
     one GPU per task (Slurm's ``--gpus-per-task``) shows each task only ``cuda:0``.
@@ -53,7 +79,8 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, int]:
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(find_free_port())
     backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
-    backend = os.environ.get(BACKEND_ENV) or backend
+    if os.environ.get(BACKEND_ENV):  # an emulation's or the one-GPU check's backend, checked first
+        backend = check_backend(os.environ[BACKEND_ENV])
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     if timeout is None:
         deepspeed.init_distributed(dist_backend=backend)

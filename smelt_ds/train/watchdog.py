@@ -6,7 +6,7 @@ stopped process) otherwise waits for the backends' defaults (gloo 30 min, NCCL 1
 ``init_distributed`` 30 min) with every GPU idle. :class:`HangWatchdog` is a thread armed before
 each step, validation and save with a timeout (``train.watchdog``, :meth:`HangWatchdog.step_timeout`);
 when it expires it writes every thread's Python stack (:func:`faulthandler.dump_traceback`) to
-``<run_dir>/hangs/rank<R>.txt``, asks the other ranks of its host to write theirs (SIGCONT, then
+``<run_dir>/hangs/rank<RRRRR>.txt`` (zero-padded), asks the other ranks of its host to write theirs (SIGCONT, then
 SIGUSR2, on which every rank has :func:`faulthandler.register`-ed a dump: it runs in C, without the
 GIL or the main thread), writes its flight-recorder traces (its last collectives, torch's format:
 :func:`dump_flight_recorder`), prints what it knows of its peers and exits with status
@@ -281,8 +281,8 @@ class HangWatchdog:
         peers = describe_peers(self.peers, self.rank)
         print(f"\nrank {self.rank}: hang watchdog: no progress for {self._armed_s:.0f} s in {self._what}; "
               f"every thread's stack written to {self.path}"
-              + (f" (ranks {', '.join(map(str, asked))} of this host asked to write theirs to "
-                 f"{self.dir}/rank<R>.txt)" if asked else "")
+              + (f" ({'rank' if len(asked) == 1 else 'ranks'} {', '.join(map(str, asked))} of this host "
+                 f"asked to write theirs to {self.dir}/rank<RRRRR>.txt)" if asked else "")
               + (f"; its last collectives (the flight recorder) in {', '.join(map(str, traces))}" if traces else "")
               + f". Peers: {peers}. Exiting with status {HANG_EXIT} so that the job ends (a scheduler may "
               "requeue it); --resume auto continues from the newest complete checkpoint. "

@@ -177,7 +177,7 @@ def test_generate_places_the_model_where_device_and_dtype_say(random_exports, ca
     assert _cli(*args, "--device", "cpu", "--dtype", "bfloat16") == 0
     captured = capsys.readouterr()
     got = json.loads(captured.out)[0]["ids"]
-    assert "evaluating on cpu in bfloat16" in captured.err
+    assert "decoding on cpu in bfloat16" in captured.err and "losses" not in captured.err
     run = load_run(random_exports["smelt"])
     run.model.to(torch.bfloat16)
     data = open_eval_data(run.cfg)
@@ -200,3 +200,17 @@ def test_bad_input_is_one_clear_error(tmp_path, random_exports, capsys):
     assert "`--names`" in capsys.readouterr().err
     assert _cli("generate", random_exports["smelt"], "--prompt", "x", "--max-new-tokens", "500") == 2
     assert "`--max-new-tokens` (500)" in capsys.readouterr().err
+
+
+def test_eval_and_analyze_record_the_device_and_dtype_they_ran_in(eval_out, random_exports, tmp_path):
+    """eval.json / analysis.json settings and a note of the .md say where the models ran: eval's default
+    on this CPU machine is float32 (auto), analyze --dtype bfloat16 says bfloat16."""
+    res = json.loads((eval_out / "eval.json").read_text())
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert res["settings"]["device"].startswith(want) and res["settings"]["dtype"] in ("float32", "bfloat16")
+    out = tmp_path / "a"
+    assert _cli("analyze", random_exports["smelt"], "-o", out, "--batches", "1", "--micro-batch", "2",
+                "--device", "cpu", "--dtype", "bfloat16", "--no-plots") == 0
+    res = json.loads((out / "analysis.json").read_text())
+    assert (res["settings"]["device"], res["settings"]["dtype"]) == ("cpu", "bfloat16")
+    assert "computed with the models on cpu in bfloat16" in (out / "analysis.md").read_text()

@@ -194,3 +194,24 @@ def test_the_static_rule_sees_each_kind_of_violation():
         "f: all_reduce of t, a tensor built without a device", "g: all_gather_object without group=",
         "g: barrier without group="]
     assert control_collective_violations(good, "m") == []
+
+
+@pytest.mark.parametrize("value, error", [
+    ("nonsense", "is not a torch.distributed backend"),
+    ("cuda:gloo,gloo", "is not a torch.distributed backend"),
+    ("tpu:gloo", "is not a torch.distributed backend"),
+    ("cuda:gloo", "needs CUDA"),
+    ("nccl", "needs CUDA"),
+])
+def test_a_bad_backend_override_is_one_clear_error(value, error):
+    """``SMELT_DIST_BACKEND`` is checked before any process group: a value torch would refuse with an
+    AssertionError deep in init_process_group, or one this CPU machine cannot serve, is a ConfigError
+    naming the variable, the value and the fix."""
+    from smelt_ds.errors import ConfigError
+    from smelt_ds.parallel.distributed import BACKEND_ENV, check_backend
+
+    if torch.cuda.is_available() and error == "needs CUDA":
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match=rf"`{BACKEND_ENV}` \('{value}'\) {error}.*unset {BACKEND_ENV}"):
+        check_backend(value)
+    assert check_backend("gloo") == "gloo" and check_backend("cpu:gloo") == "cpu:gloo"
