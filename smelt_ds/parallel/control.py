@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["active", "world_size", "init_control_group", "control_group", "serves_cpu", "all_reduce_sum",
+__all__ = ["active", "init_control_group", "control_group", "serves_cpu", "all_reduce_sum",
            "all_reduce_max", "gather_objects", "broadcast_object", "barrier", "reset", "timeout_of", "all_groups"]
 
 _GROUP: Any = None  # the control group when it is not the default one
@@ -39,13 +39,6 @@ def active() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def world_size() -> int:
-    """Ranks of the default group (1 without one)."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def serves_cpu(group=None) -> bool:
