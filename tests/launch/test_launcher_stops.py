@@ -6,11 +6,11 @@ every logged loss equals, bit for bit, the loss of the shared reference run
 
 - bare ``deepspeed --module smelt_ds.train``: SIGTERM to the runner alone (it dies; its ranks see
   their launcher gone, save and exit);
-- the rendered deepspeed-launcher script, single host, then with a one-host hostfile: SIGTERM to
-  ``bash run.sh`` (it creates RUN_DIR/STOP and waits; the ranks save and exit 143, which the
-  launcher and the script pass on);
-- the Kubernetes pod command (``bash -c``, which becomes torchrun, as the Slurm step does): SIGTERM
-  to it, as the kubelet sends it, reaches torchrun, which passes it to the ranks: exit 143.
+- the rendered deepspeed-launcher script on a single host: SIGTERM to ``bash run.sh`` (it creates
+  RUN_DIR/STOP and waits; the ranks save and exit 143, which the launcher and the script pass on).
+
+The jobs of several hosts (Slurm, the deepspeed launcher with a hostfile, the Kubernetes pods) stop
+and resume on two hosts in tests/launch/test_hosts.py.
 
 ``smelt-ds train --nproc`` is the reference's launcher (and tests/train/test_train_cli.py's)."""
 
@@ -27,22 +27,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
-from smelt_ds.launch.jobs import JobOptions, k8s_pod_command, plan_job, render
+from smelt_ds.launch.jobs import JobOptions, plan_job, render
 from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.testing import scaled_timeout
 from tests.two_ranks import REFERENCE_STEPS, ROOT, losses, train_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-
-
-FAKE_SSH = """#!/bin/bash
-# ssh [-o OPTION]... HOST COMMAND...: runs COMMAND here (loopback stands in for HOST)
-while [[ "$1" == -o ]]; do shift 2; done
-shift
-exec bash -c "$*"
-"""
 
 
 def _free_port() -> int:
@@ -129,7 +120,7 @@ def test_the_reference_run_through_the_deepspeed_launcher_wrote_its_run_director
     assert sorted(p.name for p in final.glob("client_rank*.pt")) == ["client_rank0.pt", "client_rank1.pt"]
 
 
-def test_deepspeed_bare_then_rendered_single_host_then_hostfile_stop_and_resume_on_the_trajectory(
+def test_deepspeed_bare_then_rendered_single_host_stop_and_resume_on_the_trajectory(
         two_rank_reference, tmp_path):
     ref = two_rank_reference
     run = tmp_path / "run"
@@ -148,44 +139,4 @@ def test_deepspeed_bare_then_rendered_single_host_then_hostfile_stop_and_resume_
     assert f"smelt-ds: SIGTERM: created {run}/STOP" in log.read_text()
     assert second == max(losses(run))
 
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("localhost slots=2\n")
-    with_hostfile = tmp_path / "run_hostfile.sh"
-    with_hostfile.write_text(render(_plan(ref.recipe, "deepspeed", run, hostfile=str(hostfile),
-                                          master_port=_free_port())))
-    # with a hostfile the runner first checks passwordless ssh to its first host (then, for one host,
-    # starts launch.py here): an ssh that runs the command on this machine stands in for it
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "ssh").write_text(FAKE_SSH)
-    (bindir / "ssh").chmod(0o755)
-    rc, third = _stop_after(["bash", str(with_hostfile)], run, second + 3, log,
-                            PATH=f"{bindir}:{os.environ['PATH']}")
-    assert rc == 128 + signal.SIGTERM, log.read_text()[-3000:]
-    assert f"--hostfile {hostfile}" in log.read_text()
-    _check_trajectory(run, ref.losses, [first, second, third])
-
-
-def test_kubernetes_pod_command_stops_and_resumes_on_the_trajectory(two_rank_reference, tmp_path):
-    ref = two_rank_reference
-    log = tmp_path / "log.txt"
-    # the pod's working directory is tmp_path: its runs volume holds the run and the data cache (the
-    # reference's, linked), as render-job requires of a pod's writable paths
-    (tmp_path / "runs").mkdir()
-    (tmp_path / "runs" / "cache").symlink_to(ref.cache)
-    run = tmp_path / "runs" / "k8s"
-    cache = [f"data.cache_dir={tmp_path / 'runs' / 'cache'}"]
-    plan = plan_job(ref.recipe, JobOptions(scheduler="k8s", nodes=1, gpus_per_node=2, workdir=str(tmp_path),
-                                           run_dir=str(run), overrides=cache))
-    recipe_map, _ = yaml.safe_load_all(render(plan))  # the pod trains the manifest's ConfigMap copy
-    (tmp_path / "recipe.yaml").write_text(recipe_map["data"]["recipe.yaml"])
-    cmd = ["bash", "-c", k8s_pod_command(plan)]
-    # what the PyTorchJob operator sets in the master pod, and the ConfigMap's mount here
-    pod = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "SMELT_RECIPE": str(tmp_path / "recipe.yaml")}
-    stops = []
-    for _ in range(2):
-        rc, step = _stop_after(cmd, run, (stops[-1] if stops else 0) + 3, log, MASTER_PORT=str(_free_port()), **pod)
-        assert rc == 128 + signal.SIGTERM, log.read_text()[-3000:]
-        assert step == max(losses(run))
-        stops.append(step)
-    _check_trajectory(run, ref.losses, stops)
+    _check_trajectory(run, ref.losses, [first, second])
