@@ -15,7 +15,8 @@
 # it SIGKILLs them 30 s after SIGTERM, which can cut a checkpoint short. So this script runs the
 # launcher in the background and, on SIGTERM, SIGINT or SIGHUP, creates RUN_DIR/STOP: the ranks on
 # every host finish their step, save a checkpoint together and exit 143; the script waits for the
-# launcher and exits with its status. `touch RUN_DIR/STOP` does the same from anywhere. The ranks
+# launcher and exits with its status. `touch RUN_DIR/STOP` does the same from anywhere, during
+# start-up too (a STOP left by an earlier run is removed before the launcher starts). The ranks
 # on this host also stop (and save) when this script dies (SMELT_LAUNCHER_PID).
 set -euo pipefail
 
@@ -73,10 +74,18 @@ eval "train_args=($SMELT_TRAIN_ARGS)"
 echo "smelt-ds: ${launcher[*]} --module smelt_ds.train $SMELT_RECIPE --resume auto ${train_args[*]}" >&2
 
 # ---- stop: SIGTERM / SIGINT / SIGHUP -> RUN_DIR/STOP -> every rank saves a checkpoint and exits 143 ----
+# A STOP left by an earlier run is not for this one: remove it before the launcher starts. From here on any
+# STOP (this script's, or a `touch`), even one written while the ranks start, stops them at their next step.
+if [[ -e "$SMELT_RUN_DIR/STOP" ]]; then
+  rm -f "$SMELT_RUN_DIR/STOP"
+  echo "smelt-ds: removed $SMELT_RUN_DIR/STOP left by an earlier run" >&2
+fi
 got_signal=0
-stop_ranks() {
+stop_ranks() {  # the file holds a nonce (rank 0 tells it from a STOP it already honoured), written whole by a rename
   got_signal=1
-  mkdir -p "$SMELT_RUN_DIR" && touch "$SMELT_RUN_DIR/STOP"
+  mkdir -p "$SMELT_RUN_DIR" &&
+    echo "$(cat /proc/sys/kernel/random/uuid 2>/dev/null || echo "$RANDOM$RANDOM$RANDOM") $1 to pid $$ on" \
+      "$(hostname)" > "$SMELT_RUN_DIR/.STOP.$$" && mv -f "$SMELT_RUN_DIR/.STOP.$$" "$SMELT_RUN_DIR/STOP"
   echo "smelt-ds: $1: created $SMELT_RUN_DIR/STOP: the ranks finish their step, save a checkpoint and exit;" \
     "waiting for the launcher" >&2
 }

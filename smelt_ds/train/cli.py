@@ -20,6 +20,7 @@ from smelt_ds.runs.run_lock import RunLock
 from smelt_ds.train.guards import check_optional_packages, check_run_dir
 from smelt_ds.train.loop import add_train_arguments, launcher_command, run_and_report
 from smelt_ds.train.profiler import check_profile
+from smelt_ds.train.stop import clear_stop_file
 from smelt_ds.train.trackers import check_trackers
 
 
@@ -58,8 +59,10 @@ def check_before_launch(args: argparse.Namespace) -> RunConfig:
     (:func:`smelt_ds.train.trackers.check_trackers`), the profiled window and ranks
     (:func:`smelt_ds.train.profiler.check_profile`), the run directory's lock (another
     training using it) and the run-directory guards for ``--resume`` with ``--nproc`` ranks
-    (:func:`smelt_ds.train.guards.check_run_dir`, changing nothing). Returns the config as the ranks
-    will train it; raises ConfigError."""
+    (:func:`smelt_ds.train.guards.check_run_dir`, changing nothing). Then, holding the run's lock,
+    it removes a stop file left by an earlier run (:func:`smelt_ds.train.stop.clear_stop_file`): a
+    STOP written from then on, during start-up included, stops this run at its next step. Returns
+    the config as the ranks will train it; raises ConfigError."""
     cfg = load_config(args.recipe, args.set)
     out_dir = Path(args.run_dir or cfg.train.run_dir.format(name=cfg.name))
     if args.run_dir is not None:  # as smelt_ds.train.loop.train resolves it
@@ -73,6 +76,7 @@ def check_before_launch(args: argparse.Namespace) -> RunConfig:
         return cfg
     with RunLock(out_dir):  # another training there is named now, not once per rank later
         check_run_dir(out_dir, cfg, args.resume, args.nproc, take_over=False)
+        clear_stop_file(out_dir, "smelt-ds train")  # no training runs there: a STOP there is an earlier run's
     return cfg
 
 

@@ -519,12 +519,11 @@ def _save_or_stop(fit: _Fit, stops: StopSources, reason: str | None) -> bool:
                   client_extra={"step_guard": fit.guard.state_dict(), "counters": engine_counters(fit.built)})
     if not stop:
         return False
+    stops.consume(step)  # the saved checkpoint answers every stop file written before it
     result.stopped_early = step < cfg.train.max_steps or reason == "skips"
     if not result.stopped_early:
         return True
     result.stop_reason = reason
-    if reason in ("signal", "stop_file", "launcher"):
-        stops.consume()
     if fit.rank == 0:
         if reason == "skips":
             why = (f"{fit.guard.consecutive} consecutive skipped steps (train.step_guard.max_consecutive_skips "

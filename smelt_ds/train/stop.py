@@ -7,12 +7,22 @@ them finish the same step, save one checkpoint together and exit with status 143
 
 * **signals**: SIGTERM, SIGINT and SIGHUP delivered to the rank (a scheduler, ``kill``, Ctrl-C, a
   launcher that forwards them, torchrun's shutdown);
-* **the stop file** ``<run_dir>/STOP``: created after this process started (an older one is stale
-  and ignored), read on rank 0 only (one ``stat`` per step on a shared filesystem). The rendered
-  deepspeed-launcher job creates it on SIGTERM: the DeepSpeed launcher does not pass a signal on
-  to the ranks of one host, and on several hosts its ``launch.py`` SIGKILLs the ranks 30 seconds
-  after SIGTERM, which can cut a save short. ``touch <run_dir>/STOP`` stops a run from anywhere
-  (it is removed once the stop checkpoint is saved);
+* **the stop file** ``<run_dir>/STOP``, read on rank 0 only (one ``stat`` per step on a shared
+  filesystem). Any STOP there stops the run at its next step, one written during start-up (data
+  preparation, engine build, restore) at step 1, except the one this run has already honoured:
+  once the stop checkpoint is saved, rank 0 records the file's identity in
+  ``<run_dir>/STOP.honoured`` (:class:`StopFileId`: inode, modification time and size as the file
+  system stores them, and the SHA-256 of its content, where a writer puts a nonce) and removes the
+  file; a STOP with that identity, left because it could not be removed, is ignored. No decision
+  compares a file time with a clock, so a writer on a host whose clock is off (hours, either way)
+  stops the run as any other. Launchers that own a run remove a leftover STOP before they start
+  the ranks (:func:`clear_stop_file`: ``smelt-ds train``, the rendered deepspeed-launcher script),
+  so a STOP from before the launch is not taken for a new one; under other launchers (torchrun,
+  the Slurm and Kubernetes jobs) a STOP written while no rank ran stops the next run at step 1.
+  The rendered deepspeed-launcher job creates it on SIGTERM, with a nonce: the DeepSpeed launcher
+  does not pass a signal on to the ranks of one host, and on several hosts its ``launch.py``
+  SIGKILLs the ranks 30 seconds after SIGTERM, which can cut a save short. ``touch
+  <run_dir>/STOP`` stops a run from anywhere (touching a leftover STOP changes its identity);
 * **the launcher's death**: the launcher processes above this rank on its host
   (``deepspeed.launcher.runner``/``launch``, ``torch.distributed.run``/``torchrun``,
   ``smelt-ds train``, and the process named by ``SMELT_LAUNCHER_PID`` when it is an ancestor,
@@ -23,24 +33,31 @@ them finish the same step, save one checkpoint together and exit with status 143
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import sys
 import threading
-import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from smelt_ds.errors import ConfigError
+from smelt_ds.files import write_json_atomic
 from smelt_ds.parallel import control
 
-__all__ = ["STOP_FILE", "STOP_SIGNALS", "LAUNCHER_PID_ENV", "Ancestor", "StopSources", "agree", "launcher_ancestors",
-           "REASONS"]
+__all__ = ["STOP_FILE", "HONOURED_FILE", "STOP_SIGNALS", "LAUNCHER_PID_ENV", "Ancestor", "StopFileId", "StopSources",
+           "agree", "clear_stop_file", "launcher_ancestors", "stop_file_id", "REASONS"]
 
 #: the file whose creation stops a run (relative to the run directory)
 STOP_FILE = "STOP"
+#: the identity of the last stop file the run honoured (JSON, relative to the run directory)
+HONOURED_FILE = "STOP.honoured"
+#: bytes of a stop file hashed into its identity (a writer's nonce is a line)
+_HASHED_BYTES = 4096
 #: signals that stop a rank (each finishes its step and saves)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: environment variable naming an outer process (a job script) whose death stops the ranks below it
@@ -113,6 +130,64 @@ def launcher_ancestors(pid: int | None = None) -> list[Ancestor]:
     return out
 
 
+@dataclass(frozen=True)
+class StopFileId:
+    """What tells one stop file from another without a clock: its inode number, modification time
+    (nanoseconds, as the file system stores it: compared for equality only, never with a clock) and
+    size, and the SHA-256 of its first 4096 bytes (the writer's nonce; the empty file's hash after
+    ``touch``). A new ``touch`` changes the time, a rewrite the content, a new file the inode.
+    The device number is left out: it differs between the hosts that mount one shared file system."""
+
+    inode: int
+    mtime_ns: int
+    size: int
+    sha256: str
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def stop_file_id(path: Path) -> StopFileId | None:
+    """The identity of the stop file ``path`` (:class:`StopFileId`), None when there is none (or
+    it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            digest = hashlib.sha256(f.read(_HASHED_BYTES)).hexdigest()
+    except OSError:
+        return None
+    return StopFileId(*_stat_key(st), digest)
+
+
+def _read_honoured(path: Path) -> StopFileId | None:
+    """The identity recorded in ``path`` (:data:`HONOURED_FILE`); None when absent or unreadable
+    (then every stop file counts as new: the safe side is a stop with a checkpoint)."""
+    try:
+        raw = json.loads(path.read_text())
+        return StopFileId(int(raw["inode"]), int(raw["mtime_ns"]), int(raw["size"]), str(raw["sha256"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def clear_stop_file(run_dir: Path, by: str) -> bool:
+    """Remove ``<run_dir>/STOP`` left by an earlier run, before a launcher that owns the run starts
+    its ranks (``by`` names it in the note printed to stderr): a STOP written from then on stops
+    the new run. Returns whether a file was removed. Raises ConfigError when it cannot be removed
+    (the run would stop at its first step)."""
+    path = Path(run_dir) / STOP_FILE
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise ConfigError(f"{by}: the stop file {path} left by an earlier run cannot be removed ({e.strerror}): "
+                          "remove it, or the run stops at its first step") from None
+    print(f"{by}: removed the stop file {path} left by an earlier run (a STOP written from now on stops this one)",
+          file=sys.stderr)
+    return True
+
+
 class StopSources:
     """A context manager that installs the stop-signal handlers (main thread only) and records the
     launcher ancestors; :meth:`poll` says whether this rank saw a reason to stop.
@@ -121,8 +196,10 @@ class StopSources:
 
     def __init__(self, run_dir: Path, check_file: bool) -> None:
         self.stop_file = Path(run_dir) / STOP_FILE
+        self.honoured_file = Path(run_dir) / HONOURED_FILE
         self.check_file = check_file
-        self.started = time.time()
+        self.honoured = _read_honoured(self.honoured_file) if check_file else None
+        self._ignored: tuple[int, int, int] | None = None  # the stat of a STOP found to be the honoured one
         self.signal: int | None = None
         self.ancestors = launcher_ancestors()
         self.gone: Ancestor | None = None
@@ -143,10 +220,21 @@ class StopSources:
             signal.signal(sig, h)
 
     def _stop_file_is_new(self) -> bool:
+        """Whether a stop file is there and is not the one this run honoured (one ``stat``; the
+        content is read only when inode, time and size are the honoured file's, once)."""
         try:
-            return self.stop_file.stat().st_mtime >= self.started - 1.0
+            key = _stat_key(self.stop_file.stat())
         except OSError:
             return False
+        if self.honoured is None or key != _stat_key_of(self.honoured):
+            return True
+        if key == self._ignored:
+            return False
+        now = stop_file_id(self.stop_file)
+        if now is not None and now == self.honoured:
+            self._ignored = key
+            return False
+        return now is not None
 
     def poll(self) -> str | None:
         """This rank's reason to stop (``"signal"``, ``"stop_file"``, ``"launcher"``) or None."""
@@ -170,15 +258,34 @@ class StopSources:
             return f"the death of its launcher{what}"
         return reason
 
-    def consume(self) -> None:
-        """Remove the stop file once the stop checkpoint is saved (rank 0), so that the next
-        ``--resume auto`` trains on."""
-        if self.check_file and self._stop_file_is_new():
-            try:
-                self.stop_file.unlink()
-            except OSError as e:
-                print(f"could not remove the stop file {self.stop_file} ({e.strerror}): remove it before "
-                      "resuming, or the resumed run ignores it only because it is older", file=sys.stderr)
+    def consume(self, step: int | None = None) -> None:
+        """Once the stop checkpoint (of ``step``) is saved, on rank 0: record the identity of the
+        stop file there in :data:`HONOURED_FILE` and remove the file, so that the next ``--resume
+        auto`` trains on. The saved checkpoint answers every STOP written before it, whatever
+        stopped this run. A STOP that cannot be removed is ignored by the resumed run through the
+        record; when neither can be written, a message says to remove it."""
+        if not self.check_file:
+            return
+        ident = stop_file_id(self.stop_file)
+        if ident is None:
+            return
+        try:
+            write_json_atomic(self.honoured_file, {**asdict(ident), "step": step})
+            self.honoured, recorded = ident, ""
+        except OSError as e:
+            recorded = (f"nor record it in {self.honoured_file} ({e.strerror}): remove it before resuming, or the "
+                        "resumed run stops at its first step")
+        try:
+            self.stop_file.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            print(f"could not remove the stop file {self.stop_file} ({e.strerror}) "
+                  f"{recorded or f'(recorded in {self.honoured_file}: the resumed run ignores it)'}", file=sys.stderr)
+
+
+def _stat_key_of(ident: StopFileId) -> tuple[int, int, int]:
+    return ident.inode, ident.mtime_ns, ident.size
 
 
 def agree(reason: str | None, values: torch.Tensor | None = None) -> tuple[str | None, list[float]]:
