@@ -16,9 +16,15 @@ file; the recheck outlasts that gap). Only the owner's processes are looked at: 
 created the file, so it runs as its owner. This is safe with several local ranks starting at
 once: the rank that builds holds the lock open from the instant the file exists until it is gone,
 so no other rank judges it stale; a process of the owner whose open files cannot be read makes
-the verdict "not stale". A builder on another machine sharing the directory (a network home)
-cannot be seen from here, so the lock is never removed: :func:`check_build_lock` refuses to start
-and names the file to remove.
+the verdict "not stale". Nothing here reads a clock: the identity compared after ``recheck_s`` is
+the file's own (inode, modification time), so hosts whose clocks disagree judge it alike.
+
+A builder on another host sharing the directory cannot be seen from here, so a lock is judged
+only where every builder is on this host (:func:`builders_visible`): this host's own cache
+directory (:mod:`smelt_ds.parallel.extension_cache`, the default), or a directory on a local file
+system. In a user's ``TORCH_EXTENSIONS_DIR`` on a network file system a lock nobody here holds
+may be another host's live build: :func:`check_build_lock` then says so and lets torch wait. The
+lock is never removed here: a stale one is refused with the file to remove.
 """
 
 from __future__ import annotations
@@ -29,10 +35,41 @@ from pathlib import Path
 
 from smelt_ds.errors import ConfigError
 
-__all__ = ["LOCK_NAME", "lock_holders", "stale_lock", "check_build_lock"]
+__all__ = ["LOCK_NAME", "NETWORK_FILE_SYSTEMS", "builders_visible", "check_build_lock", "lock_holders", "stale_lock"]
 
 #: the file torch.utils.cpp_extension's FileBaton creates in an extension's build directory
 LOCK_NAME = "lock"
+
+
+#: file system types (``/proc/mounts``) that several hosts may mount at once
+NETWORK_FILE_SYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph",
+                                  "glusterfs", "9p", "afs", "panfs", "wekafs", "orangefs", "virtiofs"})
+
+
+def file_system_type(path: Path) -> str:
+    """The type of the file system holding ``path`` (the mount with the longest mount point that
+    contains it, from ``psutil.disk_partitions(all=True)``); "" when unknown."""
+    import psutil
+
+    target = os.path.realpath(path)
+    best, kind = "", ""
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint.rstrip("/") or "/"
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, part.fstype
+    return kind
+
+
+def builders_visible(build_dir: str | Path) -> bool:
+    """Whether every process that may build into ``build_dir`` runs on this host: it is under this
+    host's own extension directory (:func:`smelt_ds.parallel.extension_cache.host_extension_dir`),
+    or on a file system that is not a network one (:data:`NETWORK_FILE_SYSTEMS`, or ``fuse.*``)."""
+    from smelt_ds.parallel.extension_cache import host_extension_dir
+
+    if Path(os.path.realpath(build_dir)).is_relative_to(os.path.realpath(host_extension_dir())):
+        return True
+    kind = file_system_type(Path(build_dir))
+    return not (kind in NETWORK_FILE_SYSTEMS or kind.startswith("fuse"))
 
 
 def lock_holders(path: Path, proc: Path = Path("/proc")) -> list[int] | None:
@@ -89,14 +126,19 @@ def stale_lock(build_dir: str | Path, recheck_s: float = 0.5) -> Path | None:
     return lock
 
 
-def check_build_lock(build_dir: str | Path, op: str, recheck_s: float = 0.5) -> None:
+def check_build_lock(build_dir: str | Path, op: str, recheck_s: float = 0.5) -> str | None:
     """Raise ConfigError naming the file to remove when ``build_dir`` (the torch extension build
-    directory of DeepSpeed op ``op``) holds a stale lock (:func:`stale_lock`)."""
+    directory of DeepSpeed op ``op``) holds a stale lock (:func:`stale_lock`) and every builder
+    would run on this host (:func:`builders_visible`). Where another host may build (a user's
+    ``TORCH_EXTENSIONS_DIR`` on a network file system), returns a line saying that a lock nobody
+    here holds is there and torch waits for it; None otherwise."""
     lock = stale_lock(build_dir, recheck_s)
-    when = _identity(lock) if lock is not None else None
-    if lock is None or when is None:
-        return
-    age_min = max(0.0, time.time() - when[1] / 1e9) / 60
-    raise ConfigError(f"deepspeed op {op}: the build lock {lock} was left by an interrupted build {age_min:.0f} min "
-                      f"ago (no process has it open), and torch would wait for it forever: remove it "
-                      f"(rm {lock}) and start again")
+    if lock is None:
+        return None
+    if not builders_visible(build_dir):
+        return (f"deepspeed op {op}: the build lock {lock} is held by no process of this host; another host sharing "
+                f"this directory may be building it, and torch waits until it is gone. If no host is building, "
+                f"remove it (rm {lock})")
+    raise ConfigError(f"deepspeed op {op}: the build lock {lock} was left by an interrupted build (no process of "
+                      f"this host has it open, and only this host builds there), and torch would wait for it forever: "
+                      f"remove it (rm {lock}) and start again")

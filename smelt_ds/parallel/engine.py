@@ -17,6 +17,7 @@ import torch
 from smelt_ds.config.run import RunConfig
 from smelt_ds.cost.activation_checkpointing import checkpointed_visits
 from smelt_ds.errors import ConfigError
+from smelt_ds.parallel.distributed import deepspeed_args
 from smelt_ds.parallel.ds_config import build_ds_config
 from smelt_ds.parallel.moe_backends import moe_optimizer, optimizer_param_groups
 
@@ -96,7 +97,9 @@ def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
     MoE backend), built by DeepSpeed from a factory, unless an optimizer offload asks DeepSpeed
     for its CPU Adam via the config. The
     LR schedule is a ``LambdaLR`` of :func:`lr_multiplier` times each group's ``lr_scale``,
-    stepped by DeepSpeed once per optimizer step. Returns ``(engine, optimizer, scheduler,
+    stepped by DeepSpeed once per optimizer step. The engine computes on this rank's current CUDA
+    device (:func:`smelt_ds.parallel.distributed.deepspeed_args`, which raises ConfigError for ZeRO
+    stage 3 under one GPU per task). Returns ``(engine, optimizer, scheduler,
     ds_config)``.
     """
     import deepspeed
@@ -119,9 +122,11 @@ def initialize(cfg: RunConfig, model: torch.nn.Module, world_size: int):
         return torch.optim.lr_scheduler.LambdaLR(
             opt, [scaled_multiplier(g.get("lr_scale", 1.0)) for g in opt.param_groups])
 
+    args = deepspeed_args(ds_config.get("zero_optimization", {}).get("stage", 0))  # the rank's device
     try:
         engine, opt, _, sched = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=groups, config=ds_config, lr_scheduler=scheduler)
+            args=args, model=model, optimizer=optimizer, model_parameters=groups, config=ds_config,
+            lr_scheduler=scheduler)
     except AssertionError as e:  # DeepSpeed validates its config with asserts
         raise ConfigError(f"DeepSpeed refused the DeepSpeed config built from this recipe: {e or 'AssertionError'} "
                           "(keys under `deepspeed.config` pass through unchanged and win: fix or remove them; "

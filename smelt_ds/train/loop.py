@@ -34,7 +34,8 @@ from smelt_ds.model.router import TopKRouter
 from smelt_ds.parallel import control
 from smelt_ds.parallel.build_lock import check_build_lock
 from smelt_ds.parallel.device import device_of, to_device
-from smelt_ds.parallel.distributed import find_free_port, init_distributed, on_rank0
+from smelt_ds.parallel.distributed import find_free_port, init_distributed, on_rank0, set_rank_device, world_env
+from smelt_ds.parallel.extension_cache import use_host_extension_dir
 from smelt_ds.parallel.grad_norm import clip_before_step, logged_grad_norm
 from smelt_ds.parallel.hardware import training_precision
 from smelt_ds.parallel.skip import skipping_update
@@ -145,11 +146,14 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
         if cfg.train.deterministic:
             _deterministic_on()
         if not dist.is_initialized():
-            if os.environ.get("RANK", "0") == "0":
+        use_host_extension_dir()  # DeepSpeed's JIT ops: one cache per host and CPU kind
+            if world_env()["RANK"] == "0":
                 _print_lines(_deepspeed_op_notices(("ShareMemCommBuilder",)))
             enable_flight_recorder()  # before the process groups exist: they read it when made
             init_distributed(timeout_s=cfg.train.watchdog.init_timeout_s)
         return _train(cfg, resume, run_dir, threads)
+        else:  # a group made elsewhere (a test, a notebook): this rank's device all the same
+            set_rank_device()
     finally:
         torch.set_num_threads(threads_before)
         torch.use_deterministic_algorithms(deterministic_before[0], warn_only=deterministic_before[1])
@@ -176,10 +180,12 @@ def _deepspeed_op_notices(builders: tuple[str, ...]) -> list[str]:
     """One line per DeepSpeed op of ``builders`` (:data:`_DS_OPS` keys) that DeepSpeed compiles
     on its first use on this machine (a C++ JIT build with ninja: about 35 s of compiler time, a
     minute or more on a small shared machine) or reuses from torch's extension cache
-    (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/<python>_<device>/<op>``).
+    (``$TORCH_EXTENSIONS_DIR``: the user's, else this host's own directory that :func:`train` sets,
+    :func:`smelt_ds.parallel.extension_cache.use_host_extension_dir`; ``<python>_<device>/<op>`` under it).
     No line for an op the accelerator does not use, or one the DeepSpeed install ships prebuilt.
     Raises ConfigError naming the file to remove when an interrupted build left the op's build
-    lock behind (:func:`smelt_ds.parallel.build_lock.check_build_lock`)."""
+    lock behind; a lock another host may hold is a line of its own
+    (:func:`smelt_ds.parallel.build_lock.check_build_lock`)."""
     try:
         import deepspeed.ops
         from deepspeed.accelerator import get_accelerator
@@ -193,7 +199,9 @@ def _deepspeed_op_notices(builders: tuple[str, ...]) -> list[str]:
         if b is None or installed_ops.get(b.name, False) or not deepspeed.ops.__compatible_ops__.get(b.NAME, False):
             continue
         where = Path(_get_build_directory(b.name, verbose=False))
-        check_build_lock(where, b.name)  # a lock left by an interrupted build: torch would wait forever
+        waiting = check_build_lock(where, b.name)  # a stale lock: torch would wait forever
+        if waiting:  # a lock another host's build may hold
+            lines.append(waiting)
         if (where / f"{b.name}.so").is_file():
             lines.append(f"deepspeed op {b.name} ({_DS_OPS[cls]}): reusing the build cached in {where}")
         else:
