@@ -73,7 +73,8 @@ from smelt_ds.train.watchdog import (
     describe_peers,
     enable_flight_recorder,
     gather_peers,
-    is_collective_failure,
+    peer_fault,
+    report_own_error,
     set_collective_timeout,
 )
 
@@ -297,15 +298,18 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
             _steps(fit, stops, watchdog)
         except Exception as e:
             fit.writer.flush()  # a failing rank may end without finalization: TensorBoard's buffer first
-            if not is_collective_failure(e):
+            # exit 75 only for a collective failure a peer caused: the error's type and the peers' state
+            cause = peer_fault(e, peers, rank)
+            if cause is None:  # the job's own error (whatever its text says): a requeue would meet it again
+                report_own_error(rank, e)  # so that a peer whose collective now fails exits 1 too, not 75
                 raise
             why = (f"a collective failed at step {fit.step + 1} ({type(e).__name__}: "
                    f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else 'no message'})")
             watchdog.dump_on_failure(why)
             raise CollectiveFailure(
-                f"rank {rank}: {why}. Peers: {describe_peers(peers, rank)}. A rank that died or stopped answering "
-                f"ends the job; every thread's stack is in {watchdog.dir}. The newest complete checkpoint is kept: "
-                "--resume auto continues from it (docs/faults.md)") from e
+                f"rank {rank}: {why}: a peer is lost: {cause}. Peers: {describe_peers(peers, rank)}. Every thread's "
+                f"stack is in {watchdog.dir}. The newest complete checkpoint is kept: --resume auto continues from "
+                f"it; exit status {PEER_EXIT} (retryable: a scheduler may requeue; docs/faults.md)") from e
     fit.profiler.close()
     fit.console.close()
     fit.writer.close()
@@ -326,7 +330,7 @@ def _steps(fit: _Fit, stops: StopSources, watchdog: HangWatchdog) -> None:
     cfg, built, data = fit.cfg, fit.built, fit.data
     slow = cfg.train.watchdog.startup_timeout_s
     while fit.step < cfg.train.max_steps:
-        watchdog.arm(watchdog.step_timeout(), f"step {fit.step + 1}")
+        watchdog.arm(watchdog.step_timeout(), f"step {fit.step + 1}", watchdog.basis)
         t_step = time.perf_counter()
         fit.profiler.before_step(fit.step + 1)
         lr, ids, grad_norm, means = _train_step(fit)
@@ -618,8 +622,9 @@ def main(argv: list[str] | None = None) -> int:
     * 2: bad configuration;
     * 3: stopped after ``train.step_guard.max_consecutive_skips`` skipped steps in a row, the last
       good state saved (:data:`~smelt_ds.train.step_guard.SKIP_EXIT`);
-    * 75: a collective failed: a peer rank died or stopped answering
-      (:data:`~smelt_ds.train.watchdog.PEER_EXIT`; no new checkpoint);
+    * 75: a collective failed because a peer rank was lost (died, stopped, or its host's connection
+      failed; :func:`~smelt_ds.train.watchdog.peer_fault`, :data:`~smelt_ds.train.watchdog.PEER_EXIT`;
+      no new checkpoint); a failed collective with no peer lost exits 1;
     * 124: the hang watchdog fired, stacks in ``<run_dir>/hangs/`` (:data:`~smelt_ds.train.watchdog.HANG_EXIT`);
     * 130: Ctrl-C before training started (nothing saved);
     * 143: stopped by a signal, the stop file or the launcher's death, after saving a checkpoint

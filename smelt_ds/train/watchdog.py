@@ -15,10 +15,20 @@ this is the path a hung or dead peer takes too: the rendered jobs keep NCCL's er
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` (torch's default: no abort, so the dumps are not cut short),
 and a rank blocked on a collective that never completes is ended here (docs/faults.md).
 
-A rank whose collective fails (a peer died: gloo and NCCL report the closed connection; or the
-collective timed out) raises :class:`CollectiveFailure` with :func:`describe_peers`' diagnosis
-(each peer on this host: running, sleeping, stopped, in uninterruptible I/O, a zombie, or gone),
-and exits with status :data:`PEER_EXIT` (75).
+A rank whose collective fails because of a peer raises :class:`CollectiveFailure` and exits with
+status :data:`PEER_EXIT` (75: retryable, a scheduler may requeue). :func:`peer_fault` decides that
+from the error's type and the peers' state, never from its text: the error must come from the
+backend (a ``torch.distributed.DistError``: ``DistBackendError``, NCCL's errors included,
+``DistNetworkError``, ``DistStoreError``; or the plain ``RuntimeError`` gloo raises for a closed
+connection or a timed-out collective, thrown from inside ``torch.distributed``), no peer may have
+ended with an error of its own (:func:`report_own_error`, in the rendezvous store), and a peer must
+be lost: one on this host gone, a zombie or stopped (:func:`describe_peers`, each process identified
+by its pid and start time), or one on another host behind a lost connection. Any other error,
+however it reads (e.g. a shape mismatch whose message names NCCL), is the rank's own: exit 1.
+
+Every signal this module sends goes to a process whose identity is checked first
+(:func:`signal_peer`: the pid and the start time recorded by :func:`gather_peers`), so a pid the
+kernel gave to another process after a rank exited is never signalled.
 """
 
 from __future__ import annotations
@@ -33,14 +43,15 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
 from smelt_ds.config.train import Watchdog
 from smelt_ds.parallel import control
 
 __all__ = ["HANG_EXIT", "PEER_EXIT", "HANGS_DIR", "DUMP_SIGNAL", "FLIGHT_RECORDER_ENTRIES", "FR_PREFIXES",
            "CollectiveFailure", "HangWatchdog", "Peer", "enable_flight_recorder", "dump_flight_recorder",
-           "describe_peers", "gather_peers", "is_collective_failure", "set_collective_timeout"]
+           "describe_peers", "gather_peers", "is_collective_failure", "peer_fault", "report_own_error",
+           "signal_peer", "this_process", "set_collective_timeout"]
 
 #: exit status of a rank whose watchdog fired (as coreutils' ``timeout``)
 HANG_EXIT = 124
@@ -57,19 +68,70 @@ class CollectiveFailure(RuntimeError):
     the message says at which step, the backend's error and what is known of the peers."""
 
 
-Peer = tuple[str, int]  # (host name, pid)
+class Peer(NamedTuple):
+    """A rank's process: its host name, pid and start time (``psutil.Process.create_time()``,
+    seconds since the epoch). The pid and the start time together name one process: the kernel
+    reuses pids, never the pair."""
+
+    host: str
+    pid: int
+    started: float
+
+
+def this_process() -> Peer:
+    """This process as a :class:`Peer`."""
+    import psutil
+
+    return Peer(socket.gethostname(), os.getpid(), psutil.Process().create_time())
 
 
 def gather_peers() -> list[Peer]:
-    """``(host, pid)`` of every rank, indexed by rank (collective: one all_gather_object)."""
-    return control.gather_objects((socket.gethostname(), os.getpid()))
+    """Every rank's :class:`Peer`, indexed by rank (collective: one all_gather_object)."""
+    return [Peer(*p) for p in control.gather_objects(tuple(this_process()))]
 
 
-def _status(pid: int) -> str:
+def _process(peer: Peer):
+    """The ``psutil.Process`` of ``peer`` on this host, or None when no process has its pid and
+    start time (it exited; its pid may now be another process's)."""
     import psutil
 
     try:
-        st = psutil.Process(pid).status()
+        proc = psutil.Process(peer.pid)
+        # the same kernel start tick gives the same float in every process of this host (boot time + ticks)
+        same = abs(proc.create_time() - peer.started) < 1e-3
+    except psutil.Error:
+        return None
+    return proc if same else None
+
+
+def signal_peer(peer: Peer, signum: int) -> bool:
+    """Send ``signum`` to ``peer``'s process on this host if it is still that process (pid and start
+    time; psutil checks them again right before ``kill``). Returns whether it was sent: False for
+    a process that exited, whose pid now names another process, or that may not be signalled."""
+    import psutil
+
+    proc = _process(peer)
+    if proc is None:
+        return False
+    try:
+        proc.send_signal(signum)
+    except psutil.Error:
+        return False
+    return True
+
+
+#: process states of a peer that cannot take part in a collective: it is lost to the job
+_LOST = ("gone", "exited", "dead", "stopped")
+
+
+def _status(peer: Peer) -> str:
+    import psutil
+
+    proc = _process(peer)
+    if proc is None:
+        return "gone (no longer running: it exited, crashed or was killed, e.g. SIGKILL or the OOM killer)"
+    try:
+        st = proc.status()
     except psutil.Error:
         return "gone (no longer running: it exited, crashed or was killed, e.g. SIGKILL or the OOM killer)"
     words = {psutil.STATUS_STOPPED: "stopped (SIGSTOP, a debugger or job control)",
@@ -84,25 +146,122 @@ def describe_peers(peers: list[Peer], rank: int) -> str:
     """One clause per other rank: its state when on this host (:func:`_status`), else its host."""
     host = socket.gethostname()
     parts = []
-    for r, (h, pid) in enumerate(peers):
+    for r, p in enumerate(peers):
         if r == rank:
             continue
-        parts.append(f"rank {r} (pid {pid}) {_status(pid)}" if h == host else f"rank {r} on {h} (not checked here)")
+        parts.append(f"rank {r} (pid {p.pid}) {_status(p)}" if p.host == host else
+                     f"rank {r} on {p.host} (not checked here)")
     return "; ".join(parts) or "no other ranks"
 
 
+#: frames of the backends' Python layer: a plain RuntimeError raised from here is the backend's (gloo's)
+_BACKEND_FILES = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}deepspeed{os.sep}comm{os.sep}")
+
+
 def is_collective_failure(e: BaseException) -> bool:
-    """Whether ``e`` is a torch.distributed backend's report of a failed or timed-out collective
-    (``DistError`` and its subclasses, or gloo's RuntimeError: a closed or reset connection, a
-    timeout)."""
+    """Whether ``e`` has a type a torch.distributed backend raises for a failed collective: a
+    ``DistError`` (``DistBackendError``, NCCL's errors among them; ``DistNetworkError``;
+    ``DistStoreError``), or a plain ``RuntimeError``, the type gloo raises for a closed or reset
+    connection and for a timed-out collective (verified with 2 gloo ranks, torch 2.13). Subclasses
+    of RuntimeError (``torch.OutOfMemoryError``, ``NotImplementedError``, smelt-ds' own errors) are
+    not. A plain RuntimeError may still be any error of the job's own: whether a peer caused it is
+    :func:`peer_fault`'s question, answered from the peers' state."""
     import torch.distributed as dist
 
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(w in text for w in (
-        "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "[gloo", "gloo/",
-        "NCCL", "Broken pipe", "Socket"))
+    return isinstance(e, dist.DistError) or type(e) is RuntimeError
+
+
+def _raised_by_backend(e: BaseException) -> bool:
+    """Whether ``e``'s innermost Python frame is in ``torch.distributed`` or ``deepspeed.comm``: a
+    C++ backend error surfacing through a collective call (gloo's RuntimeError has no type of its own)."""
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return any(part in tb.tb_frame.f_code.co_filename for part in _BACKEND_FILES)
+
+
+#: the rendezvous store's key under which a rank leaves the error it ended with (:func:`report_own_error`)
+OWN_ERROR_KEY = "smelt-ds/own-error/rank{rank}"
+#: seconds a store operation of :func:`report_own_error` / :func:`peer_fault` may take (the store's host may be gone)
+STORE_TIMEOUT_S = 5.0
+
+
+def _store():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+    return store
+
+
+def report_own_error(rank: int, e: BaseException) -> None:
+    """Leave ``e`` (an error of this rank's own, not a failed collective) in the rendezvous store,
+    so that a peer whose collective then fails knows the job failed deterministically and exits 1,
+    not :data:`PEER_EXIT`. Best effort: a store that cannot be reached is left alone."""
+    try:
+        store = _store()
+        if store is not None:
+            store.set(OWN_ERROR_KEY.format(rank=rank), f"{type(e).__name__}: {str(e).strip()[:300]}")
+    except Exception:  # noqa: BLE001 - the error being reported is what matters; the store may be gone
+        pass
+
+
+def _own_errors(peers: list[Peer], rank: int) -> tuple[dict[int, str], str | None]:
+    """``({rank: its own error}, None)`` from the store; ``({}, why)`` when the store cannot be
+    reached (its host, the first rank's, is lost)."""
+    import torch.distributed as dist
+
+    try:
+        store = _store()
+        if store is None:
+            return {}, None
+        out = {}
+        for r in range(len(peers)):
+            key = OWN_ERROR_KEY.format(rank=r)
+            if r != rank and store.check([key]):
+                out[r] = store.get(key).decode(errors="replace")
+        return out, None
+    except (dist.DistError, RuntimeError) as e:
+        return {}, f"the rendezvous store is unreachable ({type(e).__name__})"
+
+
+def peer_fault(e: BaseException, peers: list[Peer], rank: int) -> str | None:
+    """Why ``e`` is a collective failure caused by a peer (a clause for the message), or None when
+    it is not, and the rank ends with exit 1. Never from the error's text:
+
+    * ``e`` must have a backend's error type (:func:`is_collective_failure`);
+    * no peer may have ended with an error of its own (:func:`report_own_error`, read from the
+      rendezvous store): a job whose rank failed deterministically fails again after a requeue;
+    * a peer must be lost: a rank on this host gone, a zombie or stopped (:func:`describe_peers`,
+      each process identified by pid and start time); or the rendezvous store unreachable (its
+      host is lost); or, with ranks on other hosts (their processes cannot be checked from here),
+      a lost connection: ``DistNetworkError``, ``DistStoreError``, or an error thrown by the
+      collective call itself (its innermost frame in ``torch.distributed`` / ``deepspeed.comm``).
+
+    A failed collective with every peer alive here (e.g. NCCL's invalid usage, a shape mismatch
+    whose message names NCCL) is the job's own error."""
+    import torch.distributed as dist
+
+    if not is_collective_failure(e):
+        return None
+    own, unreachable = _own_errors(peers, rank)
+    if own:
+        return None
+    host = socket.gethostname()
+    lost = [f"rank {r} (pid {p.pid}) {state}" for r, p in enumerate(peers)
+            if r != rank and p.host == host and (state := _status(p)).startswith(_LOST)]
+    if lost:
+        return "; ".join(lost)
+    if unreachable:
+        return unreachable
+    remote = [r for r, p in enumerate(peers) if r != rank and p.host != host]
+    if remote and (isinstance(e, (dist.DistNetworkError, dist.DistStoreError)) or _raised_by_backend(e)):
+        return f"the connection to the ranks on other hosts ({', '.join(map(str, remote))}) failed"
+    return None
 
 
 def set_collective_timeout(seconds: float) -> int:
@@ -187,7 +346,8 @@ class HangWatchdog:
         self.path = self.dir / f"rank{rank:05d}.txt"
         self.steps_done, self.slowest = 0, 0.0
         self._deadline: float | None = None
-        self._what, self._armed_s = "", 0.0
+        self._what, self._armed_s, self._basis = "", 0.0, ""
+        self.basis = ""  # how step_timeout() derived its last value (for the watchdog's message)
         self._cond = threading.Condition()
         self._closed = False
         self._file: IO[str] | None = None
@@ -226,16 +386,21 @@ class HangWatchdog:
         ``step_time_factor`` x the slowest step so far)."""
         c = self.cfg
         if self.steps_done < c.startup_steps:
+            self.basis = f"startup_timeout_s for the first {c.startup_steps} steps"
             return c.startup_timeout_s
         if c.timeout_s is not None:
+            self.basis = "timeout_s"
             return c.timeout_s
+        self.basis = (f"max(min_timeout_s {c.min_timeout_s:g}, step_time_factor {c.step_time_factor:g} x the slowest "
+                      f"step so far {self.slowest:.6f} s)")
         return max(c.min_timeout_s, c.step_time_factor * self.slowest)
 
-    def arm(self, seconds: float, what: str) -> None:
-        """Fire unless :meth:`arm` or :meth:`disarm` is called again within ``seconds``."""
+    def arm(self, seconds: float, what: str, basis: str = "") -> None:
+        """Fire unless :meth:`arm` or :meth:`disarm` is called again within ``seconds``; ``basis``
+        says where ``seconds`` came from (in the message when it fires)."""
         with self._cond:
             self._deadline = time.monotonic() + seconds
-            self._what, self._armed_s = what, seconds
+            self._what, self._armed_s, self._basis = what, seconds, basis
             self._cond.notify_all()
 
     def disarm(self) -> None:
@@ -279,7 +444,8 @@ class HangWatchdog:
         traces = dump_flight_recorder(self.dir, self.rank)
         asked = self._ask_local_peers(stamp)
         peers = describe_peers(self.peers, self.rank)
-        print(f"\nrank {self.rank}: hang watchdog: no progress for {self._armed_s:.0f} s in {self._what}; "
+        timeout = f" (timeout {self._armed_s:.6f} s = {self._basis})" if self._basis else ""
+        print(f"\nrank {self.rank}: hang watchdog: no progress for {self._armed_s:.0f} s in {self._what}{timeout}; "
               f"every thread's stack written to {self.path}"
               + (f" ({'rank' if len(asked) == 1 else 'ranks'} {', '.join(map(str, asked))} of this host "
                  f"asked to write theirs to {self.dir}/rank<RRRRR>.txt)" if asked else "")
@@ -291,20 +457,20 @@ class HangWatchdog:
 
     def _ask_local_peers(self, stamp: str) -> list[int]:
         """SIGCONT (a stopped rank can dump nothing) and :data:`DUMP_SIGNAL` to every other rank on
-        this host, after a header line in its hangs file; waits up to 2 s for their dumps."""
+        this host that is still the process recorded at start (:func:`signal_peer`), after a header
+        line in its hangs file; waits up to 2 s for their dumps."""
         host, asked = socket.gethostname(), []
-        for r, (h, pid) in enumerate(self.peers):
-            if r == self.rank or h != host:
+        for r, peer in enumerate(self.peers):
+            if r == self.rank or peer.host != host or _process(peer) is None:  # gone, or its pid reused
                 continue
             try:
                 with open(self.dir / f"rank{r:05d}.txt", "a") as f:
-                    f.write(f"=== {stamp} rank {r} (pid {pid}): stacks requested by rank {self.rank}'s hang "
+                    f.write(f"=== {stamp} rank {r} (pid {peer.pid}): stacks requested by rank {self.rank}'s hang "
                             f"watchdog ({self._what}):\n")
-                os.kill(pid, signal.SIGCONT)
-                os.kill(pid, DUMP_SIGNAL)
-                asked.append(r)
             except OSError:
                 continue
+            if signal_peer(peer, signal.SIGCONT) and signal_peer(peer, DUMP_SIGNAL):
+                asked.append(r)
         if asked:
             time.sleep(2.0)
         return asked

@@ -104,8 +104,8 @@ def test_every_control_collective_runs_on_a_group_without_a_cpu_backend():
         assert means == {"loss": 2.0, "lm_loss": 1.5, "aux_loss": 0.25}  # z_loss absent: left out
         assert r["sync_flag"] is True
         assert r["on_rank0"] == ({"from": 0} if rank == 0 else None)
-        assert [pid for _, pid in r["peers"]] == [res[0]["peers"][0][1], res[1]["peers"][1][1]]
-        assert res[0]["peers"][0][1] != res[1]["peers"][1][1]
+        assert r["peers"] == [res[0]["peers"][0], res[1]["peers"][1]]  # (host, pid, start time) of each rank
+        assert res[0]["peers"][0].pid != res[1]["peers"][1].pid
         assert r["gathered"] == [0, 10]
         assert r["broadcast"] == "rank 1"
         # code: 3 tokens at 2.0 (rank 0) + 3 at 3.0 (rank 1) = 15 / 6; text: 2 + 3 tokens at 0.5
