@@ -31,7 +31,22 @@ is ``RANK`` (0 when unset). Each fault fires at most once per process.
   from ``open``, ``ENOSPC`` (the default), ``EDQUOT`` and ``EIO`` from the file's first ``write``,
   where a real file system reports them;
 - ``exit:rank=R:step=S``: rank R ends with ``os._exit(137)`` at the start of step S (no traceback,
-  no cleanup: as a SIGKILL or an out-of-memory kill).
+  no cleanup: as a SIGKILL or an out-of-memory kill);
+- ``kill:rank=R:step=S``: rank R sends itself SIGKILL at the start of step S (a real SIGKILL: the
+  kernel ends it, its launcher sees -9);
+- ``stop:rank=R:step=S``: rank R sends itself SIGSTOP at the start of step S (a hung rank: alive,
+  stopped, answering nothing until a SIGCONT);
+- ``inf_grad:rank=R:step=S``: the gradient of rank R's training loss at step S is multiplied by
+  +inf in the backward pass while the loss itself stays finite (every gradient that depends on
+  the loss becomes inf or NaN, so the global gradient norm is non-finite).
+
+The ledger: with ``SMELT_LEDGER=DIR`` (:func:`fault_env`'s ``ledger``), every rank appends one
+JSON line to ``DIR/rank<R>.jsonl`` per optimizer step it trained, when the step returns: ``step``,
+``rank``, ``pid`` (one process = one attempt of that rank), ``skipped`` (the step guard's reason or
+null) and ``weights`` (SHA-256 of this rank's parameters after the step, the local ZeRO-3
+partition where parameters are partitioned). The file is only ever appended to (``O_APPEND``): a
+resume, which trims ``metrics.jsonl`` back to its checkpoint, leaves it whole, so
+:func:`check_ledger` can see a step trained twice.
 
 A bad spec raises ValueError naming it (:func:`fault_env` checks the specs before any process
 starts; in ``sitecustomize`` Python would only print the error).
@@ -42,10 +57,13 @@ from __future__ import annotations
 import builtins
 import errno
 import functools
+import hashlib
 import importlib.abc
 import importlib.machinery
+import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -54,11 +72,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["FAULTS_ENV", "SITE_DIR", "KINDS", "Fault", "parse_faults", "fault_env", "install_from_env", "install",
-           "patch_loop", "is_training_process"]
+__all__ = ["FAULTS_ENV", "LEDGER_ENV", "SITE_DIR", "KINDS", "Fault", "parse_faults", "fault_env", "install_from_env",
+           "install", "patch_loop", "is_training_process", "read_ledger", "check_ledger", "LedgerError"]
 
 #: the environment variable holding the fault specs (``;``-separated)
 FAULTS_ENV = "SMELT_FAULTS"
+#: the environment variable naming the ledger's directory (one append-only ``rank<R>.jsonl`` per rank)
+LEDGER_ENV = "SMELT_LEDGER"
 #: the directory put first on ``PYTHONPATH``: its ``sitecustomize.py`` calls :func:`install_from_env`
 SITE_DIR = Path(__file__).resolve().parent / "fault_site"
 #: the module whose functions are wrapped
@@ -72,6 +92,9 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "raise": (("rank", "step"), ()),
     "save_error": (("rank", "step"), ("errno",)),
     "exit": (("rank", "step"), ()),
+    "kill": (("rank", "step"), ()),
+    "stop": (("rank", "step"), ()),
+    "inf_grad": (("rank", "step"), ()),
 }
 #: the errors a ``save_error`` may raise; the first three from ``open``, the others from ``write``
 SAVE_ERRNOS = {"EACCES": errno.EACCES, "EPERM": errno.EPERM, "EROFS": errno.EROFS,
@@ -158,15 +181,20 @@ def parse_faults(text: str | Sequence[str]) -> list[Fault]:
     return [_parse_one(p.strip()) for p in parts if p.strip()]
 
 
-def fault_env(specs: str | Sequence[str], pythonpath: str | None = None) -> dict[str, str]:
+def fault_env(specs: str | Sequence[str], pythonpath: str | None = None,
+              ledger: str | os.PathLike | None = None) -> dict[str, str]:
     """The environment variables that inject ``specs`` into every training process started with
     them: ``PYTHONPATH`` (:data:`SITE_DIR` first, then ``pythonpath``, by default the current
-    ``PYTHONPATH``) and ``SMELT_FAULTS``. Merge them into ``os.environ`` (or a copy). Raises
-    ValueError naming a bad spec."""
+    ``PYTHONPATH``) and ``SMELT_FAULTS``; with ``ledger`` (a directory), ``SMELT_LEDGER`` too (the
+    ranks keep the ledger there: see the module doc). Merge them into ``os.environ`` (or a copy).
+    Raises ValueError naming a bad spec."""
     faults = parse_faults(specs)
     existing = os.environ.get("PYTHONPATH", "") if pythonpath is None else pythonpath
     path = str(SITE_DIR) + (os.pathsep + existing if existing else "")
-    return {"PYTHONPATH": path, FAULTS_ENV: ";".join(f.spec.strip() for f in faults)}
+    env = {"PYTHONPATH": path, FAULTS_ENV: ";".join(f.spec.strip() for f in faults)}
+    if ledger is not None:
+        env[LEDGER_ENV] = str(Path(ledger).resolve())
+    return env
 
 
 def is_training_process(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> bool:
@@ -189,8 +217,8 @@ def is_training_process(environ: Mapping[str, str] | None = None, argv: Sequence
 class _Injector:
     """The faults of this rank and the step being trained (set by the ``_train_step`` wrapper)."""
 
-    def __init__(self, faults: list[Fault], rank: int):
-        self.rank = rank
+    def __init__(self, faults: list[Fault], rank: int, ledger: Path | None = None):
+        self.rank, self.ledger = rank, ledger
         self.faults = [f for f in faults if f.rank == rank]
         self.fired: set[int] = set()
         self.step = 0  # the step being trained (1-based); 0 before the first
@@ -264,22 +292,29 @@ def patch_loop(loop: Any, injector: _Injector) -> None:
     def _train_step(fit, *args, **kwargs):
         step = fit.step + 1
         injector.step = step
-        for f in injector.due(("exit", "raise"), step):
+        for f in injector.due(("exit", "raise", "kill", "stop"), step):
             if f.kind == "exit":
                 os._exit(137)
+            if f.kind in ("kill", "stop"):
+                os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+                continue  # after a SIGCONT, a stopped rank trains on
             raise RuntimeError(f"injected fault: rank {injector.rank} step {step}")
         injector.in_step = True
         try:
-            return real_step(fit, *args, **kwargs)
+            out = real_step(fit, *args, **kwargs)
         finally:
             injector.in_step = False
+        if injector.ledger is not None:
+            _write_ledger(injector, fit)
+        return out
 
     @functools.wraps(real_loss)
     def total_loss(*args, **kwargs):
         loss = real_loss(*args, **kwargs)
         if injector.in_step:  # not validation
-            for f in injector.due(("nan", "spike"), injector.step):
-                loss = loss * (float("nan") if f.kind == "nan" else f.factor)
+            for f in injector.due(("nan", "spike", "inf_grad"), injector.step):
+                loss = _inf_gradient(loss) if f.kind == "inf_grad" else \
+                    loss * (float("nan") if f.kind == "nan" else f.factor)
         return loss
 
     loop._train_step, loop.total_loss = _train_step, total_loss
@@ -287,6 +322,132 @@ def patch_loop(loop: Any, injector: _Injector) -> None:
         real = getattr(loop, name, None)
         if real is not None:
             setattr(loop, name, _sleeping(real, injector))
+
+
+def _inf_gradient(loss):
+    """``loss`` unchanged in the forward pass; its gradient multiplied by +inf in the backward pass."""
+    import torch
+
+    class _InfGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * float("inf")
+
+    return _InfGrad.apply(loss)
+
+
+def _weights_digest(engine) -> str:
+    """SHA-256 of this rank's parameters in ``engine.module``'s order (a ZeRO-3 parameter's local
+    partition, ``ds_tensor``, where it has one)."""
+    h = hashlib.sha256()
+    for p in engine.module.parameters():
+        t = getattr(p, "ds_tensor", p).detach().float().cpu().contiguous()
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _write_ledger(injector: _Injector, fit) -> None:
+    """Append this rank's line for the step just trained (see the module doc) with one ``write``
+    on an ``O_APPEND`` descriptor."""
+    assert injector.ledger is not None
+    verdict = getattr(fit, "verdict", None)
+    line = json.dumps({"step": fit.step, "rank": injector.rank, "pid": os.getpid(),
+                       "skipped": getattr(verdict, "skip", None), "weights": _weights_digest(fit.built.engine)})
+    injector.ledger.mkdir(parents=True, exist_ok=True)
+    fd = os.open(injector.ledger / f"rank{injector.rank}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+class LedgerError(AssertionError):
+    """The ledger shows a step trained in a way a resume must not allow (see :func:`check_ledger`)."""
+
+
+def read_ledger(directory: str | os.PathLike) -> dict[int, list[dict]]:
+    """The ledger of ``directory``: ``{rank: [its lines in the order written]}``."""
+    out = {}
+    for path in sorted(Path(directory).glob("rank*.jsonl")):
+        out[int(path.stem[4:])] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def check_ledger(ledger: dict[int, list[dict]], steps: int, checkpoints: Sequence[int] | None = None) -> dict[str, Any]:
+    """Check that a run of several attempts (each a process per rank; a crash or a stop between
+    them, each later attempt resumed from a checkpoint) trained every step 1..``steps`` exactly
+    once on its final trajectory. Per rank, the attempts (runs of one pid) in order:
+
+    * an attempt trains consecutive steps, each once: ``r + 1, r + 2, ..., e`` where ``r`` is the
+      step it resumed from (0 for the first);
+    * the next attempt resumes from ``r' <= e``: the steps ``r' + 1 .. e`` of this attempt were
+      trained after the checkpoint the next one resumed from and are trained again (the one
+      allowed repetition: the work a crash between checkpoints costs); a resume past ``e`` would
+      leave steps out;
+    * the kept steps (each attempt's ``r + 1 .. min(e, r')``, the last attempt's all) are 1..``steps``
+      exactly once on every rank, and the ranks' attempts start at the same steps.
+
+    ``checkpoints``: the newest complete checkpoint's step after each attempt but the last (what
+    ``--resume auto`` must continue from); each later attempt must resume exactly there, so a
+    resume from an older checkpoint, which re-trains more than the crash lost, fails. With the
+    ``weights`` digests, a re-trained step must also give the weights its first training gave (a
+    resume is exact). Returns the lowest rank's ``{"attempts": [(first, last) per attempt],
+    "retrained": [steps trained again]}``; raises :class:`LedgerError` naming the step and the attempt."""
+    if not ledger:
+        raise LedgerError("the ledger is empty: no rank recorded a trained step")
+    shapes: dict[int, dict[str, Any]] = {}
+    for rank, lines in ledger.items():
+        attempts: list[list[dict]] = []
+        for line in lines:
+            if not attempts or attempts[-1][-1]["pid"] != line["pid"]:
+                attempts.append([])
+            attempts[-1].append(line)
+        kept: list[int] = []
+        retrained: list[int] = []
+        spans: list[tuple[int, int]] = []
+        first_weights: dict[int, str | None] = {}
+        resumed = 0
+        for i, att in enumerate(attempts):
+            got = [x["step"] for x in att]
+            want = list(range(resumed + 1, resumed + 1 + len(got)))
+            if got != want:
+                raise LedgerError(f"rank {rank}, attempt {i + 1} (pid {att[0]['pid']}): trained steps {got}, not "
+                                  f"{want[0]}..{want[-1]} once each after resuming from step {resumed}")
+            end = got[-1]
+            nxt = attempts[i + 1][0]["step"] - 1 if i + 1 < len(attempts) else end
+            if checkpoints is not None and i + 1 < len(attempts) and nxt != checkpoints[i]:
+                raise LedgerError(f"rank {rank}: attempt {i + 2} resumed from step {nxt}, not from the newest complete "
+                                  f"checkpoint (step {checkpoints[i]}) attempt {i + 1} left")
+            if nxt > end:
+                raise LedgerError(f"rank {rank}: attempt {i + 2} resumed from step {nxt}, past the last step "
+                                  f"{end} attempt {i + 1} trained: steps {end + 1}..{nxt} were never trained")
+            for x in att:
+                (kept if x["step"] <= nxt else retrained).append(x["step"])
+                if x["step"] in first_weights and first_weights[x["step"]] != x.get("weights"):
+                    raise LedgerError(f"rank {rank}: step {x['step']} trained again in attempt {i + 1} gave other "
+                                      "weights than its first training: the resume is not exact")
+                first_weights.setdefault(x["step"], x.get("weights"))
+            spans.append((got[0], end))
+            resumed = nxt
+        if kept != list(range(1, steps + 1)):
+            twice = sorted({s for s in kept if kept.count(s) > 1})
+            missing = sorted(set(range(1, steps + 1)) - set(kept))
+            raise LedgerError(f"rank {rank}: the final trajectory trained steps twice {twice} or missed {missing} "
+                              f"(of 1..{steps})")
+        shapes[rank] = {"attempts": spans, "retrained": retrained}
+    # the ranks resume together (one checkpoint); the last step of a failed attempt may differ (a rank
+    # killed between the end of its step and its ledger line)
+    first_rank = min(shapes)
+    starts = {rank: [a for a, _ in shape["attempts"]] for rank, shape in shapes.items()}
+    for rank, st in starts.items():
+        if st != starts[first_rank]:
+            raise LedgerError(f"rank {rank}'s attempts start at steps {st}, rank {first_rank}'s at "
+                              f"{starts[first_rank]}: the ranks disagree")
+    return shapes[first_rank]
 
 
 def _sleeping(real: Callable[..., Any], injector: _Injector) -> Callable[..., Any]:
@@ -330,11 +491,12 @@ class _PatchingLoader(importlib.abc.Loader):
         return getattr(self.inner, name)
 
 
-def install(faults: list[Fault], rank: int) -> _Injector:
+def install(faults: list[Fault], rank: int, ledger: str | os.PathLike | None = None) -> _Injector:
     """Inject ``faults`` into this process as rank ``rank``: patch :data:`LOOP_MODULE` now if it
     is imported, else when it is (an import hook); with a ``save_error`` of this rank, ``open``
-    too (when the loop is patched). Returns the injector (its ``fired`` set says what fired)."""
-    injector = _Injector(faults, rank)
+    too (when the loop is patched); with ``ledger`` (a directory), keep the ledger there. Returns
+    the injector (its ``fired`` set says what fired)."""
+    injector = _Injector(faults, rank, Path(ledger) if ledger else None)
 
     def patch(loop: ModuleType) -> None:
         patch_loop(loop, injector)
@@ -349,14 +511,15 @@ def install(faults: list[Fault], rank: int) -> _Injector:
 
 
 def install_from_env() -> _Injector | None:
-    """``sitecustomize``'s call: :func:`install` the faults of ``SMELT_FAULTS`` as rank ``RANK``
-    (0 when unset) in a training process (:func:`is_training_process`). Nothing when the
-    variable is unset or blank, or in another process (a launcher). Raises ValueError naming a
+    """``sitecustomize``'s call: :func:`install` the faults of ``SMELT_FAULTS`` and the ledger of
+    ``SMELT_LEDGER`` as rank ``RANK`` (0 when unset) in a training process
+    (:func:`is_training_process`). Nothing when both are unset or blank, or in another process (a
+    launcher). Raises ValueError naming a
     bad spec."""
-    text = os.environ.get(FAULTS_ENV, "")
-    if not text.strip():
+    text, ledger = os.environ.get(FAULTS_ENV, ""), os.environ.get(LEDGER_ENV, "")
+    if not text.strip() and not ledger.strip():
         return None
     faults = parse_faults(text)
     if not is_training_process():
         return None
-    return install(faults, int(os.environ.get("RANK", "0")))
+    return install(faults, int(os.environ.get("RANK", "0")), ledger.strip() or None)

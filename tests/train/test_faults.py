@@ -10,6 +10,9 @@ import json
 import math
 import os
 import pickle
+import re
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -23,7 +26,7 @@ import yaml
 
 from smelt_ds.config.train import StepGuard
 from smelt_ds.testing import run_distributed, scaled_timeout
-from smelt_ds.testing.faults import fault_env
+from smelt_ds.testing.faults import check_ledger, fault_env, read_ledger
 from smelt_ds.train.metrics import MicroStats
 from smelt_ds.train.step_guard import StepGuardState
 from smelt_ds.train.stop import REASONS
@@ -228,14 +231,20 @@ def test_a_rank_that_dies_ends_the_job_promptly_naming_it(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout_with_every_stack_on_disk(tmp_path):
-    """Rank 1 sleeps 600 s in the step-end collective of step 4: both watchdogs (5 s) fire, every
-    rank's Python stack is written to run/hangs/, and the job exits 124 long before the sleep ends."""
+    """Rank 1 sleeps 600 s in the step-end collective of step 4: both watchdogs fire at the derived
+    timeout (no ``timeout_s``: max(``min_timeout_s``, ``step_time_factor`` x the slowest step so
+    far), checked against the formula with the slowest step the watchdog measured), every rank's
+    Python stack is written to run/hangs/, and the job exits 124 long before the sleep ends."""
     recipe = _recipe(tmp_path)
     p, seconds = _train(tmp_path, recipe, ["sleep:rank=1:step=4:seconds=600"], "train.max_steps=1000",
-                        "train.watchdog.timeout_s=5", "train.watchdog.startup_steps=2",
-                        "train.watchdog.startup_timeout_s=120", timeout=300)
+                        "train.watchdog.min_timeout_s=2", "train.watchdog.step_time_factor=3",
+                        "train.watchdog.startup_steps=2", "train.watchdog.startup_timeout_s=120", timeout=300)
     assert p.returncode == 124, p.stderr[-3000:]
-    assert "hang watchdog: no progress for 5 s in step 4" in p.stderr, p.stderr[-2000:]
+    fired = re.findall(r"hang watchdog: no progress for \d+ s in step 4 \(timeout ([0-9.]+) s = max\(min_timeout_s 2, "
+                       r"step_time_factor 3 x the slowest step so far ([0-9.]+) s\)\)", p.stderr)
+    assert fired, p.stderr[-2000:]
+    for timeout_s, slowest in fired:  # each rank's own slowest step; printed to 6 decimals (error <= 4 x 5e-7)
+        assert float(slowest) > 0 and abs(float(timeout_s) - max(2.0, 3 * float(slowest))) <= 2e-6, (timeout_s, slowest)
     hangs = tmp_path / "run" / "hangs"
     for r in (0, 1):
         text = (hangs / f"rank{r:05d}.txt").read_text()
@@ -252,6 +261,106 @@ def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout_with_every_stack_o
     assert last["input_sizes"] == [[MicroStats.WIDTH + len(REASONS) - 1]], last  # the step's control vector
     assert any(f["name"] == "agree" for f in last["frames"]), last["frames"]
 
+
+
+# ---------------------------------------------------------------------------------------------
+# the exit status of the rank that survives a peer: two ranks started as a launcher starts them
+# ---------------------------------------------------------------------------------------------
+
+
+def _ranks(recipe: Path, resume: str, faults: list[str], ledger: Path, *sets: str,
+           stopped: int | None = None) -> list[subprocess.CompletedProcess]:
+    """``python -m smelt_ds.train RECIPE`` as rank 0 and rank 1 (what torchrun and the deepspeed
+    launcher start, with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT), each with its
+    own exit status. ``stopped``: the rank a fault stops (SIGSTOP); it is killed once the other ended."""
+    from tests.two_ranks import train_env
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "smelt_ds.train", str(recipe), "--resume", resume]
+    for x in sets:
+        cmd += ["--set", x]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=train_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=str(port), **fault_env(faults, ledger=ledger)))
+             for r in range(2)]
+    order = [r for r in range(2) if r != stopped] + ([stopped] if stopped is not None else [])
+    out: list = [None, None]
+    try:
+        for r in order:
+            if r == stopped:
+                procs[r].kill()
+            o, e = procs[r].communicate(timeout=scaled_timeout(240))
+            out[r] = subprocess.CompletedProcess(procs[r].args, procs[r].returncode, o, e)
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+                q.communicate()
+    return out
+
+
+def _tiny(tmp_path: Path, **train) -> Path:
+    from tests.two_ranks import recipe_raw
+
+    raw = recipe_raw(tmp_path / "run", tmp_path / "cache")
+    raw["train"].update(train)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_killed_rank_leaves_its_peer_exiting_75_and_the_ledger_shows_each_step_trained_once(tmp_path):
+    """Two ranks of the tiny recipe (ZeRO-1, a checkpoint every 2 steps) through the ranks' own entry
+    point. Rank 0's gradient is +inf at step 2 while its loss stays finite: the step guard skips
+    step 2 on both ranks (the weights after it are those after step 1, bit for bit) and step 3
+    trains. Rank 1 is SIGKILLed at the start of step 6: rank 0, the survivor, exits 75 naming
+    rank 1 as gone. ``--resume auto`` continues from step 4 to 7. The ledger (append-only, one line
+    per trained step and rank) shows step 5 trained twice, the one repetition the crash allows
+    (trained after the newest checkpoint), and every other step once."""
+    recipe = _tiny(tmp_path, max_steps=7, keep_last=10)
+    ledger = tmp_path / "ledger"
+    first = _ranks(recipe, "none", ["inf_grad:rank=0:step=2", "kill:rank=1:step=6"], ledger)
+    assert first[1].returncode == -signal.SIGKILL, first[1].stderr[-2000:]
+    assert first[0].returncode == 75, first[0].stderr[-3000:]  # the documented status, not PEER_EXIT's value
+    pid = json.loads((ledger / "rank1.jsonl").read_text().splitlines()[0])["pid"]
+    assert re.search(rf"rank 0: a collective failed at step 6 \(RuntimeError: .*\): a peer is lost: rank 1 \(pid "
+                     rf"{pid}\) (gone|exited)", first[0].stderr), first[0].stderr[-3000:]
+    # the non-finite gradient norm with a finite loss
+    lines = read_ledger(ledger)
+    for rank in (0, 1):
+        by_step = {x["step"]: x for x in lines[rank]}
+        assert by_step[2]["skipped"] == "non-finite gradient norm", by_step[2]
+        assert [by_step[s]["skipped"] for s in (1, 3, 4, 5)] == [None] * 4
+        assert by_step[2]["weights"] == by_step[1]["weights"], f"rank {rank}: the skipped step changed the weights"
+        assert by_step[3]["weights"] != by_step[2]["weights"], f"rank {rank}: step 3 did not train"
+    m = re.search(r"step 2: update skipped on every rank: non-finite gradient norm \(mean loss ([^)]+)\)",
+                  first[0].stderr)
+    assert m and math.isfinite(float(m.group(1))), first[0].stderr[-3000:]
+    second = _ranks(recipe, "auto", [], ledger)
+    assert [p.returncode for p in second] == [0, 0], second[0].stderr[-3000:]
+    assert check_ledger(read_ledger(ledger), 7, checkpoints=[4]) == {"attempts": [(1, 5), (5, 7)], "retrained": [5]}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stopped_rank_fails_the_collective_at_its_timeout_and_the_peer_exits_75(tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at the start of step 4, after the 2 start-up steps. The hang
+    watchdog allows 300 s; every group's collective timeout is 3 s after the start-up steps
+    (``train.watchdog.collective_timeout_s``), so rank 0's collective fails at 3 s: it exits 75
+    naming rank 1 as stopped, and its last collective in the flight recorder carries the 3 s."""
+    recipe = _tiny(tmp_path, max_steps=6, keep_last=10)
+    ranks = _ranks(recipe, "none", ["stop:rank=1:step=4"], tmp_path / "ledger",
+                   "train.watchdog.timeout_s=300", "train.watchdog.startup_steps=2",
+                   "train.watchdog.collective_timeout_s=3", stopped=1)
+    assert ranks[0].returncode == 75, ranks[0].stderr[-3000:]
+    assert re.search(r"rank 0: a collective failed at step 4 \(RuntimeError: .*\): a peer is lost: rank 1 \(pid "
+                     r"\d+\) stopped \(SIGSTOP", ranks[0].stderr), ranks[0].stderr[-3000:]
+    trace = pickle.loads((tmp_path / "run" / "hangs" / "fr_trace_rank_0").read_bytes())
+    assert trace["entries"][-1]["timeout_ms"] == 3000, trace["entries"][-1]
 
 
 def test_the_flight_recorder_is_on_unless_the_environment_sizes_it():

@@ -4,7 +4,7 @@ into training processes (:func:`smelt_ds.testing.faults.install_from_env`)."""
 
 import os
 
-if os.environ.get("SMELT_FAULTS", "").strip():  # nothing imported in a process started without faults
+if os.environ.get("SMELT_FAULTS", "").strip() or os.environ.get("SMELT_LEDGER", "").strip():  # else nothing imported
     from smelt_ds.testing.faults import install_from_env
 
     install_from_env()
