@@ -73,6 +73,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-requeues", type=int, default=d.max_requeues,
                    help=f"times a job whose ranks failed (srun exit status other than 0, 2, 3) requeues itself, "
                         f"counted by SLURM_RESTART_COUNT; 0 = never (default {d.max_requeues})")
+    g.add_argument("--max-time-requeues", type=int, default=d.max_time_requeues,
+                   help=f"times a job requeues itself at its time limit (after a checkpoint), counted by "
+                        f"SLURM_RESTART_COUNT (every requeue); 0 = never (default {d.max_time_requeues})")
     g = p.add_argument_group("Kubernetes")
     g.add_argument("--image", default=d.image, help=f"container image with smelt-ds (default {d.image}; "
                                                     "launchers/k8s/Dockerfile)")
@@ -98,6 +101,7 @@ def options_from_args(args: argparse.Namespace):
                       time=args.time, partition=args.partition, account=args.account, sbatch=list(args.sbatch),
                       log_dir=args.log_dir, signal_lead_s=args.signal_lead_s, shutdown_s=args.shutdown_s,
                       run_dir=args.run_dir, max_requeues=args.max_requeues,
+                      max_time_requeues=args.max_time_requeues,
                       image=args.image, namespace=args.namespace, runs_pvc=args.runs_pvc, data_pvc=args.data_pvc,
                       backoff_limit=args.backoff_limit, shm_size=args.shm_size, cpu_per_gpu=args.cpu_per_gpu,
                       memory_per_gpu_gib=args.memory_per_gpu_gib)

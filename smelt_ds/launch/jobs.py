@@ -8,7 +8,8 @@ estimates memory per GPU; :func:`render` fills one of the templates in ``launche
 * ``deepspeed``: ``launchers/deepspeed/run.sh``, the deepspeed launcher over a hostfile;
 * ``slurm``: ``launchers/slurm/smelt.sbatch``, one ``srun`` task per node running torchrun,
   rendezvous at the first host of ``SLURM_JOB_NODELIST``, ``--requeue`` + ``--resume auto``; a
-  job whose ranks fail requeues itself, at most ``--max-requeues`` times;
+  job whose ranks fail requeues itself while ``SLURM_RESTART_COUNT`` is below ``--max-requeues``
+  (default 3), one at its time limit while it is below ``--max-time-requeues`` (default 50);
 * ``k8s``: ``launchers/k8s/pytorchjob.yaml``, a Kubeflow PyTorchJob with one pod per node.
 
 Templates hold ``{{NAME}}`` fields; values are quoted for the file's language here (shell words
@@ -217,6 +218,7 @@ class JobOptions:
     shutdown_s: int = 300
     run_dir: str | None = None
     max_requeues: int = 3
+    max_time_requeues: int = 50  # Slurm: requeues at the time limit (a job that makes progress); 50 x --time at most
     image: str = "smelt-ds:latest"
     namespace: str = "default"
     runs_pvc: str = "smelt-runs"
@@ -500,13 +502,16 @@ def _render_slurm(plan: JobPlan) -> dict[str, str]:
         what = f"--log-dir {log_dir!r}" if o.log_dir else \
             f"the default log directory ({log_dir!r}, under --workdir {plan.workdir!r})"
         raise ConfigError(f"{what}: #SBATCH --output cannot hold spaces; pass --log-dir DIR without spaces")
-    if not isinstance(o.max_requeues, int) or isinstance(o.max_requeues, bool) or o.max_requeues < 0:
-        raise ConfigError(f"`--max-requeues` ({o.max_requeues!r}) must be 0 (never requeue a failed job) or a "
-                          "positive integer, e.g. --max-requeues 3")
+    for name, n, what, example in (("--max-requeues", o.max_requeues, "a failed job", 3),
+                                   ("--max-time-requeues", o.max_time_requeues, "a job at its time limit", 50)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"`{name}` ({n!r}) must be 0 (never requeue {what}) or a positive integer, e.g. "
+                              f"{name} {example}")
     port = str(o.master_port) if o.master_port is not None else "$((10000 + SLURM_JOB_ID % 20000))"
     return {**_shell_common(plan), "JOB_NAME": plan.job_name, "TIME": o.time, "SIGNAL_LEAD_S": str(o.signal_lead_s),
             "MASTER_PORT": port,
             "LOG_DIR": log_dir, "EXTRA_SBATCH": "\n".join(extra), "MAX_REQUEUES": str(o.max_requeues),
+            "MAX_TIME_REQUEUES": str(o.max_time_requeues),
             "PYTHON": shlex.quote(sys.executable)}  # the interpreter that has smelt-ds: the one rendering the job
 
 

@@ -312,8 +312,17 @@ if [[ "$1" == show ]]; then printf 'node-a\\nnode-b\\n'; else echo "scontrol $*"
 """
 
 
-@pytest.mark.parametrize("sig,expect_requeue,rc", [(signal.SIGUSR1, True, 0), (signal.SIGTERM, False, 143)])
-def test_slurm_script_checkpoints_on_signal_and_requeues_near_the_time_limit(tmp_path, sig, expect_requeue, rc):
+@pytest.mark.parametrize("sig,restarts,kw,expect_requeue,rc,said", [
+    (signal.SIGUSR1, "0", {}, True, 0, "requeue (1 of at most 50)"),
+    (signal.SIGTERM, "0", {}, False, 143, "SIGTERM (preemption or scancel): checkpoint"),
+    # the time-limit requeue is capped too: 50 by default, --max-time-requeues
+    (signal.SIGUSR1, "50", {}, False, 143,
+     "not requeueing: requeue limit reached (50; render-job --max-time-requeues)"),
+    (signal.SIGUSR1, "2", {"max_time_requeues": 2}, False, 143,
+     "not requeueing: requeue limit reached (2; render-job --max-time-requeues)"),
+])
+def test_slurm_script_checkpoints_on_signal_and_requeues_near_the_time_limit(tmp_path, sig, restarts, kw,
+                                                                             expect_requeue, rc, said):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -321,9 +330,10 @@ def test_slurm_script_checkpoints_on_signal_and_requeues_near_the_time_limit(tmp
         (bindir / name).chmod(0o755)
     job = tmp_path / "job.sbatch"
     job.write_text(render(_plan(ROOT / "recipes/m/smelt.yaml", "slurm", log_dir=str(tmp_path / "logs"),
-                                run_dir=str(tmp_path / "run"))))
+                                run_dir=str(tmp_path / "run"), **kw)))
     log = tmp_path / "fake.log"
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SMELT_MAX_")}
+    env = {**base, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log), "SLURM_RESTART_COUNT": restarts,
            "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "777", "SLURM_CPUS_ON_NODE": "32"}
     proc = subprocess.Popen(["bash", str(job)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t0 = time.time()
@@ -336,6 +346,7 @@ def test_slurm_script_checkpoints_on_signal_and_requeues_near_the_time_limit(tmp
     assert proc.returncode == rc, out
     assert "srun got TERM" in lines
     assert ("scontrol requeue 777" in lines) == expect_requeue
+    assert said in out, out
     srun = next(line for line in lines if line.startswith("srun "))
     assert "--ntasks-per-node=1" in srun and "--cpus-per-task=32" in srun
     assert "--master-addr=node-a --master-port=10777" in srun  # 10000 + 777 % 20000 and "--nnodes=4" in srun
@@ -401,6 +412,8 @@ def test_slurm_job_requeues_a_failure_at_most_max_requeues_times(tmp_path, env, 
     assert f"not requeueing: requeue limit reached ({limit}; render-job --max-requeues)" in out
     with pytest.raises(ConfigError, match=r"`--max-requeues` \(-1\) must be 0"):
         render(_plan(ROOT / "recipes/m/smelt.yaml", "slurm", max_requeues=-1))
+    with pytest.raises(ConfigError, match=r"`--max-time-requeues` \(-1\) must be 0 \(never requeue a job at its time"):
+        render(_plan(ROOT / "recipes/m/smelt.yaml", "slurm", max_time_requeues=-1))
 
 
 # a tiny model's overrides, for tests that render jobs of it (tests/launch/test_hosts.py runs them on
