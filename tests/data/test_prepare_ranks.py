@@ -94,11 +94,14 @@ def _earlier_failed_attempt(out: Path, skew: str) -> None:
     ``<out>.failed`` as an earlier attempt of a run does."""
     code = ("import sys\nfrom smelt_ds.data.distributed import run_once\n"
             "def build(tmp):\n    raise OSError('an earlier attempt: the volume was read-only')\n"
-            "try:\n    run_once(sys.argv[1], build)\nexcept OSError:\n    pass\n")
+            "try:\n    run_once(sys.argv[1], build)\nexcept OSError:\n    pass\n"
+            # the kernel of a host with this clock stamps the file so; libfaketime fakes only the process's clock
+            "import os, time\nnow = time.time()\nos.utime(sys.argv[1] + '.failed', (now, now))\n")
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     subprocess.run(["faketime", "-f", skew, sys.executable, "-c", code, str(out)], check=True, env=env, cwd=ROOT,
                    timeout=scaled_timeout(60))
-    assert (out.parent / f"{out.name}.failed").is_file()
+    skew_s = (out.parent / f"{out.name}.failed").stat().st_mtime - time.time()
+    assert abs(skew_s) > 3000 and (skew_s > 0) == skew.startswith("+")  # stamped by the skewed clock
 
 
 def _sleep_then_tell(went_round: threading.Event) -> SimpleNamespace:
@@ -152,20 +155,23 @@ def test_without_a_process_group_a_waiting_rank_ignores_an_earlier_attempts_mark
 # ---------------------------------------------------------------------------------------------
 
 #: one rank of an attempt: a gloo group, then run_once of argv[1]; rank 1 waits for the preparation
-#: (rank 0, whose build fails with argv[4] or succeeds when it is empty). Rank 0 starts preparing only
-#: once rank 1 has looked at the marker once (argv[2] exists) or given up; it keeps the group's
-#: store (which it hosts) up until rank 1 has its answer (argv[3]). Prints the outcome as JSON.
+#: (rank 0, whose build fails with argv[5] or succeeds when it is empty). In order: rank 1 looks at
+#: the marker once and pauses at its first poll (argv[2] appears); rank 0 prepares, stamps a marker
+#: it wrote with its own clock, as the kernel of a host with that clock does (argv[3] appears); rank
+#: 1 goes on. Rank 0 keeps the group's store (which it hosts) up until rank 1 has its answer
+#: (argv[4]). Prints the outcome as JSON. No time.sleep under libfaketime: Python's sleeps to an
+#: absolute deadline on the real monotonic clock, which libfaketime refuses (EINVAL).
 _RANK = r"""
-import json, sys, threading, time
+import json, os, sys, threading, time
 from datetime import timedelta
 from pathlib import Path
 import torch.distributed as dist
 from smelt_ds.data import distributed as dd
 
-out, went_round, done, error, timeout_s = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], \
-    float(sys.argv[5])
+out, went_round, stamped, done = (Path(a) for a in sys.argv[1:5])
+error, timeout_s = sys.argv[5], float(sys.argv[6])
 dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s * 2))
-rank = dist.get_rank()
+rank, pause = dist.get_rank(), threading.Event().wait
 
 
 def build(tmp):
@@ -174,20 +180,23 @@ def build(tmp):
     (tmp / "shard.bin").write_bytes(b"tokens")
 
 
-if rank == 1:
-    real_sleep = time.sleep
+def wait_for(*paths):
+    deadline = time.monotonic() + timeout_s
+    while not any(p.exists() for p in paths) and time.monotonic() < deadline:
+        pause(0.05)
 
+
+if rank == 1:
     def sleep(s):
-        went_round.touch()
-        real_sleep(s)
+        if not went_round.exists():
+            went_round.touch()
+            wait_for(stamped)
+        pause(s)
 
     dd.time = type("T", (), {"sleep": staticmethod(sleep), "monotonic": staticmethod(time.monotonic),
                              "time": staticmethod(time.time)})
-else:  # waits without time.sleep, which fails under libfaketime (an absolute deadline on the real clock)
-    pause = threading.Event().wait
-    deadline = time.monotonic() + timeout_s
-    while not (went_round.exists() or done.exists()) and time.monotonic() < deadline:
-        pause(0.05)
+else:
+    wait_for(went_round, done)
 try:
     result = {"built": dd.run_once(out, build, timeout_s=timeout_s)}
 except Exception as e:
@@ -195,18 +204,21 @@ except Exception as e:
 if rank == 1:
     done.write_text("done")
 else:
-    deadline = time.monotonic() + timeout_s
-    while not done.exists() and time.monotonic() < deadline:
-        pause(0.05)
+    marker = out.parent / (out.name + ".failed")
+    if marker.exists():
+        now = time.time()
+        os.utime(marker, (now, now))
+    stamped.touch()
+    wait_for(done)
 print(json.dumps({"rank": rank, **result}), flush=True)
 """
 
 
 def _attempt(tmp: Path, out: Path, error: str, skew0: str | None = None) -> list[dict]:
     """Run both ranks of one attempt (rank 0's clock ``skew0`` off under libfaketime); their outcomes."""
-    port, went_round, done = find_free_port(), tmp / "went-round", tmp / "done"
-    went_round.unlink(missing_ok=True)
-    done.unlink(missing_ok=True)
+    port, steps = find_free_port(), [tmp / "went-round", tmp / "stamped", tmp / "done"]
+    for f in steps:
+        f.unlink(missing_ok=True)
     base = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                 OMP_NUM_THREADS="1")
@@ -215,7 +227,7 @@ def _attempt(tmp: Path, out: Path, error: str, skew0: str | None = None) -> list
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         if rank == 0 and skew0:
             env.update(LD_PRELOAD=str(FAKETIME_LIB), FAKETIME=skew0, DONT_FAKE_MONOTONIC="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", _RANK, str(out), str(went_round), str(done), error,
+        procs.append(subprocess.Popen([sys.executable, "-c", _RANK, str(out), *map(str, steps), error,
                                        str(scaled_timeout(30))], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     results = []
@@ -253,5 +265,6 @@ def test_a_failure_on_a_preparing_rank_whose_clock_is_an_hour_behind_reaches_the
                                   "(rank 0 on "), r1
     assert r1["error"].endswith("): RuntimeError: no space left on the cache volume: fix that error (see the "
                                 "preparing rank's log)"), r1
+    assert (out.parent / "key.failed").stat().st_mtime - time.time() < -3000  # stamped by rank 0's clock
     marker = json.loads((out.parent / "key.failed").read_text())
     assert marker["rank"] == 0 and marker["error"] == "RuntimeError: no space left on the cache volume"
