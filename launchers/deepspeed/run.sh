@@ -51,6 +51,8 @@ export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-600}
 # group: stop, step guard, metrics; e.g. eth0), NCCL_IB_HCA (e.g. mlx5_0,mlx5_1),
 # NCCL_IB_DISABLE=1 (TCP only), NCCL_NET_GDR_LEVEL; SMELT_DS_CACHE (token cache, on a shared filesystem).
 {{ENV_EXPORTS}}
+# gloo (control group, in-loop harness) on NCCL_SOCKET_IFNAME's interfaces unless GLOO_SOCKET_IFNAME is set
+{{GLOO_FROM_NCCL}}
 
 cd "$SMELT_WORKDIR"
 if ! command -v deepspeed >/dev/null 2>&1; then

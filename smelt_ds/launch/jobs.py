@@ -34,6 +34,7 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from smelt_ds.resources import DATA_ROOT
 
 __all__ = ["SCHEDULERS", "LAUNCHERS_DIR", "TEMPLATES", "NCCL_FAULT_ENV", "Host", "parse_hostfile", "expand_nodelist",
            "JobOptions", "JobPlan", "plan_job", "render", "fill_template", "per_node_command", "k8s_pod_command",
-           "summary", "main"]
+           "summary", "main", "GLOO_FROM_NCCL", "gloo_ifname"]
 
 SCHEDULERS = ("deepspeed", "slurm", "k8s")
 LAUNCHERS_DIR = DATA_ROOT / "launchers"
@@ -68,6 +69,29 @@ NCCL_FAULT_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TI
                   "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{run_dir}/nccl_trace/rank_",
                   "TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "600"}
+
+#: the shell line of every job (Slurm script, deepspeed script, Kubernetes pod command) that gives
+#: gloo the interface NCCL was given: when ``GLOO_SOCKET_IFNAME`` is unset and
+#: ``NCCL_SOCKET_IFNAME`` names interfaces (NCCL's ``=`` prefix dropped; not an ``^`` exclusion)
+#: that this node has (``/sys/class/net``), it exports ``GLOO_SOCKET_IFNAME`` to the same ones: the
+#: gloo groups (the control group, the in-loop harness) otherwise bind the address the host name
+#: resolves to, which on a multi-NIC node may be an interface the peers cannot reach
+#: (:func:`gloo_ifname` is the same rule in Python)
+GLOO_FROM_NCCL = ('if [[ -z "${GLOO_SOCKET_IFNAME:-}" && -n "${NCCL_SOCKET_IFNAME:-}" '
+                  '&& "${NCCL_SOCKET_IFNAME}" != ^* ]] '
+                  '&& (IFS=,; for i in ${NCCL_SOCKET_IFNAME#=}; do [[ -e "/sys/class/net/$i" ]] || exit 1; done); '
+                  'then export GLOO_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME#=}"; fi')
+
+
+def gloo_ifname(nccl: str, have: Iterable[str]) -> str | None:
+    """The ``GLOO_SOCKET_IFNAME`` a job derives from ``NCCL_SOCKET_IFNAME`` = ``nccl`` on a node
+    whose interfaces are ``have`` (:data:`GLOO_FROM_NCCL`): ``nccl`` without NCCL's exact-match
+    ``=`` prefix when every comma-separated name is in ``have``; None for an empty value, an ``^``
+    exclusion list, or a name (or NCCL prefix such as ``ib``) that is no interface of the node."""
+    if not nccl or nccl.startswith("^"):
+        return None
+    names = nccl.removeprefix("=")
+    return names if all(n in set(have) for n in names.split(",")) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,6 +443,7 @@ def _shell_common(plan: JobPlan) -> dict[str, str]:
     return {"WORKDIR": q(plan.workdir), "RECIPE": q(plan.recipe_arg), "NODES": str(plan.nodes),
             "GPUS_PER_NODE": str(plan.gpus_per_node), "TRAIN_ARGS": q(shlex.join(plan.train_args)),
             "ENV_EXPORTS": "\n".join(f"export {k}={q(v)}" for k, v in plan.env.items()),
+            "GLOO_FROM_NCCL": GLOO_FROM_NCCL,
             "SHUTDOWN_S": str(plan.options.shutdown_s), "RUN_DIR": q(plan.run_dir)}
 
 
@@ -437,7 +462,8 @@ def per_node_command(plan: JobPlan) -> str:
 
 def k8s_pod_command(plan: JobPlan) -> str:
     """What a Kubernetes pod runs (``bash -c``, the container's first process): creates the flight
-    recorder's dump directory (it writes into an existing directory only), then runs torchrun
+    recorder's dump directory (it writes into an existing directory only), gives gloo NCCL's
+    interface (:data:`GLOO_FROM_NCCL`), then runs torchrun
     (:func:`per_node_command`) and waits for it.
 
     On the first SIGTERM (the kubelet's, on deletion, eviction or preemption), SIGINT or SIGHUP it
@@ -452,7 +478,7 @@ def k8s_pod_command(plan: JobPlan) -> str:
     return ('[[ -z "${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ]] || '
             'mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")"; stop=; pid=; ' + on_stop
             + "trap 'on_stop SIGTERM' TERM; trap 'on_stop SIGINT' INT; trap 'on_stop SIGHUP' HUP; "
-            + per_node_command(plan) + ' & pid=$!; '
+            + GLOO_FROM_NCCL + '; ' + per_node_command(plan) + ' & pid=$!; '
             '[[ -z "$stop" ]] || kill -TERM "$pid"; '  # a signal while it started
             # a trapped signal ends `wait` early (status > 128): wait again until torchrun has exited
             'until wait "$pid"; rc=$?; ! kill -0 "$pid" 2>/dev/null; do :; done; '

@@ -32,6 +32,10 @@ The checks, in order (:data:`CHECKS`), and the training code each one runs:
 - ``deepspeed ops``: the DeepSpeed ops the run builds at start (CPU Adam with an optimizer
   offload; the CPU communication op with several CPU ranks) can be built: DeepSpeed's own
   ``is_compatible`` and a C++ compiler.
+- ``network``: the interfaces of NCCL (``NCCL_SOCKET_IFNAME``) and of the gloo groups
+  (``GLOO_SOCKET_IFNAME``, which the job sets to NCCL's interfaces when unset:
+  :data:`smelt_ds.launch.jobs.GLOO_FROM_NCCL`), named; a warning when one is not an interface of
+  this host (``psutil.net_if_addrs()``) or NCCL's value gives gloo none.
 
 A Kubernetes pod sees its image and its mounts, not this machine: there the data check is that
 every recipe path lies in a volume of the pod or in its image (:mod:`smelt_ds.launch.k8s_mounts`,
@@ -48,6 +52,7 @@ import importlib.util
 import os
 import shlex
 import shutil
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,7 +66,7 @@ from smelt_ds.data.prepared import PreparedData, check_compatible
 from smelt_ds.data.token_sources import resolve_token_paths
 from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError
-from smelt_ds.launch.jobs import MIN_HEADROOM, SCHEDULERS, JobOptions, JobPlan, plan_job
+from smelt_ds.launch.jobs import MIN_HEADROOM, SCHEDULERS, JobOptions, JobPlan, gloo_ifname, plan_job
 from smelt_ds.launch.k8s_mounts import pod_mounts, unseen_paths
 from smelt_ds.mappings import updated_environ
 from smelt_ds.parallel.ds_config import build_ds_config
@@ -74,7 +79,7 @@ from smelt_ds.train.trackers import FALLBACKS, check_trackers
 __all__ = ["CHECKS", "CheckResult", "run_checks", "format_results", "failures", "add_parser"]
 
 #: the checks, in the order they run and print
-CHECKS = ("config", "data", "tokenizer", "memory", "trackers", "interpreter", "deepspeed ops")
+CHECKS = ("config", "data", "tokenizer", "memory", "trackers", "interpreter", "deepspeed ops", "network")
 #: the oldest Python the suite runs on
 MIN_PYTHON = (3, 11)
 
@@ -229,6 +234,39 @@ def check_deepspeed_ops(plan: JobPlan) -> str:
     return "; ".join(f"{name} for {why}" for name, why in ops) + f": buildable (compiler {compiler})"
 
 
+def check_network(plan: JobPlan) -> str:
+    """The interfaces of the job's NCCL and gloo traffic (``NCCL_SOCKET_IFNAME``,
+    ``GLOO_SOCKET_IFNAME`` from ``--env`` or this environment) and gloo's as the job sets it
+    (:func:`smelt_ds.launch.jobs.gloo_ifname`: NCCL's interfaces when gloo's is unset). Raises
+    CheckWarning (the job starts; its gloo groups may bind an interface the peers cannot reach)
+    naming the interface and this host's interfaces (``psutil.net_if_addrs()``) when one named is
+    not on this host (Slurm and the deepspeed launcher: this host is the first node or looks like
+    one), or when NCCL's value gives gloo no interface (an ``^`` exclusion list, an NCCL prefix)."""
+    import psutil
+
+    nccl, gloo = os.environ.get("NCCL_SOCKET_IFNAME", ""), os.environ.get("GLOO_SOCKET_IFNAME", "")
+    here = sorted(psutil.net_if_addrs())
+    host = f"{socket.gethostname()} has {', '.join(here)}"
+    if not nccl and not gloo:
+        return "NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME unset: NCCL picks its interface, gloo the host name's address"
+    pod = plan.options.scheduler == "k8s"  # a pod's interfaces are not this machine's
+    if gloo:
+        missing = [] if pod else [n for n in gloo.split(",") if n not in here]
+        if missing:
+            raise CheckWarning(f"GLOO_SOCKET_IFNAME={gloo!r}: no interface {', '.join(missing)} on this host ({host}): "
+                               "set it to an interface of the compute nodes (--env GLOO_SOCKET_IFNAME=<interface>)")
+        return f"gloo on {gloo} (GLOO_SOCKET_IFNAME); NCCL on {nccl or 'its own choice'} (NCCL_SOCKET_IFNAME)"
+    derived = gloo_ifname(nccl, here) if not pod else gloo_ifname(nccl, nccl.removeprefix("=").split(","))
+    if derived is None:
+        raise CheckWarning(f"NCCL_SOCKET_IFNAME={nccl!r} names no interface of this host ({host}) that gloo can "
+                           "use (gloo takes interface names: no ^ exclusion, no prefix), so the job leaves "
+                           "GLOO_SOCKET_IFNAME unset and gloo binds the host name's address: on a multi-NIC node set "
+                           "--env GLOO_SOCKET_IFNAME=<interface> (and an interface of the compute nodes in "
+                           "NCCL_SOCKET_IFNAME)")
+    return (f"gloo on {derived} (the job sets GLOO_SOCKET_IFNAME to NCCL_SOCKET_IFNAME's interface"
+            f"{' where the pod has it' if pod else ''}); NCCL on {nccl}")
+
+
 def _pod_paths(plan: JobPlan) -> CheckResult:
     """A Kubernetes job's data check: every path the run reads or writes lies in a volume of the
     pod or in its image (:func:`smelt_ds.launch.k8s_mounts.unseen_paths`, what render-job refuses)."""
@@ -254,6 +292,7 @@ def run_checks(plan: JobPlan, data: bool = True) -> list[CheckResult]:
         ("trackers", lambda: check_tracking(cfg), k8s),
         ("interpreter", lambda: check_interpreter(cfg), k8s),
         ("deepspeed ops", lambda: check_deepspeed_ops(plan), False),
+        ("network", lambda: check_network(plan), False),
     ]
     out = []
     with _job_environment(plan):
