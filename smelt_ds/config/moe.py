@@ -17,7 +17,8 @@ from pydantic import Field
 from smelt_ds.config.schema import StrictModel
 from smelt_ds.errors import ConfigError, fail
 
-__all__ = ["MoEConfig", "MoERuntimeConfig", "MOVED_MOE_KEYS", "check_moe", "check_moe_backend", "check_moved_keys"]
+__all__ = ["MoEConfig", "MoERuntimeConfig", "MOVED_MOE_KEYS", "RUNTIME_FUNCTION_KEYS", "RUNTIME_PLACEMENT_KEYS",
+           "check_moe", "check_moe_backend", "check_moved_keys", "token_routing", "routing_changes"]
 
 
 class MoEConfig(StrictModel):
@@ -56,6 +57,38 @@ class MoERuntimeConfig(StrictModel):
     min_capacity: int = Field(4, ge=0, description="deepspeed backend: minimum tokens per expert")
     drop_tokens: bool = Field(True, description="deepspeed backend: drop tokens over capacity")
     use_tutel: bool = Field(False, description="deepspeed backend: tutel kernels (optional package)")
+
+
+#: ``moe_runtime`` keys that change the function the MoE layers compute (which tokens reach their
+#: experts, in training and in validation): a resume may not change it (:func:`token_routing`)
+RUNTIME_FUNCTION_KEYS = ("drop_tokens", "capacity_factor", "eval_capacity_factor", "min_capacity")
+#: ``moe_runtime`` keys that change only where and how fast the same function runs: a resume may
+#: change them (a backend or expert-parallel size converts the checkpoint, docs/changing_scale.md)
+RUNTIME_PLACEMENT_KEYS = ("backend", "ep_size", "use_tutel")
+
+
+def token_routing(rt: MoERuntimeConfig) -> dict[str, Any]:
+    """What ``moe_runtime`` decides of the function the MoE layers compute, keyed by
+    :data:`RUNTIME_FUNCTION_KEYS`: ``{"drop_tokens": False}`` when every token reaches its top-k
+    experts (the dropless ``reference`` and ``autoep`` backends, and ``deepspeed`` with
+    ``drop_tokens: false``, whose gates then size the capacity to the busiest expert so that the
+    capacity fields decide nothing), else ``drop_tokens`` true with ``capacity_factor``,
+    ``eval_capacity_factor`` and ``min_capacity`` (DeepSpeed-MoE drops the tokens over an
+    expert's capacity, ``max(min_capacity, factor x tokens x top_k / experts)``)."""
+    if rt.backend != "deepspeed" or not rt.drop_tokens:
+        return {"drop_tokens": False}
+    return {k: getattr(rt, k) for k in RUNTIME_FUNCTION_KEYS}
+
+
+def routing_changes(old: MoERuntimeConfig, new: MoERuntimeConfig) -> dict[str, tuple[Any, Any]]:
+    """``{key: (old, new)}`` for each :data:`RUNTIME_FUNCTION_KEYS` entry whose effective value
+    (:func:`token_routing`) differs between the runtimes ``old`` and ``new``; ``drop_tokens``
+    alone when that differs (the capacity decides nothing on the dropless side). Empty when both
+    compute the same function."""
+    a, b = token_routing(old), token_routing(new)
+    if a["drop_tokens"] != b["drop_tokens"]:
+        return {"drop_tokens": (a["drop_tokens"], b["drop_tokens"])}
+    return {k: (a[k], b[k]) for k in RUNTIME_FUNCTION_KEYS if k in a and a[k] != b[k]}
 
 
 #: Keys that used to be in ``moe:`` (older recipes), and the section that holds them now.

@@ -46,7 +46,7 @@ from smelt_ds.runs.reference_weights import REFERENCE_DIR, gather_reference_shar
 __all__ = ["checkpoint_dir", "save", "choose", "load", "load_from", "latest_complete", "read_marker", "verify",
            "rng_state", "restore_rng", "MARKER", "run_layout",
            "check_layout", "REFERENCE_CHOICES", "offline_exportable", "writes_reference", "reference_files",
-           "newest_with_reference"]
+           "newest_with_reference", "holds"]
 
 MARKER = "COMPLETE"
 #: the values of ``train.reference_weights`` (:func:`writes_reference`)
@@ -341,6 +341,8 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
     ``optimizer_state`` (``train.layout_free_state``): every save writes the reference shards
     (``minimal`` then acts as ``newest``) and they also hold AdamW's moments and step; the marker
     says ``"layout_free": true``: the checkpoint resumes at any layout (:mod:`smelt_ds.runs.reshard`).
+    The marker's ``"reference_weights"`` says whether it holds the reference shards; both flags turn
+    false when pruning removes the shards (:func:`_drop_reference`, :func:`holds`).
 
     Raises :class:`CheckpointWriteError` on every rank when any rank could not write (any
     OSError: a full disk, a permission error, a failing device; the message names the rank, the
@@ -372,7 +374,8 @@ def save(engine, run_dir: str | Path, step: int, tokens_seen: int, loader_state:
         raise CheckpointWriteError(errors[0] + more)
     error = None
     if rank == 0:
-        meta = {"step": step, "tokens_seen": tokens_seen, **layout, "layout_free": bool(reference and optimizer_state)}
+        meta = {"step": step, "tokens_seen": tokens_seen, **layout, "reference_weights": bool(reference),
+                "layout_free": bool(reference and optimizer_state)}
         error = _complete(root, tag, gathered, meta, keep_last, reference_weights != "every_save")
     error = control.broadcast_object(error, src=0)  # also the barrier: no rank goes on before the marker is written
     if error:
@@ -520,21 +523,45 @@ def newest_with_reference(root: str | Path) -> Path | None:
     return next((p for p in reversed(_complete_tags(Path(root))) if reference_files(p)), None)
 
 
+def holds(meta: dict[str, Any]) -> dict[str, Any]:
+    """What the checkpoint with ``COMPLETE`` marker ``meta`` (:func:`read_marker`) holds besides
+    DeepSpeed's files and the client state: ``{"reference_weights": bool, "layout_free": bool,
+    "removed_by": str | None}``.
+
+    ``reference_weights``: the reference-layout shards ``smelt-ds export`` reads; ``layout_free``:
+    those shards with AdamW's moments, what a resume at another layout needs
+    (:mod:`smelt_ds.runs.reshard`); ``removed_by``: the newer checkpoint whose completion made
+    pruning remove the shards (``train.reference_weights`` ``newest`` or ``minimal``), else None.
+    Read from the marker's flags and ``reference_removed_by``: a marker rewritten by an older
+    smelt-ds when it removed the shards kept ``"layout_free": true`` (but has
+    ``reference_removed_by``); a marker without ``reference_weights`` (older) holds the shards its
+    file list names (all of ``reference/`` without digests)."""
+    removed = meta.get("reference_removed_by")
+    files = meta.get("files")
+    listed = files is None or any(n.startswith(REFERENCE_DIR + "/") for n in files)
+    reference = bool(meta.get("reference_weights", listed)) and removed is None
+    return {"reference_weights": reference, "layout_free": bool(meta.get("layout_free")) and removed is None,
+            "removed_by": removed}
+
+
 def _drop_reference(ckpt: Path, newer: str) -> None:
     """Remove the reference shards of the complete checkpoint ``ckpt`` (``newer``: the checkpoint
     that made them redundant, recorded in the marker as ``reference_removed_by``).
 
-    The marker is rewritten without the shards first (atomically), then the files are deleted:
-    a crash in between leaves unlisted files, never a listed file missing (which :func:`verify`
+    The marker is rewritten first (atomically, :func:`_write_marker`) to say what the checkpoint
+    still holds: the shards leave its file list, and ``reference_weights`` and ``layout_free``
+    turn false (it resumes at its own layout only, :func:`holds`); then the files are deleted: a
+    crash in between leaves unlisted files, never a listed file missing (which :func:`verify`
     would call damaged). Checkpoints whose marker has no digests (older smelt-ds) are left alone."""
     meta = json.loads((ckpt / MARKER).read_text())
     files = meta.get("files")
     if files is None:
         return
     listed = [n for n in files if n.startswith(REFERENCE_DIR + "/")]
-    if listed:
+    if listed or meta.get("layout_free") or meta.get("reference_weights"):
         meta["files"] = {n: d for n, d in files.items() if n not in listed}
-        meta["reference_removed_by"] = newer
+        meta["reference_removed_by"] = meta.get("reference_removed_by") or newer
+        meta["reference_weights"] = meta["layout_free"] = False
         _write_marker(ckpt, meta)
     shutil.rmtree(ckpt / REFERENCE_DIR, ignore_errors=True)  # also what a crash here left last time
 

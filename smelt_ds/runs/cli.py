@@ -58,8 +58,9 @@ def resumable_layouts(cfg, meta: dict[str, Any], max_ranks: int = 64) -> list[di
     """The layouts recipe ``cfg`` can resume a checkpoint with marker ``meta`` at: ``[{"world_size",
     "moe_backend", "ep_size", "zero_stages"}]``, each checked as training checks a recipe (the
     recipe with that backend, EP size and ZeRO stage must load). Only the writing layout when the
-    checkpoint has no layout-free state."""
-    if not meta.get("layout_free") or "global_batch_samples" not in meta:
+    checkpoint has no layout-free state (:func:`smelt_ds.runs.checkpoint.holds`: never written, or
+    removed by pruning)."""
+    if not ckpt.holds(meta)["layout_free"] or "global_batch_samples" not in meta:
         return [{"world_size": meta["world_size"], "moe_backend": meta.get("moe_backend", "reference"),
                  "ep_size": meta.get("ep_size", 1), "zero_stages": [meta.get("zero_stage")]}]
     raw = config_to_dict(cfg)
@@ -127,8 +128,16 @@ def checkpoint_info(path: Path, recipe: str | None = None, max_ranks: int = 64,
     if "global_batch_samples" in meta:
         lines.append(f"batch         global batch {meta['global_batch_samples']} samples of micro-batch "
                      f"{meta['micro_batch_size']}")
-    free = "yes: resumes at any layout below" if meta.get("layout_free") else "no: resumes at its own layout only"
+    held = ckpt.holds(meta)
+    if held["removed_by"] is not None:
+        free = (f"no: its reference shards were removed by pruning once {held['removed_by']} was complete "
+                "(train.reference_weights newest or minimal); resumes at its own layout only (the run's newest "
+                "checkpoint keeps its shards)")
+    else:
+        free = "yes: resumes at any layout below" if held["layout_free"] else "no: resumes at its own layout only"
     lines.append(f"layout-free   {free}")
+    lines.append(f"reference     {'yes' if held['reference_weights'] else 'no'} (the fp32 weights in the reference "
+                 "layout, reference/rank*.pt)")
     lines.append(f"files         {len(files)}, {total:,} bytes")
     for kind, n in sorted(kinds.items()):
         lines.append(f"  {n:4d}  {sizes[kind]:>16,} bytes  {kind}")

@@ -12,12 +12,18 @@ weights and moments, each expert's going to the rank that owns that expert now
 the optimizer-step counters and LR schedule position (:func:`engine_counters`), the data
 position, the RNG and the step guard.
 
-The batch: the micro-batch size stays the run's and the accumulation is re-derived so that the
-global batch stays the run's (:func:`plan_resume`): every optimizer step sums the same
-micro-batches as the uninterrupted run (the data loader cuts epochs to the global batch:
-:class:`smelt_ds.data.loader.TrainLoader`), so the run continues on its trajectory up to the
-reduction order of the new layout. A layout that cannot form the run's global batch is refused,
-naming the numbers of ranks that can.
+The batch: the global batch (samples per optimizer step) stays the run's, and the accumulation
+is re-derived from it for the new number of ranks and micro-batch size (:func:`plan_resume`; the
+micro-batch may change, as Megatron-LM lets it, e.g. to fit GPUs with less memory). Every
+optimizer step reads the same samples as the uninterrupted run (the data loader cuts epochs to
+the global batch and reads step ``t``'s samples from positions ``[t G, (t + 1) G)`` whatever the
+ranks and micro-batches: :class:`smelt_ds.data.loader.TrainLoader`), so the run continues on its
+trajectory up to the reduction order of the new layout. With the micro-batch size kept, every
+micro-batch holds the same samples too; with another, the terms computed per micro-batch change
+with the grouping: the load-balancing loss (``train.aux_loss_coef``, a product of two
+per-micro-batch means) and DeepSpeed-MoE's capacity. A global batch the ranks and micro-batches
+cannot form is refused, naming the numbers of ranks and the micro-batch sizes that can; another
+global batch (``train.global_batch_tokens``) is refused.
 
 Memory: the shards are opened memory-mapped (``torch.load(mmap=True)``) and each parameter's
 values are read when it is written, so a rank holds at most one parameter's (or one layer's
@@ -79,8 +85,10 @@ def _nearest(sizes: list[int], world: int, k: int = 3) -> list[int]:
 
 @dataclass
 class ResumePlan:
-    """A resume at another layout (:func:`plan_resume`): the checkpoint's layout and batch, the new
-    ones, and the accumulation re-derived for the new number of ranks."""
+    """A resume at another layout or micro-batch size (:func:`plan_resume`): the checkpoint's layout
+    and batch, the new ones, and the accumulation re-derived for the new number of ranks and
+    micro-batch size. ``changes`` (the layout keys that differ) empty: the same layout with another
+    micro-batch size, which DeepSpeed's own files load; else the layout-free state is converted."""
 
     checkpoint: Path
     old: dict[str, Any]
@@ -92,19 +100,35 @@ class ResumePlan:
         "fp32 weights", "AdamW moments and step", "router biases and other buffers", "LR schedule position",
         "data position", "RNG", "step guard"])
 
+    def _batch(self) -> str:
+        a, b = self.old["micro_batch_size"], self.new["micro_batch_size"]
+        micro = f"micro-batch {b}" if a == b else f"micro-batch {a} -> {b}"
+        return (f"{micro} x accumulation {self.old_accum} -> {self.new_accum} (the run's global batch of "
+                f"{self.old['global_batch_samples']} samples kept")
+
     def console(self) -> str:
         """The console line of the resume."""
+        if not self.changes:
+            return (f"resuming {self.checkpoint.name} at its layout with another micro-batch size: {self._batch()}, "
+                    "and the same samples in every optimizer step; the load-balancing loss and DeepSpeed-MoE's "
+                    "capacity are computed per micro-batch, so they now see other groups of samples)")
         what = "; ".join(f"{_WORDS[k]} {a} -> {b}" for k, (a, b) in self.changes.items())
         return (f"resuming {self.checkpoint.name} at another layout ({what}): {describe_layout(self.old)} -> "
-                f"{describe_layout(self.new)}; micro-batch {self.new['micro_batch_size']} x accumulation "
-                f"{self.old_accum} -> {self.new_accum} (the run's global batch of {self.old['global_batch_samples']} "
-                f"samples kept); converted from the layout-free state: {', '.join(self.converted)}")
+                f"{describe_layout(self.new)}; {self._batch()}); converted from the layout-free state: "
+                f"{', '.join(self.converted)}")
 
     def row(self) -> dict[str, Any]:
-        """The ``metrics.jsonl`` row's ``layout_change`` entry."""
+        """The ``metrics.jsonl`` row's entry (:meth:`record`)."""
         return {"checkpoint": self.checkpoint.name, "from": {k: self.old.get(k) for k in LAYOUT_KEYS},
                 "to": {k: self.new.get(k) for k in LAYOUT_KEYS}, "accumulation": [self.old_accum, self.new_accum],
-                "global_batch_samples": self.old["global_batch_samples"], "converted": self.converted}
+                "micro_batch_size": [self.old["micro_batch_size"], self.new["micro_batch_size"]],
+                "global_batch_samples": self.old["global_batch_samples"],
+                "converted": self.converted if self.changes else []}
+
+    def record(self) -> dict[str, Any]:
+        """What the run's ``metrics.jsonl`` gets at the resumed step: ``{"layout_change": row}``, or
+        ``{"micro_batch_change": row}`` at the writing layout (:meth:`row`)."""
+        return {"layout_change" if self.changes else "micro_batch_change": self.row()}
 
 
 def _marker(path: Path) -> dict[str, Any]:
@@ -120,23 +144,48 @@ def _peek(out_dir: Path, resume: str) -> Path | None:
     return path if path is not None and (path / ckpt.MARKER).is_file() else None
 
 
-def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
-    """Before the engine is built: the recipe to build and, for a resume at another layout, its
-    :class:`ResumePlan`: ``(cfg, plan or None)``.
+def _unformable(path: Path, global_batch: int, micro: int, old_micro: int, world_size: int, ep: int) -> str:
+    """The message of a resume whose ranks and micro-batches cannot form the run's global batch:
+    the numbers of ranks near ``world_size`` that can with micro-batches of ``micro``, the
+    micro-batch sizes that can on ``world_size`` ranks, else the ranks that can with the run's."""
+    options = []
+    near = _nearest(valid_world_sizes(global_batch, micro, ep), world_size) if global_batch % micro == 0 else []
+    if near:
+        options.append(f"resume on {_either(near)} rank(s) (expert-parallel size {ep})")
+    micros = [m for m in range(1, global_batch // world_size + 1) if global_batch % (m * world_size) == 0]
+    if micros:
+        options.append(f"on {world_size} rank(s) with train.micro_batch_size {_either(_nearest(micros, micro))}")
+    if not options:
+        runs = _nearest(valid_world_sizes(global_batch, old_micro, ep), world_size)
+        options.append(f"resume with the run's train.micro_batch_size {old_micro} on {_either(runs)} rank(s) "
+                       f"(expert-parallel size {ep})")
+    count = (f"{global_batch // micro} micro-batches per step" if global_batch % micro == 0
+             else f"not a whole number of micro-batches of {micro}")
+    return (f"{world_size} rank(s) cannot form the run's global batch of {global_batch} samples from micro-batches "
+            f"of {micro} ({count}; checkpoint {path}): {', or '.join(options)}")
 
-    The new recipe keeps the checkpoint's micro-batch size and sets ``train.gradient_accumulation_steps``
-    to ``global_batch / (micro_batch x world_size)`` (``train.global_batch_tokens`` is the run's
-    and resolves to the same value), at any layout: a recipe's explicit accumulation describes the
-    layout it was written for, and a resume keeps the run's global batch (the caller says so when
-    the recipe's value is replaced).
+
+def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
+    """Before the engine is built: the recipe to build and, for a resume at another layout or
+    micro-batch size, its :class:`ResumePlan`: ``(cfg, plan or None)``.
+
+    The new recipe keeps the run's global batch (samples per optimizer step, the checkpoint
+    marker's ``global_batch_samples``) and sets ``train.gradient_accumulation_steps`` to
+    ``global_batch / (micro_batch x world_size)`` with the recipe's micro-batch size
+    (``train.global_batch_tokens``, when set, is the run's and resolves to the same value), at any
+    layout: a recipe's explicit accumulation describes the layout it was written for, and a resume
+    keeps the run's global batch (the caller says so when the recipe's value is replaced).
 
     Raises:
-        ConfigError: naming the fix, when the checkpoint has no layout-free state (written before
-            smelt-ds kept it, with ``train.layout_free_state: false``, or a save without reference
-            weights), when the micro-batch size differs from the run's, when ``world_size`` cannot
-            form the run's global batch (naming the nearest numbers of ranks that can), or when the
-            run draws random numbers per micro-batch (dropout, router jitter), which a new layout
-            would give to other micro-batches.
+        ConfigError: naming the checkpoint and the fix, when the layout differs and the checkpoint
+            holds no layout-free state (written before smelt-ds kept it, with
+            ``train.layout_free_state: false``, by a save without reference weights, or removed
+            by pruning: :func:`smelt_ds.runs.checkpoint.holds`); when ``train.global_batch_tokens``
+            differs from the run's global batch; when ``world_size`` ranks and the micro-batch size
+            cannot form the run's global batch (naming the nearest numbers of ranks and the
+            micro-batch sizes that can); or when the run draws random numbers per micro-batch
+            (dropout, router jitter), which another layout or micro-batch size would give to other
+            micro-batches.
     """
     path = _peek(out_dir, resume)
     if path is None:
@@ -150,7 +199,16 @@ def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
            "ep_size": rt.ep_size if rt.backend != "reference" else 1}
     changes = layout_change(meta, new)
     what = "; ".join(f"{_WORDS[k]} {a} in the checkpoint vs {b} now" for k, (a, b) in changes.items())
-    if "global_batch_samples" not in meta or (changes and not meta.get("layout_free")):
+    held = ckpt.holds(meta)
+    if changes and held["removed_by"] is not None:
+        raise ConfigError(
+            f"checkpoint {path} was written with another layout ({what}) and no longer holds its layout-free "
+            "training state: its reference shards (fp32 weights and AdamW moments in the reference layout) were "
+            f"removed by pruning once the newer {held['removed_by']} was complete (train.reference_weights newest "
+            "or minimal keeps them in the newest checkpoint only): resume the run's newest checkpoint at this "
+            f"layout (--resume auto), or this one at its own layout ({describe_layout(meta)}); "
+            "train.reference_weights: every_save keeps them in every checkpoint")
+    if "global_batch_samples" not in meta or (changes and not held["layout_free"]):
         if not changes:
             return cfg, None  # written before the batch was recorded: resumed through DeepSpeed as it was
         raise ConfigError(
@@ -160,33 +218,33 @@ def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
             f"({describe_layout(meta)}), or continue from its weights alone with `smelt-ds export` and "
             "train.init_from in a new --run-dir (the optimizer state starts fresh)")
     t = cfg.train
-    micro, global_batch = int(meta["micro_batch_size"]), int(meta["global_batch_samples"])
-    if t.micro_batch_size != micro:
+    old_micro, global_batch = int(meta["micro_batch_size"]), int(meta["global_batch_samples"])
+    micro = t.micro_batch_size
+    if t.global_batch_tokens is not None and t.global_batch_tokens != global_batch * t.seq_len:
         raise ConfigError(
-            f"train.micro_batch_size {t.micro_batch_size} differs from the run's {micro} (checkpoint {path}): a resume "
-            "keeps the micro-batches (MoE capacity and the aux loss are computed per micro-batch) and re-derives the "
-            f"accumulation for another layout: --set train.micro_batch_size={micro}")
+            f"train.global_batch_tokens {t.global_batch_tokens} differs from the run's global batch of "
+            f"{global_batch * t.seq_len} tokens ({global_batch} samples of train.seq_len {t.seq_len}; checkpoint "
+            f"{path}): a resume keeps the run's global batch (a micro-batch change keeps it: the accumulation "
+            f"adjusts): --set train.global_batch_tokens={global_batch * t.seq_len}, or train with another global "
+            "batch as a new run from this one's weights (`smelt-ds export`, then train.init_from in a new --run-dir)")
     ep = new["ep_size"]
     if global_batch % (micro * world_size):
-        near = _nearest(valid_world_sizes(global_batch, micro, ep), world_size)
-        raise ConfigError(
-            f"{world_size} rank(s) cannot form the run's global batch of {global_batch} samples from micro-batches of "
-            f"{micro} ({global_batch // micro} micro-batches per step; checkpoint {path}): resume on "
-            f"{_either(near)} rank(s) (expert-parallel size {ep})")
+        raise ConfigError(_unformable(path, global_batch, micro, old_micro, world_size, ep))
     accum = global_batch // (micro * world_size)
-    if changes and (cfg.model.dropout > 0 or cfg.moe.router_jitter > 0):
+    if (changes or micro != old_micro) and (cfg.model.dropout > 0 or cfg.moe.router_jitter > 0):
         raise ConfigError(
             f"the run draws random numbers per micro-batch (model.dropout {cfg.model.dropout}, moe.router_jitter "
-            f"{cfg.moe.router_jitter}), which another layout gives to other micro-batches: resume checkpoint {path} "
-            f"at its own layout ({describe_layout(meta)})")
+            f"{cfg.moe.router_jitter}), which another layout or micro-batch size gives to other micro-batches: "
+            f"resume checkpoint {path} at its own layout ({describe_layout(meta)}) and micro-batch size "
+            f"(--set train.micro_batch_size={old_micro})")
     if t.global_batch_tokens is not None:
         resolve_batch(t.model_copy(update={"gradient_accumulation_steps": None}), world_size)  # the run's: same accum
     new_cfg = cfg
     if t.global_batch_tokens is None and (t.gradient_accumulation_steps or 1) != accum:  # else the recipe says it
         new_cfg = cfg.model_copy(update={"train": t.model_copy(update={"gradient_accumulation_steps": accum})})
-    if not changes:
+    if not changes and micro == old_micro:
         return new_cfg, None
-    old_accum = global_batch // (micro * int(meta["world_size"]))
+    old_accum = global_batch // (old_micro * int(meta["world_size"]))
     return new_cfg, ResumePlan(path, meta, ckpt.run_layout(new_cfg, world_size), changes, old_accum, accum)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from smelt_ds.config.loading import config_diff, config_to_dict
+from smelt_ds.config.moe import RUNTIME_FUNCTION_KEYS, MoERuntimeConfig, routing_changes, token_routing
 from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel.distributed import on_rank0
@@ -53,9 +54,13 @@ def check_run_dir(out_dir: Path, cfg: RunConfig, resume: str, world_size: int | 
     directory that does not exist, a checkpoint of another run directory, or one older than the
     run's newest (a rewind would mix the newer checkpoints into this run); or when a resumed run's
     recipe differs from the run directory's ``config.yaml`` in a field the checkpoint depends on
-    (``_RESUME_FIXED``: model, loop, MoE layout, tokenizer); or, when ``world_size`` is given,
-    when the checkpoint cannot continue at this layout (:func:`smelt_ds.runs.reshard.plan_resume`:
-    another layout without the layout-free state, a batch the ranks cannot form).
+    (``_RESUME_FIXED``: model, loop, MoE layout, tokenizer), in a field outside
+    :data:`RESUME_MAY_CHANGE`, or in what the MoE layers compute (:func:`_check_token_routing`:
+    token dropping and capacity); or, when ``world_size`` is given,
+    when the checkpoint cannot continue at this layout and micro-batch size
+    (:func:`smelt_ds.runs.reshard.plan_resume`: another layout without the layout-free state, or
+    with its shards removed by pruning; another global batch; a global batch the ranks and
+    micro-batches cannot form).
 
     ``--resume auto`` in a directory without a complete checkpoint starts from step 0 in place:
     with ``take_over`` (the training itself, which holds the run lock), global rank 0 first removes
@@ -127,23 +132,95 @@ def _check_recipe_against_run(out_dir: Path, saved: Path, cfg: RunConfig, resume
         raise ConfigError(f"--resume {resume}: run directory {out_dir} was trained with another model "
                           f"({'; '.join(diffs[:4])}): resume with the run's own recipe ({saved}), or start "
                           "this recipe in a new --run-dir")
-    _check_resume_overrides(old, new, out_dir, resume)
+    _check_token_routing(old, out_dir, resume, cfg)
+    _check_resume_overrides(old, new, out_dir, resume, batch_recorded=_records_batch(out_dir, resume))
 
 
 # what a resume may change: how long, how often to log/evaluate/save (and which checkpoints keep
 # the reference weights), where data are cached, evaluation settings and compilation (the same
-# computation, compiled or not); everything else would change the optimisation it continues (the LR,
-# the batch, the data) while the checkpoint restores the old state, so config.yaml would lie
+# computation, compiled or not); the run settings a user changes to get past a bad stretch, as in
+# Megatron-LM (its --override-opt_param-scheduler): the peak LR and the step guard (the exit-3
+# advice, train.step_guard); everything else would change the optimisation it continues (the
+# schedule's shape, the batch, the data) while the checkpoint restores the old state, so
+# config.yaml would lie. The LR does not: the resumed engine takes its base LR from the recipe
+# (smelt_ds.train.loop.resync_lr), and metrics.jsonl logs the LR of every step.
 RESUME_MAY_CHANGE = ("name", "train.max_steps", "train.log_every", "train.eval_every", "train.save_every",
-                     "train.keep_last", "train.reference_weights", "train.exit_after_steps", "train.run_dir",
-                     "train.init_from", "eval",
+                     "train.keep_last", "train.reference_weights", "train.exit_after_steps", "train.lr",
+                     "train.step_guard", "train.run_dir", "train.init_from", "eval",
                      "cluster", "data.num_proc", "data.cache_dir", "data.output_dir", "data.offline", "data.verify",
                      "data.shared_filesystem", "data.prepare_timeout_s", "deepspeed.comms_logger", "train.compile",
                      "train.compile_backend", "train.deterministic", "tracking", "profile",
                      # the layout: a resume at another one converts the checkpoint (smelt_ds.runs.reshard) and
-                     # re-derives the accumulation for the run's global batch
-                     "deepspeed.zero_stage", "deepspeed.config.zero_optimization", "moe_runtime",
-                     "train.gradient_accumulation_steps")
+                     # re-derives the accumulation for the run's global batch; the MoE runtime's placement
+                     # keys (smelt_ds.config.moe.RUNTIME_PLACEMENT_KEYS; its function keys: _check_token_routing)
+                     "deepspeed.zero_stage", "deepspeed.config.zero_optimization", "moe_runtime.backend",
+                     "moe_runtime.ep_size", "moe_runtime.use_tutel", "train.gradient_accumulation_steps")
+#: the batch fields a resume may change where the checkpoint records its global batch: plan_resume
+#: keeps the run's global batch (refusing another) and re-derives the accumulation (Megatron-LM
+#: lets the micro-batch change the same way)
+RESUME_BATCH = ("train.micro_batch_size", "train.global_batch_tokens")
+
+
+def _records_batch(out_dir: Path, resume: str) -> bool:
+    """Whether the checkpoint ``resume`` names (``auto``: the newest complete one) records the
+    run's global batch in its marker, which :func:`smelt_ds.runs.reshard.plan_resume` keeps."""
+    path = ckpt.latest_complete(out_dir) if resume == "auto" else Path(resume)
+    if path is None or not (path / ckpt.MARKER).is_file():
+        return False
+    try:
+        return "global_batch_samples" in ckpt.read_marker(path)
+    except ConfigError:
+        return False
+
+
+def _runtime(raw: dict) -> MoERuntimeConfig | None:
+    """The ``moe_runtime`` section of a saved ``config.yaml`` (None when it has none, e.g. an older
+    layout, or one this version cannot read: not compared)."""
+    from pydantic import ValidationError
+
+    section = raw.get("moe_runtime")
+    if not isinstance(section, dict):
+        return None
+    try:
+        return MoERuntimeConfig(**{k: v for k, v in section.items() if k in MoERuntimeConfig.model_fields})
+    except ValidationError:
+        return None
+
+
+def _routing_words(rt: MoERuntimeConfig) -> str:
+    if not token_routing(rt)["drop_tokens"]:
+        return f"backend {rt.backend!r}: every token reaches its top-k experts"
+    return (f"backend 'deepspeed' drops the tokens over capacity: capacity_factor {rt.capacity_factor}, "
+            f"eval_capacity_factor {rt.eval_capacity_factor}, min_capacity {rt.min_capacity}")
+
+
+def _check_token_routing(old: dict, out_dir: Path, resume: str, cfg: RunConfig) -> None:
+    """Refuse a resume whose ``moe_runtime`` computes another function than the run's (``old``:
+    its ``config.yaml``): another :data:`~smelt_ds.config.moe.RUNTIME_FUNCTION_KEYS` value where it
+    decides which tokens reach their experts (:func:`~smelt_ds.config.moe.routing_changes`), such as
+    a switch from a dropless backend to DeepSpeed-MoE, which drops tokens by default. Raises
+    ConfigError naming each field, the run's and the recipe's values and the ``--set`` that keeps
+    the run's function."""
+    was, now = _runtime(old), cfg.moe_runtime
+    if was is None:
+        return
+    changes = routing_changes(was, now)
+    if not changes:
+        return
+    diffs = "; ".join(f"moe_runtime.{k}: {a!r} in the run, {b!r} in this recipe" for k, (a, b) in changes.items())
+    if not token_routing(was)["drop_tokens"]:
+        fix = ("--set moe_runtime.drop_tokens=false (DeepSpeed-MoE without dropping, the run's function)"
+               if now.backend == "deepspeed" else "the run's settings")
+    else:
+        sets = [f"moe_runtime.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                for k, v in token_routing(was).items()]
+        fix = " ".join(f"--set {x}" for x in (["moe_runtime.backend=deepspeed"] if now.backend != "deepspeed"
+                                              else []) + sets)
+    raise ConfigError(f"--resume {resume}: {diffs} (run directory {out_dir}): the run computes its MoE layers with "
+                      f"{_routing_words(was)}; this recipe with {_routing_words(now)}. A resume may move the same "
+                      "function to another backend, expert-parallel size or kernels (moe_runtime.backend, ep_size, "
+                      f"use_tutel), not change which tokens reach their experts: resume with {fix}, or start a new "
+                      "run from its weights (`smelt-ds export` then train.init_from)")
 
 
 def _same_tokenizer_same_path(old: dict, new: dict) -> None:
@@ -157,12 +234,16 @@ def _same_tokenizer_same_path(old: dict, new: dict) -> None:
             b["path"] = a["path"]  # b is new's own dict: compared as the run's path from here on
 
 
-def _check_resume_overrides(old: dict, new: dict, out_dir: Path, resume: str) -> None:
+def _check_resume_overrides(old: dict, new: dict, out_dir: Path, resume: str, batch_recorded: bool = False) -> None:
     """Raise ConfigError naming every field outside :data:`RESUME_MAY_CHANGE` whose value differs
-    from the run's ``config.yaml`` (fields the saved file lacks are not compared)."""
+    from the run's ``config.yaml`` (fields the saved file lacks are not compared). Also allowed:
+    the ``moe_runtime`` function keys (:func:`_check_token_routing` compares what they compute) and,
+    with ``batch_recorded`` (the checkpoint's marker records the global batch), :data:`RESUME_BATCH`
+    (:func:`smelt_ds.runs.reshard.plan_resume` checks them against it)."""
+    more = tuple(f"moe_runtime.{k}" for k in RUNTIME_FUNCTION_KEYS) + (RESUME_BATCH if batch_recorded else ())
 
     def allowed(path: str) -> bool:
-        return any(path == p or path.startswith(p + ".") for p in RESUME_MAY_CHANGE)
+        return any(path == p or path.startswith(p + ".") for p in RESUME_MAY_CHANGE + more)
 
     diffs = [d for d in config_diff(common_keys(new, old), common_keys(old, new),
                                     labels=("in this recipe", "in the run"))
@@ -170,7 +251,8 @@ def _check_resume_overrides(old: dict, new: dict, out_dir: Path, resume: str) ->
     if diffs:
         raise ConfigError(f"--resume {resume}: {'; '.join(diffs[:4])} (run directory {out_dir}): a resume continues "
                           "the run's optimisation from its checkpoint and may change only "
-                          f"{', '.join(RESUME_MAY_CHANGE[1:8])}, eval.* and data caching: resume with the run's "
+                          f"{', '.join(RESUME_MAY_CHANGE[1:10])}, eval.*, data caching, the layout and the "
+                          "micro-batch (docs/training.md, 'What a resume may change'): resume with the run's "
                           "values, or start a new run from its weights (`smelt-ds export` then train.init_from)")
 
 

@@ -62,7 +62,7 @@ from smelt_ds.train.metrics import (
 )
 from smelt_ds.train.objective import total_loss
 from smelt_ds.train.profiler import StepProfiler, check_profile
-from smelt_ds.train.step_guard import SKIP_EXIT, StepGuardState, Verdict
+from smelt_ds.train.step_guard import SKIP_EXIT, StepGuardState, Verdict, resume_advice
 from smelt_ds.train.stop import StopSources, agree
 from smelt_ds.train.trackers import check_trackers, start_trackers
 from smelt_ds.train.validation import evaluate
@@ -283,8 +283,8 @@ def _fit(cfg: RunConfig, resume: str, out_dir: Path, rank: int, world: int, thre
         (out_dir / "ds_config.json").write_text(json.dumps(built.ds_config, indent=2))
     fit = _Fit(cfg, out_dir, rank, world, data, built, step, tokens_seen, unreachable)
     fit.guard = guard
-    if plan is not None:  # the resume at another layout, in the run's record
-        fit.writer.write(step, {"layout_change": plan.row()})
+    if plan is not None:  # the resume at another layout or micro-batch size, in the run's record
+        fit.writer.write(step, plan.record())
     fit.result.threads = {"torch_threads": torch.get_num_threads(), "reason": threads.reason}
     fit.console.line(banner(cfg, run_dir=out_dir, world=world, accum=fit.accum, budget=fit.budget,
                             precision=fit.precision, device=_device(), threads=threads, start_step=step))
@@ -363,10 +363,11 @@ def _restore(built: Built, data, out_dir: Path, resume: str, guard: StepGuardSta
              plan: ResumePlan | None) -> tuple[int, int, ResumePlan | None]:
     """``(step, tokens_seen, plan)`` of the checkpoint ``--resume`` names, with the engine, the loader
     position, the RNG, the LR schedule and the step guard's state restored; ``(0, 0, None)`` for a
-    new run. A checkpoint of another layout (``plan``, :func:`smelt_ds.runs.reshard.plan_resume`;
+    new run. A checkpoint of another layout (``plan`` with ``changes``, :func:`smelt_ds.runs.reshard.plan_resume`;
     recomputed for the checkpoint :func:`smelt_ds.runs.checkpoint.choose` settles on) is loaded
-    from its layout-free state (:func:`smelt_ds.runs.reshard.load_resharded`), any other through
-    DeepSpeed."""
+    from its layout-free state (:func:`smelt_ds.runs.reshard.load_resharded`), any other (also one
+    resumed with another micro-batch size) through DeepSpeed. The LR schedule keeps the recipe's
+    base LR (``train.lr``, which a resume may change: :func:`resync_lr`)."""
     import torch.distributed as dist
 
     if resume == "none":
@@ -376,15 +377,16 @@ def _restore(built: Built, data, out_dir: Path, resume: str, guard: StepGuardSta
         return 0, 0, None
     if plan is None or plan.checkpoint != path:  # a damaged newer one was set aside: the older one's layout
         _, plan = plan_resume(cfg, out_dir, str(path), dist.get_world_size())
-    if plan is None:
+    if plan is not None and dist.get_rank() == 0:
+        print(plan.console(), file=sys.stderr, flush=True)
+    base_lrs = list(getattr(built.scheduler, "base_lrs", []))  # the recipe's: DeepSpeed's load restores the run's
+    if plan is None or not plan.changes:
         state = ckpt.load_from(built.engine, path, built.layout)
     else:
-        if dist.get_rank() == 0:
-            print(plan.console(), file=sys.stderr, flush=True)
         state = load_resharded(built, path, cfg.moe_runtime.backend)
     data.train.load_state_dict(state["loader"])
     ckpt.restore_rng(state["rng"])
-    resync_lr(built.scheduler)
+    resync_lr(built.scheduler, base_lrs)
     guard.load_state_dict(state.get("step_guard", {}))  # checkpoints before the step guard have none
     return state["step"], state["tokens_seen"], plan
 
@@ -540,8 +542,7 @@ def _save_or_stop(fit: _Fit, stops: StopSources, reason: str | None) -> bool:
         if reason == "skips":
             why = (f"{fit.guard.consecutive} consecutive skipped steps (train.step_guard.max_consecutive_skips "
                    f"{cfg.train.step_guard.max_consecutive_skips}; the last: {fit.verdict.skip})")
-            after = ("it holds the last good weights (skipped steps change none): look at the skipped samples in "
-                     "metrics.jsonl, lower train.lr or raise the limit, then --resume auto")
+            after = resume_advice(cfg.train)
         else:
             why = (f"train.exit_after_steps ({cfg.train.exit_after_steps})" if reason == "exit_after_steps"
                    else stops.describe(str(reason)))
@@ -551,16 +552,20 @@ def _save_or_stop(fit: _Fit, stops: StopSources, reason: str | None) -> bool:
     return True
 
 
-def resync_lr(scheduler) -> None:
+def resync_lr(scheduler, base_lrs: list[float] | None = None) -> None:
     """Set every group's LR to the schedule's value at the restored step.
 
     A checkpoint restores the optimizer's per-group LR as the *old* schedule computed it for the
-    next step; a resume that changed ``train.max_steps`` (allowed) changes the schedule, so the
-    first resumed step would otherwise run at the old schedule's LR. ``LambdaLR``: ``lr = base_lr
-    * lambda(last_epoch)``."""
+    next step, and DeepSpeed's load restores the scheduler's ``base_lrs`` (the run's ``train.lr``);
+    a resume that changed ``train.max_steps`` or ``train.lr`` (both allowed) changes the schedule,
+    so the first resumed step would otherwise run at the old schedule's LR. ``base_lrs``: the
+    recipe's, as the engine was built before the load (None: keep the scheduler's). ``LambdaLR``:
+    ``lr = base_lr * lambda(last_epoch)``."""
     lambdas = getattr(scheduler, "lr_lambdas", None)
     if lambdas is None:
         return
+    if base_lrs:
+        scheduler.base_lrs = list(base_lrs)
     for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, lambdas, strict=True):
         group["lr"] = base * fn(scheduler.last_epoch)
 

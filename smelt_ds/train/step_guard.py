@@ -15,7 +15,10 @@ A skipped step goes through DeepSpeed's own overflow path (:func:`smelt_ds.paral
 weights, Adam moments and the LR schedule stay as they were, the batch is consumed and the step
 counts (the data order and the step numbers of a run stay those of the plan). After
 ``max_consecutive_skips`` skipped steps in a row, training saves the (unchanged, last good)
-state and stops with exit status :data:`SKIP_EXIT`.
+state and stops with exit status :data:`SKIP_EXIT`, advising a resume with a lower peak LR or a
+higher limit (:func:`resume_advice`): both are run settings a resume may change
+(:data:`smelt_ds.train.guards.RESUME_MAY_CHANGE`), as Megatron-LM lets a resumed run override its
+LR schedule.
 """
 
 from __future__ import annotations
@@ -26,14 +29,25 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from smelt_ds.config.train import StepGuard
+from smelt_ds.config.train import StepGuard, TrainConfig
 
-__all__ = ["SKIP_EXIT", "Verdict", "StepGuardState"]
+__all__ = ["SKIP_EXIT", "Verdict", "StepGuardState", "resume_advice"]
 
 #: exit status of a run stopped after ``train.step_guard.max_consecutive_skips`` skipped steps
 SKIP_EXIT = 3
 #: kept steps of loss history before the spike rule applies
 MIN_HISTORY = 10
+
+
+def resume_advice(t: TrainConfig) -> str:
+    """What the stop after ``train.step_guard.max_consecutive_skips`` skipped steps tells the user
+    to do: the two resumes that get past a bad stretch, each a command line's ``--resume`` and
+    ``--set`` arguments (half the peak LR ``train.lr``; twice the limit), which a resume accepts
+    and applies (the LR from the first resumed step, on the same schedule)."""
+    lr, limit = t.lr / 2, 2 * t.step_guard.max_consecutive_skips
+    return ("it holds the last good weights (skipped steps change none): look at the skipped samples in "
+            f"metrics.jsonl, then resume with a lower peak LR, --resume auto --set train.lr={lr:g} (half the run's "
+            f"{t.lr:g}), or a higher limit, --resume auto --set train.step_guard.max_consecutive_skips={limit}")
 
 
 @dataclass

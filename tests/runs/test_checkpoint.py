@@ -261,7 +261,9 @@ def test_write_hashed_digest_equals_the_file(tmp_path):
 
 
 def test_resume_may_change_only_what_does_not_change_the_optimisation(trained):
-    """`--set train.lr=...` on resume used to be ignored while config.yaml said it was used."""
+    """`--set train.seed=...` on resume would be ignored while config.yaml said it was used. The peak
+    LR may change (the resume applies it: tests/train/test_skip_resume.py), and the micro-batch with
+    the global batch kept (tests/runs/test_resume_rules.py)."""
     from smelt_ds.errors import ConfigError
     from smelt_ds.train.guards import check_run_dir
 
@@ -272,10 +274,11 @@ def test_resume_may_change_only_what_does_not_change_the_optimisation(trained):
 
     check_run_dir(run_dir, cfg(max_steps=10, eval_every=5, save_every=5, log_every=2, keep_last=1), "auto", 1)
     check_run_dir(run_dir, config_from_dict({**raw, "eval": {"eval_batches": 4}}), "auto", 1)
-    with pytest.raises(ConfigError, match=r"--resume auto: train.lr: 0.003 in the run, 0.0001 in this recipe .*a "
+    check_run_dir(run_dir, cfg(lr=1e-4, micro_batch_size=1), "auto", 1)
+    with pytest.raises(ConfigError, match=r"--resume auto: train.seed: 1234 in the run, 7 in this recipe .*a "
                                           r"resume continues the run's optimisation .*may change only train.max_steps"):
-        check_run_dir(run_dir, cfg(lr=1e-4), "auto", 1)
-    for change in ({"warmup_steps": 2}, {"micro_batch_size": 4}, {"seed": 7}, {"grad_clip": 0.5}):
+        check_run_dir(run_dir, cfg(seed=7), "auto", 1)
+    for change in ({"warmup_steps": 2}, {"weight_decay": 0.01}, {"seed": 7}, {"grad_clip": 0.5}):
         with pytest.raises(ConfigError, match=rf"train.{next(iter(change))}: "):
             check_run_dir(run_dir, cfg(**change), "auto", 1)
     with pytest.raises(ConfigError, match=r"data.validation_share: "):

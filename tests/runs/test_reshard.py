@@ -223,6 +223,116 @@ def test_aux_loss_free_bias_survives_a_resume_at_another_layout(ref, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
+# another micro-batch size: the same samples in every optimizer step, the same trajectory
+# --------------------------------------------------------------------------------------------
+#
+# Run M: 1 rank, the reference backend at ZeRO-1, micro-batch 4 x accumulation 1 (a 4-sample global
+# batch), MB_STEPS steps, a checkpoint every 2. Its step 2 is resumed with micro-batches of 2
+# (accumulation 2) on 1 rank, and of 1 (accumulation 2) on 2 ranks. Each resumed step must read M's
+# samples, in M's order across the ranks' micro-batches, and continue M's losses and weights.
+#
+# train.aux_loss_coef is 0 here: the load-balancing loss is the one term of the objective that is
+# not a mean over the step's tokens (E sum_e f_e P_e multiplies two means over one micro-batch), so
+# regrouping the step's samples into other micro-batches changes it beyond rounding (docs/changing_scale.md).
+# Every other term (the LM loss, the z-loss, the aux-loss-free bias counts) is a sum or an equal-weight
+# mean over the step's micro-batches of the same size, which DeepSpeed averages over the accumulation
+# and the ranks: the same value, summed in another order. Tolerance as above: prob_tol(s * N_STEP).
+
+MB_STEPS = 4
+
+
+def _mb_raw(run: Path, cache: Path, micro: int) -> dict:
+    return _raw(run, cache, "reference", 1, 1, micro_batch_size=micro, gradient_accumulation_steps=None,
+                max_steps=MB_STEPS, aux_loss_coef=0.0)
+
+
+def _fit(rank: int, world: int, raw: dict, resume: str) -> dict:
+    from smelt_ds.config.loading import config_from_dict
+    from smelt_ds.train.loop import train
+
+    r = train(config_from_dict(raw), resume=resume)
+    return {"ids": r.sample_ids, "losses": r.losses, "step": r.step}
+
+
+def _final_weights(run: Path, raw: dict) -> dict[str, torch.Tensor]:
+    from smelt_ds.config.loading import config_from_dict
+
+    final = ckpt.latest_complete(run)
+    assert final is not None and final.name == f"step{MB_STEPS:08d}"
+    return merge_reference_shards(final, config_from_dict(raw), ckpt.read_marker(final)["world_size"])
+
+
+@pytest.fixture(scope="module")
+def micro4(tmp_path_factory):
+    """Run M (see above): ``(run dir, cache, its sample ids and losses per step, its final weights, N_STEP)``."""
+    from smelt_ds.config.loading import config_from_dict
+    from smelt_ds.testing import run_distributed
+
+    root = tmp_path_factory.mktemp("micro4")
+    raw = _mb_raw(root / "M", root / "cache", 4)
+    got = run_distributed(_fit, 1, args=(raw, "none"), timeout=300)[0]
+    assert got["step"] == MB_STEPS and all(len(ids) == 4 for ids in got["ids"])
+    return (root / "M", root / "cache", got, _final_weights(root / "M", raw),
+            lm_chain_length(config_from_dict(raw), tokens=4 * 32))
+
+
+def _on_micro4_trajectory(micro4, raw: dict, resumed: list[dict]) -> None:
+    """The resumed steps 3..MB_STEPS (``resumed``: each rank's result) read M's samples in M's order
+    (rank r's micro-batch m of a step holds M's positions ``(m W + r) B ..``), and their losses
+    and final weights are M's within the tolerance."""
+    _, _, want, weights, n_step = micro4
+    world, micro = len(resumed), raw["train"]["micro_batch_size"]
+    for k in range(MB_STEPS - 2):
+        order = [i for m in range(len(resumed[0]["ids"][k]) // micro) for r in range(world)
+                 for i in resumed[r]["ids"][k][m * micro:(m + 1) * micro]]
+        assert order == want["ids"][2 + k], (k, order, want["ids"][2 + k])
+    losses = resumed[0]["losses"]
+    assert len(losses) == MB_STEPS - 2 and all(r["losses"] == losses for r in resumed)
+    print(f"micro-batch {micro} on {world} rank(s): largest relative loss difference "
+          f"{max(abs(g - w) / abs(w) for g, w in zip(losses, want['losses'][2:], strict=True)):.2e}")
+    for k, got in enumerate(losses):
+        s, ref_loss = 3 + k, want["losses"][2 + k]
+        assert abs(got - ref_loss) <= prob_tol(s * n_step) * abs(ref_loss), (s, got, ref_loss)
+    mine = _final_weights(Path(raw["train"]["run_dir"]), raw)
+    assert mine.keys() == weights.keys()
+    tol = prob_tol(MB_STEPS * n_step)
+    for k, w in weights.items():
+        assert float((mine[k] - w).abs().max()) <= tol * (float(w.abs().max()) or 1.0), k
+
+
+def _resume_micro4(micro4, dest: Path, micro: int, world: int) -> tuple[dict, list[dict], list[dict]]:
+    """M's step 2 resumed in ``dest`` on ``world`` ranks with micro-batches of ``micro``: its recipe,
+    each rank's result and the rows of its ``metrics.jsonl``."""
+    from smelt_ds.testing import run_distributed
+
+    run = _stopped_copy(micro4[0], dest, 2)
+    raw = _mb_raw(run, micro4[1], micro)
+    resumed = run_distributed(_fit, world, args=(raw, "auto"), timeout=300)
+    return raw, resumed, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_smaller_micro_batch_at_the_same_layout_reads_the_same_samples_per_step(micro4, tmp_path):
+    """M's step 2 resumed on 1 rank with micro-batches of 2: accumulation 1 -> 2 (the global batch
+    kept), DeepSpeed's own files loaded (no conversion), M's samples and trajectory."""
+    raw, resumed, rows = _resume_micro4(micro4, tmp_path / "run", 2, 1)
+    change = [r["micro_batch_change"] for r in rows if "micro_batch_change" in r]
+    assert len(change) == 1 and change[0]["micro_batch_size"] == [4, 2] and change[0]["accumulation"] == [1, 2]
+    assert change[0]["converted"] == [] and not any("layout_change" in r for r in rows)
+    _on_micro4_trajectory(micro4, raw, resumed)
+
+
+def test_a_micro_batch_change_at_another_layout_continues_the_trajectory(micro4, tmp_path):
+    """M's step 2 (1 rank, micro-batch 4) resumed on 2 ranks with micro-batches of 1 and
+    accumulation 2: converted from the layout-free state; every step's 4 samples are M's, rank 0
+    reading M's positions 0 and 2, rank 1 positions 1 and 3."""
+    raw, resumed, rows = _resume_micro4(micro4, tmp_path / "run", 1, 2)
+    change = [r["layout_change"] for r in rows if "layout_change" in r]
+    assert len(change) == 1 and change[0]["micro_batch_size"] == [4, 1] and change[0]["accumulation"] == [1, 2]
+    assert change[0]["from"]["world_size"] == 1 and change[0]["to"]["world_size"] == 2
+    _on_micro4_trajectory(micro4, raw, resumed)
+
+
+# --------------------------------------------------------------------------------------------
 # what a resume at another layout refuses (no training: a checkpoint marker is enough)
 # --------------------------------------------------------------------------------------------
 
@@ -257,11 +367,15 @@ def test_a_checkpoint_without_the_layout_free_state_resumes_only_at_its_layout(t
     assert plan is None and cfg.train.gradient_accumulation_steps == 2
 
 
-def test_another_micro_batch_is_refused_naming_the_runs(tmp_path):
+def test_another_micro_batch_keeps_the_global_batch_and_a_size_that_cannot_form_it_is_refused(tmp_path):
     _fake_checkpoint(tmp_path / "run")
-    with pytest.raises(ConfigError, match=r"train.micro_batch_size 2 differs from the run's 1.*"
-                                          r"--set train.micro_batch_size=1"):
-        plan_resume(_cfg(tmp_path, micro_batch_size=2, gradient_accumulation_steps=1), tmp_path / "run", "auto", 2)
+    cfg, plan = plan_resume(_cfg(tmp_path, micro_batch_size=2, gradient_accumulation_steps=1), tmp_path / "run",
+                            "auto", 2)
+    assert cfg.train.gradient_accumulation_steps == 1 and plan is not None and plan.changes == {}
+    assert (plan.old["micro_batch_size"], plan.new["micro_batch_size"], plan.old_accum, plan.new_accum) == (1, 2, 2, 1)
+    with pytest.raises(ConfigError, match=r"2 rank\(s\) cannot form the run's global batch of 4 samples from "
+                                          r"micro-batches of 4 .*on 2 rank\(s\) with train.micro_batch_size 1 or 2"):
+        plan_resume(_cfg(tmp_path, micro_batch_size=4, gradient_accumulation_steps=1), tmp_path / "run", "auto", 2)
 
 
 def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused(tmp_path):
