@@ -61,6 +61,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from smelt_ds.launch.jobs import expand_nodelist
+
 __all__ = ["BED_ENV", "CLOCK_OFFSET_ENV", "Bed", "Host", "bed_unavailable", "multi_host_bed"]
 
 #: environment variable naming a bed's state file (``bed.json``), read by the stand-in tools
@@ -348,11 +350,6 @@ def _host(bed: Bed, name: str) -> Host:
     sys.exit(f"smelt-ds bed: no host {name!r} (the bed's hosts: {', '.join(h.name for h in bed.hosts)})")
 
 
-def _expand(nodelist: str) -> list[str]:
-    from smelt_ds.launch.jobs import expand_nodelist
-    return expand_nodelist(nodelist)
-
-
 def _wait_all(procs: list[subprocess.Popen]) -> int:
     """Wait for every process, forwarding SIGTERM/SIGINT/SIGUSR1 to each; the largest exit status
     (a signal's death counts as 128 + its number)."""
@@ -380,7 +377,7 @@ def _srun(bed: Bed, argv: list[str]) -> int:
         argv.pop(0)
     if not argv:
         sys.exit("srun (bed stand-in): no command")
-    names = _expand(os.environ.get("SLURM_JOB_NODELIST", bed.nodelist))
+    names = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", bed.nodelist))
     procs = []
     for node_id, name in enumerate(names):
         host = _host(bed, name)
@@ -396,7 +393,7 @@ def _scontrol(bed: Bed, argv: list[str]) -> int:
             f.write(argv[1] + "\n")
         return 0
     if argv[:2] == ["show", "hostnames"] and len(argv) == 3:
-        print("\n".join(_expand(argv[2])))
+        print("\n".join(expand_nodelist(argv[2])))
         return 0
     sys.exit(f"scontrol (bed stand-in): unsupported: {shlex.join(argv)}")
 
