@@ -237,14 +237,17 @@ def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout_with_every_stack_o
     Python stack is written to run/hangs/, and the job exits 124 long before the sleep ends."""
     recipe = _recipe(tmp_path)
     p, seconds = _train(tmp_path, recipe, ["sleep:rank=1:step=4:seconds=600"], "train.max_steps=1000",
-                        "train.watchdog.min_timeout_s=2", "train.watchdog.step_time_factor=3",
+                        "train.watchdog.min_timeout_s=0.01", "train.watchdog.step_time_factor=50",
                         "train.watchdog.startup_steps=2", "train.watchdog.startup_timeout_s=120", timeout=300)
     assert p.returncode == 124, p.stderr[-3000:]
-    fired = re.findall(r"hang watchdog: no progress for \d+ s in step 4 \(timeout ([0-9.]+) s = max\(min_timeout_s 2, "
-                       r"step_time_factor 3 x the slowest step so far ([0-9.]+) s\)\)", p.stderr)
+    fired = re.findall(r"hang watchdog: no progress for \d+ s in step 4 \(timeout ([0-9.]+) s = max\(min_timeout_s "
+                       r"0.01, step_time_factor 50 x the slowest step so far ([0-9.]+) s\)\)", p.stderr)
     assert fired, p.stderr[-2000:]
-    for timeout_s, slowest in fired:  # each rank's own slowest step; printed to 6 decimals (error <= 4 x 5e-7)
-        assert float(slowest) > 0 and abs(float(timeout_s) - max(2.0, 3 * float(slowest))) <= 2e-6, (timeout_s, slowest)
+    # each rank's own slowest step (a step takes far more than 0.01 / 50 s: the factor's term decides, and 50
+    # steps' time keeps a slow step under load from firing it early), both printed to 6 decimals: the
+    # rounding error is at most 5e-7 + 50 x 5e-7
+    for timeout_s, slowest in fired:
+        assert abs(float(timeout_s) - max(0.01, 50 * float(slowest))) <= 2.6e-5, (timeout_s, slowest)
     hangs = tmp_path / "run" / "hangs"
     for r in (0, 1):
         text = (hangs / f"rank{r:05d}.txt").read_text()

@@ -145,6 +145,7 @@ def test_a_stale_pid_record_is_never_signalled(tmp_path):
     started = psutil.Process(first.pid).create_time()
     first.kill()
     first.wait()
+    time.sleep(0.05)  # start times count clock ticks (10 ms): the next process starts a tick later at least
     other = _sleeper()
     try:
         forged = Peer(socket.gethostname(), other.pid, started)
