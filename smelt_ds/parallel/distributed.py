@@ -169,13 +169,14 @@ def world_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def _local_world(env: Mapping[str, str]) -> int:
-    """Ranks on this host as the launcher says (the first of :data:`_LOCAL_SIZE_NAMES` set), 0 when unsaid."""
-    name = next((n for n in _LOCAL_SIZE_NAMES if env.get(n, "").strip()), None)
+    """Ranks on this host as the launcher says (the first of threads' local-size variables set),
+    0 when unsaid."""
+    from smelt_ds.parallel.threads import LOCAL_SIZE_ENVS
+
+    name = next((n for n in LOCAL_SIZE_ENVS if env.get(n, "").strip()), None)
     return 0 if name is None else _whole(env, name, 1)
 
 
-_LOCAL_SIZE_NAMES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
-                     "MPI_LOCALNRANKS")
 
 
 def cuda_device_index(env: Mapping[str, str] | None = None, visible: int | None = None) -> int:

@@ -22,7 +22,8 @@ sets :data:`USER_OMP_ENV` (``SMELT_DS_USER_OMP_NUM_THREADS=1``), which always wi
 ``OMP_NUM_THREADS``.
 
 Local ranks: ``LOCAL_WORLD_SIZE`` (torchrun, :func:`smelt_ds.testing.run_distributed`), else
-``LOCAL_SIZE`` (the deepspeed launcher), else ``OMPI_COMM_WORLD_LOCAL_SIZE`` (Open MPI), else 1.
+``LOCAL_SIZE`` (the deepspeed launcher), else ``OMPI_COMM_WORLD_LOCAL_SIZE`` (Open MPI), else
+``MV2_COMM_WORLD_LOCAL_SIZE`` (MVAPICH2), else ``MPI_LOCALNRANKS`` (MPICH Hydra, Intel MPI), else 1.
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ import torch
 
 from smelt_ds.errors import ConfigError
 
-__all__ = ["USER_OMP_ENV", "ThreadChoice", "choose_threads", "user_omp_num_threads", "cores_available",
-           "local_world_size", "thread_choice", "apply_threads"]
+__all__ = ["LOCAL_SIZE_ENVS", "USER_OMP_ENV", "ThreadChoice", "choose_threads", "user_omp_num_threads",
+           "cores_available", "local_world_size", "thread_choice", "apply_threads"]
 
 #: an explicit per-rank thread count that wins over ``OMP_NUM_THREADS`` (for launchers that inject it)
 USER_OMP_ENV = "SMELT_DS_USER_OMP_NUM_THREADS"
 
-_LOCAL_SIZE_ENVS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+#: the launchers' variables for the ranks on this host, first set wins (see the module docstring)
+LOCAL_SIZE_ENVS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
+                   "MPI_LOCALNRANKS")
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ def cores_available() -> int:
 
 def local_world_size(env: Mapping[str, str]) -> int:
     """Ranks on this host from the launcher's environment (see the module docstring), else 1."""
-    for name in _LOCAL_SIZE_ENVS:
+    for name in LOCAL_SIZE_ENVS:
         raw = env.get(name, "").strip()
         if raw.isdigit() and int(raw) > 0:
             return int(raw)
