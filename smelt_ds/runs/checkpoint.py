@@ -19,6 +19,8 @@ A run killed during a save (SIGKILL, node loss) leaves a directory without ``COM
 ``minimal``, the reference shards of the older checkpoints are removed once a newer checkpoint is
 complete: their marker is rewritten without them (atomically) before the files are deleted, so no
 marker ever lists a missing file, and the newest complete checkpoint is exportable at every moment.
+The rewritten marker says what the checkpoint still holds (``reference_weights`` and
+``layout_free`` false, ``reference_removed_by``: :func:`holds`): it resumes at its own layout only.
 """
 
 from __future__ import annotations
