@@ -20,8 +20,10 @@ step: the hosts, the launcher and the stop change nothing of the trajectory.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import pytest
 import yaml
 
 from smelt_ds.launch.jobs import JobOptions, k8s_pod_command, plan_job, render
+from smelt_ds.parallel.extension_cache import host_extension_dir
 from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.testing import scaled_timeout
 from smelt_ds.testing.hosts import Bed, Host, bed_unavailable, multi_host_bed
@@ -64,6 +67,26 @@ def test_the_bed_gives_each_host_its_own_name_address_shm_and_clock():
         r = subprocess.run(["pdsh", "-S", "-f", "1024", "-w", "host1,host0", "echo %n $(hostname); exit %n"],
                            env=env, capture_output=True, text=True, timeout=60)
         assert sorted(r.stdout.splitlines()) == ["host0: 1 host0", "host1: 0 host1"] and r.returncode == 1
+
+
+def test_each_host_builds_deepspeeds_ops_in_its_own_directory():
+    """A home directory shared by the nodes is one torch-extensions cache for all of them: an op
+    built ``-march=native`` on one node type is loaded on another (SIGILL), and one node's build
+    lock looks stale to the others. What a training process sets at its start
+    (:func:`smelt_ds.parallel.extension_cache.use_host_extension_dir`) must give each host its own
+    build directory for torch's JIT builds, and the same one on every start on that host; a user's
+    ``TORCH_EXTENSIONS_DIR`` is kept."""
+    probe = ("from smelt_ds.parallel.extension_cache import use_host_extension_dir; use_host_extension_dir();"
+             "from torch.utils.cpp_extension import _get_build_directory as d; print(d('deepspeed_shm_comm', False))")
+    with multi_host_bed(2) as bed:
+        env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+        dirs = [h.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120,
+                      check=True).stdout.split()[-1] for h in (*bed.hosts, bed.hosts[0])]
+        assert dirs[0] != dirs[1] and dirs[2] == dirs[0], dirs
+        assert [Path(d).parent.name.split("-")[0] for d in dirs] == ["host0", "host1", "host0"]
+        mine = bed.hosts[1].run([sys.executable, "-c", probe], env={**env, "TORCH_EXTENSIONS_DIR": "/shared/ext"},
+                                capture_output=True, text=True, timeout=120, check=True).stdout.split()[-1]
+        assert mine == "/shared/ext/deepspeed_shm_comm"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +127,9 @@ def _check_trajectory(run: Path, reference: dict[int, float], stopped_at: int, e
 
 
 def _start(host: Host, cmd: list[str], env: dict[str, str], log: Path, cwd: Path) -> subprocess.Popen:
+    # the bed's hosts are one machine: they share this machine's build of DeepSpeed's ops (set as a
+    # user of identical nodes would), rather than each compiling its own for a minute or two
+    env = {"TORCH_EXTENSIONS_DIR": str(host_extension_dir()), **env}
     with log.open("a") as out:
         out.write(f"\n==== {host.name}: {cmd[:3]}\n")
         out.flush()
