@@ -352,12 +352,12 @@ def test_a_killed_rank_leaves_its_peer_exiting_75_and_the_ledger_shows_each_step
 @pytest.mark.distributed
 def test_a_stopped_rank_fails_the_collective_at_its_timeout_and_the_peer_exits_75(tmp_path):
     """Rank 1 stops itself (SIGSTOP) at the start of step 4, after the 2 start-up steps. The hang
-    watchdog allows 300 s; every group's collective timeout is 3 s after the start-up steps
+    watchdog allows 60 s; every group's collective timeout is 3 s after the start-up steps
     (``train.watchdog.collective_timeout_s``), so rank 0's collective fails at 3 s: it exits 75
     naming rank 1 as stopped, and its last collective in the flight recorder carries the 3 s."""
     recipe = _tiny(tmp_path, max_steps=6, keep_last=10)
     ranks = _ranks(recipe, "none", ["stop:rank=1:step=4"], tmp_path / "ledger",
-                   "train.watchdog.timeout_s=300", "train.watchdog.startup_steps=2",
+                   "train.watchdog.timeout_s=60", "train.watchdog.startup_steps=2",
                    "train.watchdog.collective_timeout_s=3", stopped=1)
     assert ranks[0].returncode == 75, ranks[0].stderr[-3000:]
     assert re.search(r"rank 0: a collective failed at step 4 \(RuntimeError: .*\): a peer is lost: rank 1 \(pid "
