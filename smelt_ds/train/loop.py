@@ -146,15 +146,15 @@ def train(cfg: RunConfig, resume: str = "none", run_dir: str | None = None) -> R
     try:
         if cfg.train.deterministic:
             _deterministic_on()
-        if not dist.is_initialized():
         use_host_extension_dir()  # DeepSpeed's JIT ops: one cache per host and CPU kind
+        if not dist.is_initialized():
             if world_env()["RANK"] == "0":
                 _print_lines(_deepspeed_op_notices(("ShareMemCommBuilder",)))
             enable_flight_recorder()  # before the process groups exist: they read it when made
             init_distributed(timeout_s=cfg.train.watchdog.init_timeout_s)
-        return _train(cfg, resume, run_dir, threads)
         else:  # a group made elsewhere (a test, a notebook): this rank's device all the same
             set_rank_device()
+        return _train(cfg, resume, run_dir, threads)
     finally:
         torch.set_num_threads(threads_before)
         torch.use_deterministic_algorithms(deterministic_before[0], warn_only=deterministic_before[1])
