@@ -3,8 +3,10 @@ and everything else still does."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import types
@@ -12,6 +14,7 @@ import types
 import pytest
 
 from smelt_ds import import_hooks
+from smelt_ds.train.loop import launcher_command
 
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
                                   reason="MLflow is not installed (pip install 'smelt-ds[mlflow]'): nothing to skip")
@@ -28,10 +31,10 @@ print(json.dumps({{"after_deepspeed": after_deepspeed, "has_mlflow": autotuner.h
 """
 
 
-def _probe(first: str) -> dict:
+def _probe(first: str, env: dict[str, str] | None = None) -> dict:
     """Import ``deepspeed`` after ``first`` in a fresh interpreter, then MLflow: what was imported."""
     out = subprocess.run([sys.executable, "-c", _PROBE.format(first=first)], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+                         timeout=120, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -65,3 +68,23 @@ def test_install_adds_the_finder_once(monkeypatch):
     import_hooks.install()
     hooks = [f for f in sys.meta_path if isinstance(f, import_hooks.DeepSpeedAutotunerWithoutMlflow)]
     assert len(hooks) == 1 and sys.meta_path[0] is hooks[0]
+
+
+@needs_mlflow
+@pytest.mark.slow
+def test_the_launchers_processes_skip_mlflow_and_still_run_the_sitecustomize_they_shadow(tmp_path, monkeypatch):
+    """DeepSpeed's runner.py and launch.py do not import smelt_ds: ``smelt-ds train --nproc``'s
+    command puts a sitecustomize first on their PYTHONPATH that installs the hook, and then runs
+    the sitecustomize it shadows (here a stand-in for a user's, or the tests' fault injector)."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIR_SITECUSTOMIZE_RAN'] = '1'\n")
+    monkeypatch.setenv("PYTHONPATH", str(theirs))
+    cmd = launcher_command(argparse.Namespace(nproc=2, recipe="r.yaml", resume="none", set=[], run_dir=None))
+    assert cmd[0] == "env" and cmd[1].startswith("PYTHONPATH=") and cmd[2] == sys.executable
+    assert cmd[3:5] == ["-m", "deepspeed.launcher.runner"]
+    env = {**os.environ, "PYTHONPATH": cmd[1].removeprefix("PYTHONPATH=")}
+    ran = "import os; assert os.environ.get('THEIR_SITECUSTOMIZE_RAN') == '1', 'the shadowed sitecustomize did not run'"
+    assert _probe(ran, env) == {"after_deepspeed": False, "has_mlflow": False, "client": "MlflowClient"}
+    # the control: their sitecustomize alone runs, and DeepSpeed imports MLflow
+    assert _probe(ran, {**os.environ, "PYTHONPATH": str(theirs)})["after_deepspeed"] is True

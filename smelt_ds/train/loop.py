@@ -103,11 +103,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+#: the directory whose sitecustomize.py the launcher's processes import first (smelt_ds.import_hooks in
+#: DeepSpeed's runner.py and launch.py, which do not import smelt_ds themselves)
+LAUNCHER_SITE = Path(__file__).resolve().parent / "launcher_site"
+
+
 def launcher_command(args: argparse.Namespace) -> list[str]:
-    """The deepspeed launcher command line for ``--nproc N``."""
+    """The deepspeed launcher command line for ``--nproc N``: ``env PYTHONPATH=<launcher site>:...
+    python -m deepspeed.launcher.runner ...`` (:data:`LAUNCHER_SITE`: the launcher's own processes
+    skip MLflow as smelt-ds processes do; the ranks inherit the path, harmlessly)."""
+    path = os.pathsep.join([str(LAUNCHER_SITE), *filter(None, [os.environ.get("PYTHONPATH")])])
     # the launcher of *this* interpreter (a bare `deepspeed` on PATH may belong to another env)
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
-           "--master_port", str(find_free_port()),
+    cmd = ["env", f"PYTHONPATH={path}", sys.executable, "-m", "deepspeed.launcher.runner",
+           "--num_gpus", str(args.nproc), "--master_port", str(find_free_port()),
            "--module", "smelt_ds.train", args.recipe, "--resume", args.resume]
     for s in args.set:
         cmd += ["--set", s]
