@@ -106,7 +106,7 @@ EXPENSIVE = {
     "smelt-ds train RECIPE --nproc 2": f"{_STOPS}::test_the_reference_run_through_the_deepspeed_launcher_wrote_its_"
                                        "run_directory",
     "deepspeed --num_gpus 8 --module smelt_ds.train RECIPE":
-        f"{_STOPS}::test_deepspeed_bare_then_rendered_single_host_then_hostfile_stop_and_resume_on_the_trajectory",
+        f"{_STOPS}::test_deepspeed_bare_then_rendered_single_host_stop_and_resume_on_the_trajectory",
     "smelt-ds train RECIPE --resume auto": f"{_LOOP}::test_resume_equals_uninterrupted_zero2",
     "smelt-ds export runs/tiny-smelt -o exported/tiny-smelt": _RUN_EXPORT_INIT,
     "smelt-ds export runs/tiny-smelt --format hf -o hf/tiny-smelt":

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from smelt_ds.errors import ConfigError
+from smelt_ds.parallel.extension_cache import host_extension_dir
 
 __all__ = ["LOCK_NAME", "NETWORK_FILE_SYSTEMS", "builders_visible", "check_build_lock", "lock_holders", "stale_lock"]
 
@@ -64,8 +65,6 @@ def builders_visible(build_dir: str | Path) -> bool:
     """Whether every process that may build into ``build_dir`` runs on this host: it is under this
     host's own extension directory (:func:`smelt_ds.parallel.extension_cache.host_extension_dir`),
     or on a file system that is not a network one (:data:`NETWORK_FILE_SYSTEMS`, or ``fuse.*``)."""
-    from smelt_ds.parallel.extension_cache import host_extension_dir
-
     if Path(os.path.realpath(build_dir)).is_relative_to(os.path.realpath(host_extension_dir())):
         return True
     kind = file_system_type(Path(build_dir))

@@ -17,6 +17,7 @@ import torch
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel import control
 from smelt_ds.parallel.extension_cache import use_host_extension_dir
+from smelt_ds.parallel.threads import LOCAL_SIZE_ENVS
 
 __all__ = ["BACKEND_ENV", "MPI_ENVS", "check_backend", "cuda_device_index", "deepspeed_args", "find_free_port",
            "init_distributed", "on_rank0", "set_rank_device", "sync_flag", "world_env"]
@@ -171,8 +172,6 @@ def world_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 def _local_world(env: Mapping[str, str]) -> int:
     """Ranks on this host as the launcher says (the first of threads' local-size variables set),
     0 when unsaid."""
-    from smelt_ds.parallel.threads import LOCAL_SIZE_ENVS
-
     name = next((n for n in LOCAL_SIZE_ENVS if env.get(n, "").strip()), None)
     return 0 if name is None else _whole(env, name, 1)
 

@@ -99,10 +99,8 @@ def test_a_lock_on_a_local_file_system_nobody_holds_is_stale(tmp_path, monkeypat
 
 def test_this_hosts_directory_is_judged_whatever_its_file_system(tmp_path, monkeypatch):
     """Only this host builds into its own directory, even on a network home."""
-    from smelt_ds.parallel import extension_cache
-
     monkeypatch.setattr(build_lock, "file_system_type", lambda path: "nfs4")
-    monkeypatch.setattr(extension_cache, "host_extension_dir", lambda: tmp_path)
+    monkeypatch.setattr(build_lock, "host_extension_dir", lambda: tmp_path)  # the name build_lock calls
     op = tmp_path / "py311_cpu" / "cpu_adam"
     op.mkdir(parents=True)
     (op / "lock").write_text("")
