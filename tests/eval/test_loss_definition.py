@@ -169,8 +169,8 @@ def test_two_rank_validation_equals_eval_with_ranks(run, eval_data):
     from smelt_ds.runs.load import load_run
     from smelt_ds.testing import run_distributed
 
-    export = run["dir"] / "exports" / "step00000006"
-    assert (export / "model.pt").is_file()  # written by the --training-windows evaluation or load_run
+    export = load_run(run["dir"]).export_dir  # the newest checkpoint's export (written on first use)
+    assert export.name == "step00000006" and (export / "model.pt").is_file()
     got = run_distributed(_two_rank_validation, 2, args=(run["raw"], export), timeout=300, init_deepspeed=False)
     assert got[0] == got[1]
     res = evaluate_runs([load_run(export)], EvalSettings(seq_len=32, micro_batch_size=4, batches=EVAL_BATCHES,

@@ -155,7 +155,7 @@ def test_slurm_job_on_two_hosts_stops_at_the_time_limit_requeues_and_resumes_on_
     recipe = mine / "two-hosts.yaml"
     recipe.write_text(f"base: {ref.recipe}\nname: two-hosts\n")
     plan = plan_job(recipe, JobOptions(scheduler="slurm", nodes=2, gpus_per_node=1, workdir=str(work),
-                                       run_dir="runs/{name}", log_dir=str(tmp_path / "logs"),
+                                       run_dir="runs/two-hosts", log_dir=str(tmp_path / "logs"),
                                        overrides=[f"train.exit_after_steps={RESUMED_STEPS}"]))
     assert plan.recipe_arg == str(recipe)  # outside the workdir: absolute
     run, log = work / "runs" / "two-hosts", tmp_path / "log.txt"
