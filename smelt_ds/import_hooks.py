@@ -8,8 +8,8 @@ importtime``), paid once per rank, per CLI process and per test worker. smelt-ds
 DeepSpeed's autotuner inside its processes (``deepspeed --autotuning`` runs it in the launcher
 process, which does not import smelt_ds; ``smelt-ds train --nproc`` gives its launcher's
 processes the hook too, through ``smelt_ds/train/launcher_site/sitecustomize.py``), so
-:class:`DeepSpeedAutotunerWithoutMlflow` refuses that one import while the autotuner module is being executed: DeepSpeed's own ``try/except``
-then sets its ``has_mlflow`` to False. Nothing is cached, so ``import mlflow`` anywhere else
+:class:`DeepSpeedAutotunerWithoutMlflow` refuses that one import while the autotuner module is
+being executed: DeepSpeed's own ``try/except`` then sets its ``has_mlflow`` to False. Nothing is cached, so ``import mlflow`` anywhere else
 (our MLflow tracker, the user's code) imports the real package. Measured side by side:
 ``python bench/cli_startup.py`` (``import smelt_ds, deepspeed`` against ``import deepspeed``).
 """
