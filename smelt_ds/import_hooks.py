@@ -6,12 +6,13 @@ tuning experiments. With MLflow installed (``smelt-ds[mlflow]``, and the dev ext
 costs about 1 s of the 2.1 s ``import deepspeed`` takes on a 2-core CPU machine (``python -X
 importtime``), paid once per rank, per CLI process and per test worker. smelt-ds never runs
 DeepSpeed's autotuner inside its processes (``deepspeed --autotuning`` runs it in the launcher
-process, which does not import smelt_ds; ``smelt-ds train --nproc`` gives its launcher's
-processes the hook too, through ``smelt_ds/train/launcher_site/sitecustomize.py``), so
-:class:`DeepSpeedAutotunerWithoutMlflow` refuses that one import while the autotuner module is
-being executed: DeepSpeed's own ``try/except`` then sets its ``has_mlflow`` to False. Nothing is cached, so ``import mlflow`` anywhere else
-(our MLflow tracker, the user's code) imports the real package. Measured side by side:
-``python bench/cli_startup.py`` (``import smelt_ds, deepspeed`` against ``import deepspeed``).
+process, which does not import smelt_ds; ``smelt-ds train --nproc`` gives its launcher's processes
+the hook too, through ``smelt_ds/train/launcher_site/sitecustomize.py``), so
+:class:`DeepSpeedAutotunerWithoutMlflow` refuses that one import while the autotuner module is being
+executed: DeepSpeed's own ``try/except`` then sets its ``has_mlflow`` to False. Nothing is cached,
+so ``import mlflow`` anywhere else (our MLflow tracker, the user's code) imports the real package.
+Measured side by side: ``python bench/cli_startup.py`` (``import smelt_ds, deepspeed`` against
+``import deepspeed``).
 """
 
 from __future__ import annotations
