@@ -61,9 +61,17 @@ if ! command -v deepspeed >/dev/null 2>&1; then
   exit 2
 fi
 mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")"  # the flight recorder writes into an existing directory
+# the launcher reads KEY=VALUE lines for the other hosts from $DS_ENV_FILE (default .deepspeed_env) in
+# the home directory and in the working directory; this script passes its own through a temporary
+# DS_ENV_FILE, which starts with the lines of the user's files so that those still reach every host
+user_env=${DS_ENV_FILE:-.deepspeed_env}
+if [[ "$user_env" == /* ]]; then user_env_files=("$user_env"); else user_env_files=("$HOME/$user_env" "$PWD/$user_env"); fi
 DS_ENV_FILE=$(mktemp)
 export DS_ENV_FILE
 trap 'rm -f "$DS_ENV_FILE"' EXIT
+for f in "${user_env_files[@]}"; do
+  if [[ -f "$f" ]]; then grep -v '^[[:space:]]*$' "$f" >> "$DS_ENV_FILE" || true; fi  # no blank line: the launcher splits each on =
+done
 for var in TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_NCCL_DUMP_ON_TIMEOUT TORCH_NCCL_TRACE_BUFFER_SIZE \
     TORCH_NCCL_DEBUG_INFO_TEMP_FILE TORCH_NCCL_ENABLE_MONITORING TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC \
     OMP_NUM_THREADS SMELT_DS_CACHE GLOO_SOCKET_IFNAME HF_HOME HF_HUB_OFFLINE FI_PROVIDER FI_EFA_USE_DEVICE_RDMA {{ENV_NAMES}}; do

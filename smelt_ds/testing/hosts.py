@@ -5,9 +5,11 @@ name, its own IP address, its own ``/dev/shm`` and its own clock, and a job reac
 name through ``srun``, ``ssh`` or ``pdsh``. :func:`multi_host_bed` gives a test ``n`` such hosts:
 
 - **network**: each host is a network namespace with one interface, ``eth0``, on a private
-  10.x.y.0/24 subnet, attached to a bridge that lives in a namespace of its own (the "switch"), so
-  the machine's own interfaces are never touched and nothing is left behind when the bed closes
-  (a namespace ends with its last process). ``lo`` is up in every host.
+  subnet (10.77.0.0/24), attached to a bridge that lives in a namespace of its own (the
+  "switch"), so the machine's own interfaces are never touched and nothing is left behind when the
+  bed closes (a namespace ends with its last process; the processes holding them die with the
+  process that built the bed, even when it is killed, though its temporary directory then stays).
+  ``lo`` is up in every host.
 - **UTS**: each host has its own host name (``host0``, ``host1``, ...), and every host's
   ``/etc/hosts`` (a bind mount in its mount namespace) names all the bed's hosts, so a job
   resolves ``host0`` to an address on the bed, as a cluster's DNS would.
@@ -48,6 +50,7 @@ for a test to skip with that reason.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shlex
@@ -241,11 +244,21 @@ def _sh(cmd: Sequence[str]) -> None:
         raise RuntimeError(f"multi-host bed: `{shlex.join(cmd)}` failed ({r.returncode}): {r.stderr.strip()}")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the process that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``, kept across exec), so a bed whose owner is killed leaves no host behind."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
 def _anchor(args: Sequence[str], script: str) -> subprocess.Popen:
     """A process in new namespaces (``unshare ARGS``) that runs ``script``, prints ``ready`` and
-    then sleeps until killed: it holds the namespaces."""
+    then sleeps until killed, or until the process that built the bed dies: it holds the
+    namespaces."""
     proc = subprocess.Popen(["unshare", *args, "sh", "-ec", f"{script}\necho ready\nexec sleep infinity"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_die_with_parent)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if line.strip() != "ready":

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -67,6 +68,32 @@ def test_the_bed_gives_each_host_its_own_name_address_shm_and_clock():
         r = subprocess.run(["pdsh", "-S", "-f", "1024", "-w", "host1,host0", "echo %n $(hostname); exit %n"],
                            env=env, capture_output=True, text=True, timeout=60)
         assert sorted(r.stdout.splitlines()) == ["host0: 1 host0", "host1: 0 host1"] and r.returncode == 1
+
+
+_OWNER = """
+import sys, time
+from smelt_ds.testing.hosts import multi_host_bed
+with multi_host_bed(2) as bed:
+    print(" ".join(str(h.pid) for h in bed.hosts), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_bed_whose_owner_is_killed_leaves_no_host_behind():
+    """A test killed by a timeout or a cancelled CI job must not leave namespaces and their
+    processes running: each host's process dies with the process that built the bed."""
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        owner.kill()
+        owner.wait(30)
+        _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)],
+                                     timeout=scaled_timeout(10))
+        assert not alive, alive
+    finally:
+        if owner.poll() is None:
+            owner.kill()
 
 
 def test_each_host_builds_deepspeeds_ops_in_its_own_directory():

@@ -370,12 +370,21 @@ def _run_slurm_job(tmp_path: Path, srun_rc: int, env: dict[str, str], **kw) -> t
     job.write_text(render(_plan(ROOT / "recipes/m/smelt.yaml", "slurm", log_dir=str(tmp_path / "logs"),
                                 run_dir=str(tmp_path / "run"), **kw)))
     log = tmp_path / "fake.log"
-    base = {k: v for k, v in os.environ.items() if k not in ("SLURM_RESTART_COUNT", "SMELT_MAX_REQUEUES")}
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("SLURM_RESTART_COUNT", "SMELT_MAX_REQUEUES", "SMELT_MAX_TIME_REQUEUES")}
     r = subprocess.run(["bash", str(job)], env={**base, "PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
                                                "FAKE_SRUN_RC": str(srun_rc), "SLURM_JOB_NODELIST": "node-[a-b]",
                                                "SLURM_JOB_ID": "777", **env},
                        capture_output=True, text=True, timeout=60)
-    return r.returncode, r.stdout + r.stderr, log.read_text().splitlines()
+    return r.returncode, r.stdout + r.stderr, log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.parametrize("var, value", [("SMELT_MAX_REQUEUES", "x"), ("SMELT_MAX_TIME_REQUEUES", "-1"),
+                                        ("SMELT_MAX_REQUEUES", "3 4"), ("SMELT_MAX_TIME_REQUEUES", "1e3")])
+def test_a_requeue_limit_exported_before_sbatch_that_is_no_number_stops_the_job_before_srun(tmp_path, var, value):
+    rc, out, lines = _run_slurm_job(tmp_path, 1, {var: value})
+    assert rc == 2 and lines == [], out  # neither srun nor scontrol ran
+    assert f"smelt-ds: {var}={value} is not a whole number of requeues" in out
 
 
 @pytest.mark.parametrize("srun_rc,requeue", [
@@ -464,6 +473,27 @@ def test_deepspeed_script_calls_the_launcher_with_hostfile_and_overrides(tmp_pat
     assert "OMP_NUM_THREADS=4" in shipped and "MY_FLAG=a b" in shipped
     assert f"TORCH_NCCL_DEBUG_INFO_TEMP_FILE={tmp_path / 'run'}/nccl_trace/rank_" in shipped
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1" in shipped and "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=600" in shipped
+
+
+def test_deepspeed_script_still_ships_the_users_deepspeed_env_files(tmp_path):
+    """The launcher reads KEY=VALUE lines for the other hosts from .deepspeed_env in the home and
+    the working directory (DeepSpeed's runner); the script's own temporary DS_ENV_FILE must carry
+    those lines too, without blank lines (the launcher splits every line on =)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / ".deepspeed_env").write_text("FROM_HOME=1\n\n")
+    (work / ".deepspeed_env").write_text("LD_LIBRARY_PATH=/opt/nccl/lib\nFROM_WORKDIR=a=b")  # no final newline
+    plan = _plan(ROOT / "recipes/tiny/smelt.yaml", "deepspeed", nodes=1, gpus_per_node=1, workdir=str(work),
+                 overrides=[f"train.run_dir={tmp_path / 'run'}"])
+    (tmp_path / "run.sh").write_text(render(plan))
+    env = {**_fake_bin(tmp_path, "deepspeed"), "HOME": str(home), "OMP_NUM_THREADS": "4"}
+    env.pop("DS_ENV_FILE", None)
+    r = subprocess.run(["bash", str(tmp_path / "run.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    shipped = (tmp_path / "argv.env").read_text().splitlines()
+    assert shipped[:3] == ["FROM_HOME=1", "LD_LIBRARY_PATH=/opt/nccl/lib", "FROM_WORKDIR=a=b"]
+    assert "OMP_NUM_THREADS=4" in shipped and "" not in shipped
 
 
 def test_jobs_without_smelt_ds_on_the_node_stop_before_the_launcher_naming_the_install(tmp_path):
