@@ -147,6 +147,10 @@ def world_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     if rank >= world:
         raise ConfigError(f"rank {rank} is outside a world of {world} ({launcher} launcher's environment): the "
                           "launcher's RANK/WORLD_SIZE disagree")
+    if local_world and local >= local_world:
+        raise ConfigError(f"local rank {local} is outside the {local_world} ranks of this host (LOCAL_RANK / "
+                          "LOCAL_WORLD_SIZE, or the MPI launcher's): the launcher's environment disagrees with "
+                          "itself; start the ranks with torchrun, the deepspeed launcher or mpirun")
     out.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
     if local_world:
         out["LOCAL_WORLD_SIZE"] = str(local_world)
@@ -163,7 +167,10 @@ def world_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
                           "MASTER_ADDR=<host> -x MASTER_PORT=29500; for deepspeed --launcher openmpi, the lines "
                           "MASTER_ADDR=<host> and MASTER_PORT=29500 in ./.deepspeed_env)")
     if env.get("MASTER_PORT"):
-        out["MASTER_PORT"] = env["MASTER_PORT"]
+        if _whole(env, "MASTER_PORT", 1) > 65535:
+            raise ConfigError(f"`MASTER_PORT` ({env['MASTER_PORT']!r}) is no TCP port: export a port of 1-65535 "
+                              "free on rank 0's host, the same on every rank (e.g. 29500)")
+        out["MASTER_PORT"] = env["MASTER_PORT"].strip()
     else:
         out["MASTER_PORT"] = str(find_free_port() if world == 1 else DEFAULT_MPI_PORT)
     return out

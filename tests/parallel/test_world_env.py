@@ -68,6 +68,12 @@ def test_an_mpi_world_on_one_host_needs_no_master_addr():
     ({"OMPI_COMM_WORLD_RANK": "1"}, r"Open MPI's environment is incomplete: OMPI_COMM_WORLD_SIZE, "
                                     r"OMPI_COMM_WORLD_LOCAL_RANK not set"),
     ({k: v for k, v in OMPI.items() if k != "MASTER_ADDR"}, r"`MASTER_ADDR` is not set for a world of 8 ranks"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "a"},
+     r"local rank 5 is outside the 2 ranks of this host"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "abc"},
+     r"`MASTER_PORT` \('abc'\) must be a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "70000"},
+     r"`MASTER_PORT` \('70000'\) is no TCP port"),
 ])
 def test_a_partly_described_world_is_refused(environ, match, monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # no mpi4py to discover MASTER_ADDR
