@@ -258,7 +258,10 @@ def check_network(plan: JobPlan) -> str:
         return f"gloo on {gloo} (GLOO_SOCKET_IFNAME); NCCL on {nccl or 'its own choice'} (NCCL_SOCKET_IFNAME)"
     derived = gloo_ifname(nccl, here) if not pod else gloo_ifname(nccl, nccl.removeprefix("=").split(","))
     if derived is None:
-        raise CheckWarning(f"NCCL_SOCKET_IFNAME={nccl!r} names no interface of this host ({host}) that gloo can "
+        absent = [] if pod else [n for n in nccl.split(",") if n and n[0] not in "^=" and n not in here]
+        which = (f"names {', '.join(absent)}, not an interface of this host," if absent
+                 else "names no interface of this host")
+        raise CheckWarning(f"NCCL_SOCKET_IFNAME={nccl!r} {which} ({host}) that gloo can "
                            "use (gloo takes interface names: no ^ exclusion, no prefix), so the job leaves "
                            "GLOO_SOCKET_IFNAME unset and gloo binds the host name's address: on a multi-NIC node set "
                            "--env GLOO_SOCKET_IFNAME=<interface> (and an interface of the compute nodes in "
@@ -361,5 +364,8 @@ def run_preflight(args: argparse.Namespace) -> int:
           f"{args.scheduler}, working directory {plan.workdir}")
     print(format_results(results))
     bad = failures(results)
-    print(f"{len(bad)} check(s) failed: fix them before submitting" if bad else "every check passed")
+    warned = [r.name for r in results if r.status == "warn"]
+    print(f"{len(bad)} check(s) failed: fix them before submitting" if bad else
+          f"no check failed; {len(warned)} warning(s) ({', '.join(warned)}): read them before submitting" if warned
+          else "every check passed")
     return 2 if bad else 0

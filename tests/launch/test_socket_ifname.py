@@ -113,3 +113,8 @@ def test_preflight_names_the_interface_and_warns_about_one_this_host_lacks(capsy
                                                   "host (") and f"has {', '.join(here)})" in detail
     status, detail = _network_row(capsys, "NCCL_SOCKET_IFNAME=^docker0")
     assert status == "WARN" and "NCCL_SOCKET_IFNAME='^docker0' names no interface of this host" in detail
+    status, detail = _network_row(capsys, "NCCL_SOCKET_IFNAME=lo,nosuch7")  # the one missing is named
+    assert status == "WARN" and "NCCL_SOCKET_IFNAME='lo,nosuch7' names nosuch7, not an interface of this host" in detail
+    cli_main(["preflight", TINY, "--nodes", "1", "--gpus-per-node", "1", "--env", "NCCL_SOCKET_IFNAME=lo,nosuch7"])
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("no check failed; ") and "(network" in last and "every check passed" not in last
