@@ -190,8 +190,8 @@ def _runtime(raw: dict) -> MoERuntimeConfig | None:
 def _routing_words(rt: MoERuntimeConfig) -> str:
     if not token_routing(rt)["drop_tokens"]:
         return f"backend {rt.backend!r}: every token reaches its top-k experts"
-    return (f"backend 'deepspeed' drops the tokens over capacity: capacity_factor {rt.capacity_factor}, "
-            f"eval_capacity_factor {rt.eval_capacity_factor}, min_capacity {rt.min_capacity}")
+    return (f"backend 'deepspeed', which drops the tokens over capacity (capacity_factor {rt.capacity_factor}, "
+            f"eval_capacity_factor {rt.eval_capacity_factor}, min_capacity {rt.min_capacity})")
 
 
 def _check_token_routing(old: dict, out_dir: Path, resume: str, cfg: RunConfig) -> None:
@@ -207,7 +207,11 @@ def _check_token_routing(old: dict, out_dir: Path, resume: str, cfg: RunConfig) 
     changes = routing_changes(was, now)
     if not changes:
         return
-    diffs = "; ".join(f"moe_runtime.{k}: {a!r} in the run, {b!r} in this recipe" for k, (a, b) in changes.items())
+    def yaml(v: object) -> str:
+        return str(v).lower() if isinstance(v, bool) else repr(v)
+
+    diffs = "; ".join(f"moe_runtime.{k}: {yaml(a)} in the run, {yaml(b)} in this recipe (in effect)"
+                      for k, (a, b) in changes.items())
     if not token_routing(was)["drop_tokens"]:
         fix = ("--set moe_runtime.drop_tokens=false (DeepSpeed-MoE without dropping, the run's function)"
                if now.backend == "deepspeed" else "the run's settings")

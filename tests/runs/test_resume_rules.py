@@ -162,10 +162,11 @@ def test_a_switch_to_deepspeed_moe_that_drops_tokens_is_refused_and_a_dropless_o
     default (``drop_tokens: true``): resuming the run on it would silently change the function."""
     run, _ = _run(tmp_path, deepspeed={"zero_stage": 1})
     dropping = _cfg(run, deepspeed={"zero_stage": 1}, moe_runtime={"backend": "deepspeed", "ep_size": 2})
-    with pytest.raises(ConfigError, match=r"--resume auto: moe_runtime.drop_tokens: False in the run, True in this "
-                                          r"recipe .*backend 'reference': every token reaches its top-k experts; this "
-                                          r"recipe with backend 'deepspeed' drops the tokens over capacity: "
-                                          r"capacity_factor 1.0, .*resume with --set moe_runtime.drop_tokens=false"):
+    with pytest.raises(ConfigError, match=r"--resume auto: moe_runtime.drop_tokens: false in the run, true in this "
+                                          r"recipe \(in effect\).*backend 'reference': every token reaches its top-k "
+                                          r"experts; this recipe with backend 'deepspeed', which drops the tokens over "
+                                          r"capacity \(capacity_factor 1.0, .*resume with --set "
+                                          r"moe_runtime.drop_tokens=false"):
         check_run_dir(run, dropping, "auto", 2)
     dropless = _cfg(run, deepspeed={"zero_stage": 1},
                     moe_runtime={"backend": "deepspeed", "ep_size": 2, "drop_tokens": False, "capacity_factor": 2.0})
@@ -181,7 +182,10 @@ def test_a_capacity_change_of_a_run_that_drops_tokens_is_refused_naming_the_runs
         check_run_dir(run, _cfg(run, **deep_merge(ds, {"moe_runtime": {key: value}})), "auto", 2)
     run_value = {"capacity_factor": 1.25, "eval_capacity_factor": 1.0, "min_capacity": 4, "drop_tokens": True}[key]
     msg = str(e.value)
-    assert f"moe_runtime.{key}: {run_value!r} in the run, {value!r} in this recipe" in msg, msg
+    def yaml(v):
+        return str(v).lower() if isinstance(v, bool) else repr(v)
+
+    assert f"moe_runtime.{key}: {yaml(run_value)} in the run, {yaml(value)} in this recipe (in effect)" in msg, msg
     assert ("resume with --set moe_runtime.drop_tokens=true --set moe_runtime.capacity_factor=1.25 --set "
             "moe_runtime.eval_capacity_factor=1.0 --set moe_runtime.min_capacity=4") in msg, msg
     check_run_dir(run, _cfg(run, **deep_merge(ds, {"moe_runtime": {"ep_size": 2}})), "auto", 2)  # placement only
