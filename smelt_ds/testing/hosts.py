@@ -349,6 +349,8 @@ def _load_bed() -> Bed:
     path = os.environ.get(BED_ENV)
     if not path:
         sys.exit(f"smelt-ds bed: {BED_ENV} is not set: run the stand-ins through a bed's environment")
+    if not Path(path).is_file():
+        sys.exit(f"smelt-ds bed: {BED_ENV}={path}: no such bed state file (the bed has closed, or the path is wrong)")
     state = json.loads(Path(path).read_text())
     lib = Path(state["skew_lib"]) if state.get("skew_lib") else None
     hosts = [Host(name=h["name"], ip=h["ip"], pid=h["pid"], index=h["index"], clock_offset_s=h["clock_offset_s"],
