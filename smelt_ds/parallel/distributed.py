@@ -138,6 +138,9 @@ def world_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
         else:
             launcher, names = found[0]
             absent = [n for n in names[:3] if n not in env]
+            if absent == [names[2]] and names[1] in env and env[names[1]].strip() == "1":
+                absent = []  # a world of one (e.g. `srun -n1` under Slurm's pmi2, which sets no local rank)
+                env = {**env, names[2]: "0"}
             if absent:
                 raise ConfigError(f"{launcher}'s environment is incomplete: {', '.join(absent)} not set (beside "
                                   f"{', '.join(n for n in names if n in env)}): start the ranks with that launcher's "

@@ -43,6 +43,14 @@ def test_mvapich_and_pmi_variables(names):
     assert env["MASTER_PORT"] == str(DEFAULT_MPI_PORT)  # DeepSpeed's MPI discovery's port
 
 
+def test_an_mpi_world_of_one_needs_no_local_rank():
+    """Slurm's pmi2 sets PMI_RANK and PMI_SIZE for `srun -n1`, and no local rank: one process."""
+    got = world_env({"PMI_RANK": "0", "PMI_SIZE": "1"})
+    assert (got["RANK"], got["WORLD_SIZE"], got["LOCAL_RANK"]) == ("0", "1", "0")
+    with pytest.raises(ConfigError, match="environment is incomplete: MPI_LOCALRANKID not set"):
+        world_env({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_ADDR": "a"})
+
+
 def test_torch_variables_win_over_mpi_ones():
     env = world_env({**OMPI, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("0", "2", "0")
