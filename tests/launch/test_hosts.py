@@ -73,16 +73,16 @@ def test_the_bed_gives_each_host_its_own_name_address_shm_and_clock():
 _OWNER = """
 import sys, time
 from smelt_ds.testing.hosts import multi_host_bed
-with multi_host_bed(2) as bed:
+with multi_host_bed(2, root=sys.argv[1]) as bed:  # in the test's directory: a killed bed leaves its files
     print(" ".join(str(h.pid) for h in bed.hosts), flush=True)
     time.sleep(600)
 """
 
 
-def test_a_bed_whose_owner_is_killed_leaves_no_host_behind():
+def test_a_bed_whose_owner_is_killed_leaves_no_host_behind(tmp_path):
     """A test killed by a timeout or a cancelled CI job must not leave namespaces and their
     processes running: each host's process dies with the process that built the bed."""
-    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(tmp_path / "bed")], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in owner.stdout.readline().split()]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
