@@ -375,16 +375,8 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
                     p.send_signal(signum)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, forward)
-    codes = []
-    for p in procs:
-        while True:
-            try:
-                rc = p.wait()
-                break
-            except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
-                continue
-        codes.append(128 - rc if rc < 0 else rc)
-    return max(codes, default=0)
+    codes = [p.wait() for p in procs]  # a handled signal does not interrupt the wait (PEP 475)
+    return max((128 - rc if rc < 0 else rc for rc in codes), default=0)
 
 
 def _srun(bed: Bed, argv: list[str]) -> int:
