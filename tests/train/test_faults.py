@@ -258,8 +258,9 @@ def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout_with_every_stack_o
     # unfinished, with the steady collective timeout (train.watchdog.collective_timeout_s, 600 s default)
     # that every group carries after the start-up steps
     trace = pickle.loads((hangs / "fr_trace_rank_0").read_bytes())
-    last = trace["entries"][-1]  # the one still waiting: gloo retires an entry once its work is done
-    assert last["profiling_name"] == "gloo:all_reduce" and last["retired"] is False, last
+    # the step's control all-reduce rank 0 waited in: unretired while rank 1 sleeps (a loaded machine can let
+    # rank 1 wake and join it before the dump, which then retires it: the entry is the same collective)
+    last = [e for e in trace["entries"] if e["profiling_name"] == "gloo:all_reduce"][-1]
     assert last["timeout_ms"] == 600_000, last
     assert last["input_sizes"] == [[MicroStats.WIDTH + len(REASONS) - 1]], last  # the step's control vector
     assert any(f["name"] == "agree" for f in last["frames"]), last["frames"]
