@@ -8,7 +8,12 @@ directory, :data:`smelt_ds.launch.jobs.K8S_WORKDIR` unless ``--workdir``) and se
 - ``WORKDIR/corpora``: the ``corpora`` volume (``--data-pvc``), read-only: data and tokenizers;
 - :data:`K8S_RECIPE_DIR`: the job's ConfigMap, read-only: the resolved recipe;
 - the image's checkout itself, read-only: what the repository ships (recipes, ds_configs, ...);
-  ``.dockerignore`` keeps run outputs and corpora out of it.
+  ``.dockerignore`` keeps run outputs and corpora out of it;
+- ``/dev/shm``: an ``emptyDir`` in memory, the pod's own and empty at start: node-local, so no
+  recipe path may lie there.
+
+A path on no shared volume is node-local for the job: every pod (and every restart) would see its
+own copy, or nothing.
 
 :func:`unseen_paths` names every recipe path a pod could not open, so that ``render-job`` refuses
 the manifest instead of a pod failing after the queue.
@@ -35,11 +40,13 @@ _NOT_IN_IMAGE = ("runs", "evals", "exports", "hf", "corpora", "jobs", "site", ".
 
 @dataclass(frozen=True)
 class Mount:
-    """One place a pod sees: its path in the pod, what backs it, and whether the pod may write there."""
+    """One place a pod sees: its path in the pod, what backs it, whether the pod may write there,
+    and whether every pod sees the same files there (``shared``: a PVC or ConfigMap)."""
 
     path: str
     what: str
     writable: bool = False
+    shared: bool = True
 
     def holds(self, path: str) -> bool:
         return path == self.path or path.startswith(self.path.rstrip("/") + "/")
@@ -49,7 +56,8 @@ def pod_mounts(workdir: str, runs_pvc: str, data_pvc: str) -> list[Mount]:
     """The volumes of a pod (the checkout of the image last, as the fallback for read paths)."""
     return [Mount(f"{workdir}/runs", f"PVC {runs_pvc}, shared, read-write", True),
             Mount(f"{workdir}/corpora", f"PVC {data_pvc}, read-only"),
-            Mount(K8S_RECIPE_DIR, "the job's ConfigMap: the resolved recipe, read-only")]
+            Mount(K8S_RECIPE_DIR, "the job's ConfigMap: the resolved recipe, read-only"),
+            Mount("/dev/shm", "emptyDir in memory: this pod's own, empty at start", True, shared=False)]
 
 
 def _in_pod(path: str, workdir: str) -> str:
@@ -83,20 +91,29 @@ def _reads(cfg: RunConfig) -> list[tuple[str, str]]:
     return out
 
 
-def unseen_paths(cfg: RunConfig, workdir: str, run_dir: str, mounts: list[Mount]) -> list[str]:
-    """One line per recipe path a pod cannot use: a file the run reads that lies in no mount and is
-    not in the image's checkout; a run directory or ``data.cache_dir`` outside the shared
-    read-write volume (another pod, or the next start, would not see what it wrote). ``run_dir``:
-    the run directory as the job names it."""
+def unseen_paths(cfg: RunConfig, workdir: str, run_dir: str, mounts: list[Mount],
+                 env: dict[str, str] | None = None) -> list[str]:
+    """One line per recipe path a pod cannot use: a file the run reads that lies on no shared
+    mount and is not in the image's checkout; a run directory, data cache (``data.cache_dir``, else
+    ``SMELT_DS_CACHE`` of the job's ``env``, ``--env``, which replaces the manifest's) or
+    ``data.output_dir`` outside the shared read-write volume (another pod, or the next start, would
+    not see what it wrote). ``run_dir``: the run directory as the job names it."""
     bad = []
     for field, path in _reads(cfg):
         where = _in_pod(str(Path(path).expanduser()) if path.startswith("~") else path, workdir)
-        if not any(m.holds(where) for m in mounts) and not _in_image(where, workdir):
+        local = next((m for m in mounts if m.holds(where) and not m.shared), None)
+        if local is not None:
+            bad.append(f"`{field}` ({path!r}, {where} in the pod) is on {local.path} ({local.what}): put it on the "
+                       "corpora volume and name it corpora/... (relative to the working directory)")
+        elif not any(m.holds(where) for m in mounts) and not _in_image(where, workdir):
             bad.append(f"`{field}` ({path!r}, {where} in the pod) is in no volume of the pod and not in the "
                        "image: put it on the corpora volume and name it corpora/... (relative to the working "
                        "directory)")
-    shared = [m for m in mounts if m.writable]
-    writes: list[tuple[str, str | None]] = [("train.run_dir", run_dir), ("data.cache_dir", cfg.data.cache_dir),
+    shared = [m for m in mounts if m.writable and m.shared]
+    cache = ("data.cache_dir", cfg.data.cache_dir)
+    if cfg.data.cache_dir is None and "SMELT_DS_CACHE" in (env or {}):  # --env's replaces the manifest's
+        cache = ("--env SMELT_DS_CACHE", (env or {})["SMELT_DS_CACHE"])
+    writes: list[tuple[str, str | None]] = [("train.run_dir", run_dir), cache,
                                             ("data.output_dir", cfg.data.output_dir),
                                             ("data.ladder_packages_dir", cfg.data.ladder_packages_dir)]
     for field, written in writes:
