@@ -9,16 +9,23 @@ interpreter's finalization can abort a process whose run used Gloo with ``termin
 without an active exception`` (exit 134; pytorch/pytorch#190489), seen here once in about ten
 suites even after a clean stop whose group was destroyed. Everything the run writes
 (``metrics.jsonl``, TensorBoard, trackers, checkpoints) is closed or flushed before
-:func:`smelt_ds.train.loop.main` returns.
+:func:`smelt_ds.train.loop.main` returns. With ``SMELT_EXIT_STATUS_DIR`` set, the status is also
+written to a file there (:mod:`smelt_ds.train.exit_status`), for the rendered Slurm and Kubernetes
+jobs, which cannot read it through torchrun.
 """
 
 import logging
 import os
 import sys
 
+from smelt_ds.train.exit_status import write_exit_status
 from smelt_ds.train.loop import main
 
-status = main()
+try:
+    status = main()
+except SystemExit as e:  # argparse's usage error (2), as a bad configuration
+    status = e.code if isinstance(e.code, int) else 1
+write_exit_status(status)  # for the job script: torchrun reports any failed rank as 1
 sys.stdout.flush()
 sys.stderr.flush()
 logging.shutdown()
