@@ -190,7 +190,7 @@ def _zero2_estimate(P: int, gpus_per_node: int, nodes: int, offload: bool) -> tu
     return int(P * 4 * gpus_per_node * _DS_CPU_BUFFER_FACTOR), 2 * P + int(18 * P / N)
 
 
-def _zero3_estimate(P: int, largest: int, gpus_per_node: int, nodes: int, off_opt: bool,
+def _zero3_estimate(P: int, largest: int, gpus_per_node: float, nodes: int, off_opt: bool,
                     off_param: bool) -> tuple[int, int, int]:
     """``(cpu, gpu, gathered)`` bytes of DeepSpeed 0.19's ``estimate_zero3_model_states_mem_needs``
     with ``zero_init`` (``deepspeed/runtime/zero/stage3.py``): the largest layer gathered in bf16
@@ -216,7 +216,9 @@ def _bf16_part(P: float, gpus_per_node: float, nodes: int, stage: int, off_opt: 
     master params count as optimizer state, as in the ZeRO paper)."""
     N = gpus_per_node * nodes
     if stage == 3:
-        cpu, gpu, gathered = _zero3_estimate(int(P), largest, int(gpus_per_node), nodes, off_opt, off_param)
+        # gpus_per_node is fractional for an expert part whose expert-parallel groups span nodes (ep_size >
+        # GPUs per node): truncating it gave 0 GPUs and a ZeroDivisionError
+        cpu, gpu, gathered = _zero3_estimate(int(P), largest, gpus_per_node, nodes, off_opt, off_param)
         if off_param:
             return 0.0, 0.0, 0.0, gathered, cpu, gpu
         if off_opt:
