@@ -165,6 +165,7 @@ def check_world(cfg: RunConfig, layout_name: str, layout: ClusterLayout, nodes: 
     GPUs per node than a node of the layout has, a world size ``moe_runtime.ep_size`` does not
     divide (:func:`smelt_ds.parallel.memory.check_cluster`), more ranks than the global batch has
     micro-batches. Returns ``(accumulation, global_batch_tokens)``."""
+    _check_ep(cfg, layout_name, layout, nodes, gpus, from_layout)
     check_cluster(cfg, nodes, gpus)
     world = nodes * gpus
     if from_layout and gpus > layout.gpus_per_node:
@@ -182,6 +183,50 @@ def check_world(cfg: RunConfig, layout_name: str, layout: ClusterLayout, nodes: 
                               f"rank at most; use at most {micro_batches} GPUs, or raise train.global_batch_tokens "
                               "/ lower train.micro_batch_size")
     return resolve_batch(cfg.train, world)
+
+
+def _check_ep(cfg: RunConfig, layout_name: str, layout: ClusterLayout, nodes: int, gpus: int,
+              from_layout: bool) -> None:
+    """Raise ConfigError when ``moe_runtime.ep_size`` does not divide ``nodes x gpus``, suggesting
+    only fixes :func:`check_world` accepts: the nearest world size (nodes x GPUs per node, at most the
+    layout's GPUs per node) that ``ep_size`` divides and the global batch splits over, and the
+    ``ep_size`` values (dividing the world size and ``moe.num_experts``) the recipe loads with.
+    Non-positive counts are left to :func:`smelt_ds.parallel.memory.check_cluster`."""
+    ep = cfg.moe_runtime.ep_size
+    counts_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (nodes, gpus))
+    if not counts_ok or (nodes * gpus) % ep == 0:
+        return
+    world = nodes * gpus
+
+    def accepted(c: RunConfig, n: int, g: int) -> bool:
+        try:
+            check_world(c, layout_name, layout, n, g, from_layout)
+        except ConfigError:
+            return False
+        return True
+
+    max_gpus = layout.gpus_per_node if from_layout else max(gpus, ep)
+    worlds = sorted(((n, g) for g in range(1, max_gpus + 1) for n in range(1, nodes * ep + 1) if n * g % ep == 0),
+                    key=lambda ng: (abs(ng[0] * ng[1] - world), ng[0] * ng[1] < world, ng[1] != gpus, ng[0]))
+    layout_fix = next((f"--nodes {n} --gpus-per-node {g}" for n, g in worlds if accepted(cfg, n, g)), None)
+    eps = []
+    for e in (d for d in range(ep - 1, 0, -1) if world % d == 0 and cfg.moe.num_experts % d == 0):
+        raw = cfg.model_dump(mode="json")
+        raw["moe_runtime"]["ep_size"] = e
+        try:
+            other = config_from_dict(raw, source="ep_size candidate")
+        except ConfigError:
+            continue
+        if accepted(other, nodes, gpus):
+            eps.append(e)
+    fixes = ([f"set --nodes / --gpus-per-node to a multiple of {ep} GPUs the global batch splits over: "
+              f"{layout_fix}"] if layout_fix else []) + \
+        ([f"set moe_runtime.ep_size to {' or '.join(map(str, eps[:3]))} (it divides the world size {world} and "
+          f"moe.num_experts {cfg.moe.num_experts})"] if eps else [])
+    fix = "; or ".join(fixes) if fixes else ("no layout of this recipe fits: lower moe_runtime.ep_size and "
+                                             "moe.num_experts together")
+    raise ConfigError(f"`moe_runtime.ep_size` ({ep}) does not divide the world size ({nodes} node(s) x {gpus} GPU(s) "
+                      f"= {world}): expert parallelism splits the experts over groups of {ep} GPUs: {fix}")
 
 
 def place(recipe: str | Path, layout: str | None = None, overrides: list[str] | None = None,
@@ -209,6 +254,7 @@ def place(recipe: str | Path, layout: str | None = None, overrides: list[str] | 
         nodes = default_nodes if default_nodes and not from_layout else res.layout.nodes
     gpus = gpus_per_node if gpus_per_node is not None else res.layout.gpus_per_node
     if before_check is not None:
+        _check_ep(res.config, res.layout_name, res.layout, nodes, gpus, from_layout)  # its fixes are accepted
         check_cluster(res.config, nodes, gpus)  # positive counts first
         before_check(nodes, gpus)
     accum, gbt = check_world(res.config, res.layout_name, res.layout, nodes, gpus, from_layout)
