@@ -4,7 +4,7 @@ reference, docs/configuration.md, written from the fields' descriptions).
 
     smelt-ds config show recipes/s/top.yaml --set train.max_steps=200 [--json]
     smelt-ds config validate recipes/s/*.yaml
-    smelt-ds config reference [-o docs/configuration.md] [--check]
+    smelt-ds config reference [-o docs/configuration.md] [--check]   (prints it without -o)
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.files import write_or_check_generated
 from smelt_ds.resources import CHECKOUT
 
-#: default output of ``smelt-ds config reference``: the checkout's docs, else under the working directory
+#: the page ``smelt-ds config reference --check`` compares with by default: the checkout's docs, else under the
+#: working directory (writing it takes ``-o``: without it the command prints the reference)
 REFERENCE_PAGE = (CHECKOUT if CHECKOUT is not None else Path()) / "docs" / "configuration.md"
 
 SET_HELP = "override a recipe field (YAML value; repeatable), e.g. --set train.max_steps=200"
@@ -48,15 +49,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("recipes", nargs="+", metavar="RECIPE", help="YAML recipes")
     v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     v.set_defaults(func=run_validate)
-    r = csub.add_parser("reference", help="write docs/configuration.md: every recipe field's type, default and "
-                                          "description",
-                        description="Write the recipe reference (every section and field of the run config with "
+    r = csub.add_parser("reference", help="print the recipe reference (docs/configuration.md): every recipe "
+                                          "field's type, default and description",
+                        description="Print the recipe reference (every section and field of the run config with "
                                     "its YAML type, default and description, read from the config's pydantic "
-                                    "fields), or check that the file is up to date.",
-                        epilog="example: smelt-ds config reference --check")
+                                    "fields), write it with -o, or check that a file is up to date.",
+                        epilog="examples: smelt-ds config reference | less; smelt-ds config reference -o "
+                               "docs/configuration.md (regenerate the checkout's page); smelt-ds config reference "
+                               "--check")
     r.add_argument("-o", "--output", default=None,
-                   help="output file (default docs/configuration.md of the checkout; '-' prints it)")
-    r.add_argument("--check", action="store_true", help="exit 1 when the file differs from a fresh reference")
+                   help="write the reference to this file (default: print it; '-' prints it too)")
+    r.add_argument("--check", action="store_true",
+                   help="exit 1 when the file (-o, default docs/configuration.md of the checkout) differs from a "
+                        "fresh reference")
     r.set_defaults(func=run_reference)
 
 
@@ -80,5 +85,8 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def run_reference(args: argparse.Namespace) -> int:
-    return write_or_check_generated(reference_markdown(), args.output, REFERENCE_PAGE, "smelt-ds config reference",
+    """Print the reference, write it to ``-o``, or ``--check`` a file (default :data:`REFERENCE_PAGE`):
+    nothing is written without ``-o``, so an installed checkout's docs are never overwritten by a look-up."""
+    output = args.output if args.output is not None or args.check else "-"
+    return write_or_check_generated(reference_markdown(), output, REFERENCE_PAGE, "smelt-ds config reference",
                                     args.check)
