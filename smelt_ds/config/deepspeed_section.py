@@ -1,6 +1,7 @@
 """The ``deepspeed`` section of a recipe: ZeRO stage, offload, the ``ds_configs/`` template and
-raw DeepSpeed keys, and the checks between its own fields (:func:`check_offload`). The rules
-against the MoE backend and compilation need other sections and run with ``RunConfig``.
+raw DeepSpeed keys, and the checks between its own fields (:func:`check_offload`) and of its raw
+keys (:func:`check_passthrough`, :func:`check_deepspeed_keys`: DeepSpeed's own validation). The
+rules against the MoE backend and compilation need other sections and run with ``RunConfig``.
 """
 
 from __future__ import annotations
@@ -9,17 +10,20 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from smelt_ds.config.deepspeed_validation import validate_deepspeed_config
 from smelt_ds.config.schema import StrictModel
 from smelt_ds.errors import fail
 
-__all__ = ["DeepSpeedSection", "OWNED_KEYS", "check_offload", "check_passthrough"]
+__all__ = ["DeepSpeedSection", "OWNED_KEYS", "check_deepspeed_keys", "check_offload", "check_passthrough"]
 
 
 class DeepSpeedSection(StrictModel):
     """DeepSpeed settings. ``config`` is merged last into the DeepSpeed JSON, unchanged, except
     that the keys a field owns (:data:`OWNED_KEYS`) are refused when the recipe is loaded: each
     DeepSpeed setting has one value, which every reader (the engine, ``smelt-ds memory``,
-    ``render-job``, the checkpoint layout) takes from the field."""
+    ``render-job``, the checkpoint layout) takes from the field. DeepSpeed's own config classes
+    validate ``config`` when the recipe is loaded (:func:`check_deepspeed_keys`), and a number
+    written ``5e8`` (a string to YAML 1.1) is read as the number DeepSpeed's field takes."""
 
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0, description="ZeRO stage: 0 (nothing partitioned), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)")
@@ -30,7 +34,9 @@ class DeepSpeedSection(StrictModel):
         "auto", description="derive ZeRO-3 reuse distance / live parameters from the visit plan")
     comms_logger: bool = Field(False, description="enable DeepSpeed's comms logger")
     config: dict[str, Any] = Field(default_factory=dict, description="raw DeepSpeed keys, merged last into the "
-                                   "DeepSpeed JSON; keys a recipe field owns are refused, naming the field")
+                                   "DeepSpeed JSON and validated by DeepSpeed's own config classes when the recipe "
+                                   "is loaded; keys a recipe field owns are refused, naming the field; 5e8 is read "
+                                   "as the number 500000000")
 
 
 def check_offload(ds: DeepSpeedSection) -> None:
@@ -82,3 +88,26 @@ def check_passthrough(ds: DeepSpeedSection) -> None:
             dotted = ".".join(path)
             fail(f"deepspeed.config.{dotted}", node, f"is set by the recipe field {field}, not passed through",
                  f"remove it from deepspeed.config and set {field.split(' (')[0].split(',')[0]} instead")
+
+
+def check_deepspeed_keys(ds: DeepSpeedSection, micro_batch_size: int) -> dict[str, Any]:
+    """``ds.config`` parsed by DeepSpeed's ``DeepSpeedConfig``
+    (:func:`smelt_ds.config.deepspeed_validation.validate_deepspeed_config`) beside the keys the
+    recipe's fields own (:data:`OWNED_KEYS`: the ZeRO stage, the offload devices, a micro-batch of
+    ``micro_batch_size`` samples), as ``deepspeed.initialize`` will parse it: an unknown key of
+    DeepSpeed's models, a value of the wrong type or a clash DeepSpeed asserts against is refused
+    when the recipe is loaded, before any process starts. The whole DeepSpeed config, at the
+    job's world size, is checked again by ``smelt-ds preflight`` and ``render-job``.
+
+    Returns ``ds.config`` with numbers written in scientific notation (``5e8``) read as numbers.
+    Raises ConfigError naming the field path under ``deepspeed.config``, its value, DeepSpeed's
+    message and the fix. An empty ``config`` is returned as it is (DeepSpeed is not imported)."""
+    if not ds.config:
+        return ds.config
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    for name in ("offload_optimizer", "offload_param"):
+        if getattr(ds, name) != "none":
+            zero[name] = {"device": getattr(ds, name)}
+    base = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": 1,
+            "zero_optimization": zero}
+    return validate_deepspeed_config(ds.config, base)

@@ -23,7 +23,7 @@ from pydantic import Field, model_validator
 
 from smelt_ds.config.cluster import ClusterConfig
 from smelt_ds.config.data import DataConfig
-from smelt_ds.config.deepspeed_section import DeepSpeedSection, check_offload, check_passthrough
+from smelt_ds.config.deepspeed_section import DeepSpeedSection, check_deepspeed_keys, check_offload, check_passthrough
 from smelt_ds.config.eval import EvalConfig
 from smelt_ds.config.loop import LoopConfig
 from smelt_ds.config.model import ModelConfig, check_model
@@ -74,7 +74,9 @@ class RunConfig(StrictModel):
 
 def check_run_config(cfg: RunConfig) -> None:
     """The checks of a parsed config, each section's own (:func:`check_model`, :func:`check_moe`,
-    :func:`check_train`, :func:`check_offload`, :func:`check_passthrough`) and those between
+    :func:`check_train`, :func:`check_offload`, :func:`check_passthrough`, DeepSpeed's own
+    validation of ``deepspeed.config``: :func:`check_deepspeed_keys`, which also reads its numbers
+    written ``5e8`` as numbers) and those between
     sections (the MoE backend against the ZeRO stage, the sequence length against the model's,
     compilation, the loop ranges against the depth). Raises ConfigError naming the field path."""
     if not cfg.name.strip() or "/" in cfg.name or "\\" in cfg.name or cfg.name.startswith("."):
@@ -89,6 +91,9 @@ def check_run_config(cfg: RunConfig) -> None:
               "raise model.max_seq_len or shorten train.seq_len")
     check_train(cfg.train)
     check_offload(cfg.deepspeed)
+    read = check_deepspeed_keys(cfg.deepspeed, cfg.train.micro_batch_size)
+    if read != cfg.deepspeed.config:
+        cfg.deepspeed.config = read
     _check_compile(cfg)
     build_schedule(cfg.loop, cfg.model.num_layers)
 
