@@ -14,7 +14,12 @@ Layout under ``<run_dir>/checkpoints/``::
                              which a resume must match, and every file with its SHA-256 and size
 
 A run killed during a save (SIGKILL, node loss) leaves a directory without ``COMPLETE``, which
-``--resume auto`` ignores: it continues from the newest complete checkpoint. Only the newest
+``--resume auto`` ignores: it continues from the newest complete checkpoint. A checkpoint is
+damaged when a file differs from its digest (:func:`verify`) or when its marker is not one
+(:class:`Marker`: not JSON, a missing key, a value of the wrong type, a file path outside the
+directory, a step other than the directory's) or does not list every file its layout needs
+(:func:`layout_gaps`): ``--resume auto`` moves it to ``damaged-<tag>`` and continues from the
+next newest (:func:`choose`). Only the newest
 ``keep_last`` complete checkpoints are kept. With ``train.reference_weights`` ``newest`` or
 ``minimal``, the reference shards of the older checkpoints are removed once a newer checkpoint is
 complete: their marker is rewritten without them (atomically) before the files are deleted, so no
@@ -31,15 +36,18 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import IO, Any, cast
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, cast, get_args
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from smelt_ds.config.moe import MoERuntimeConfig
 from smelt_ds.config.train import resolve_batch
 from smelt_ds.errors import ConfigError
 from smelt_ds.parallel import control
@@ -48,7 +56,7 @@ from smelt_ds.runs.reference_weights import REFERENCE_DIR, gather_reference_shar
 __all__ = ["checkpoint_dir", "save", "choose", "load", "load_from", "latest_complete", "read_marker", "verify",
            "rng_state", "restore_rng", "MARKER", "run_layout",
            "check_layout", "REFERENCE_CHOICES", "offline_exportable", "writes_reference", "reference_files",
-           "newest_with_reference", "holds"]
+           "newest_with_reference", "holds", "Marker", "layout_gaps", "marker_damage", "newest_sound"]
 
 MARKER = "COMPLETE"
 #: the values of ``train.reference_weights`` (:func:`writes_reference`)
@@ -410,18 +418,221 @@ def _complete(root: Path, tag: str, gathered: list[Any], meta: dict[str, Any], k
     return None
 
 
+class _FileDigest(BaseModel):
+    """One file of a checkpoint as its ``COMPLETE`` marker lists it (:func:`_complete`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the file's bytes, 64 hex digits")
+    size: int = Field(alias="bytes", ge=0, description="size in bytes")
+    rank: int = Field(0, ge=0, description="global rank that wrote it")
+
+
+#: the MoE backends a marker may name (``moe_runtime.backend``'s values)
+_BACKENDS = get_args(MoERuntimeConfig.model_fields["backend"].annotation)
+#: a checkpoint directory's name: ``stepNNNNNNNN``, or ``damaged-stepNNNNNNNN[-k]`` once set aside
+_TAG = re.compile(r"(?:damaged-)?step(\d+)(?:-\d+)?")
+#: DeepSpeed's file of one expert of one MoE layer (``DeepSpeedEngine._get_expert_ckpt_name``)
+_EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
+
+
+class Marker(BaseModel):
+    """What a ``COMPLETE`` marker is (:func:`save` writes it, :func:`read_marker` checks it).
+
+    Strict JSON types (a count written as a string or a boolean is refused); keys smelt-ds does not
+    know are kept and ignored (a newer smelt-ds may add some). ``files`` maps each file's path,
+    relative to the checkpoint directory and inside it, to its digest; None in markers of smelt-ds
+    before digests (then the files on disk are what the checkpoint holds)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    step: int = Field(ge=0, description="optimizer steps done")
+    tokens_seen: int = Field(ge=0, description="training tokens read")
+    world_size: int = Field(ge=1, description="ranks that wrote the checkpoint")
+    zero_stage: int = Field(ge=0, le=3, description="ZeRO stage as DeepSpeed saw it")
+    moe_backend: str = Field(description="moe_runtime.backend")
+    ep_size: int = Field(ge=1, description="expert-parallel size (1 for the reference backend)")
+    micro_batch_size: int | None = Field(None, ge=1, description="samples per micro-batch and rank")
+    global_batch_samples: int | None = Field(None, ge=1, description="samples per optimizer step")
+    reference_weights: bool | None = Field(None, description="holds the reference shards (:func:`holds`)")
+    layout_free: bool = Field(False, description="the shards hold AdamW's state too: resumes at any layout")
+    reference_removed_by: str | None = Field(None, description="the checkpoint whose completion pruned the shards")
+    files: dict[str, _FileDigest] | None = None
+
+    @field_validator("moe_backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        if v not in _BACKENDS:
+            raise ValueError(f"{v!r} is not a MoE backend ({', '.join(_BACKENDS)})")
+        return v
+
+    @field_validator("files")
+    @classmethod
+    def _inside(cls, files: dict[str, _FileDigest] | None) -> dict[str, _FileDigest] | None:
+        for name in files or {}:
+            parts = PurePosixPath(name).parts
+            if (not name or "\0" in name or name.startswith("/") or str(PurePosixPath(name)) != name
+                    or any(p in (".", "..") for p in parts)):
+                raise ValueError(f"names {name!r}, a path outside the checkpoint directory (the files are relative "
+                                 "paths inside it, without '..')")
+            if name == MARKER:
+                raise ValueError(f"lists the marker {MARKER} itself")
+        return files
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Marker:
+        if self.moe_backend == "reference" and self.ep_size != 1:
+            raise ValueError(f"ep_size {self.ep_size} with moe_backend 'reference' (which has no expert parallelism)")
+        if self.world_size % self.ep_size:
+            raise ValueError(f"ep_size {self.ep_size} does not divide world_size {self.world_size}")
+        if (self.micro_batch_size is None) != (self.global_batch_samples is None):
+            raise ValueError("micro_batch_size and global_batch_samples come together (one is missing)")
+        if self.global_batch_samples is not None and self.global_batch_samples % (
+                cast(int, self.micro_batch_size) * self.world_size):
+            raise ValueError(f"global_batch_samples {self.global_batch_samples} is not micro_batch_size "
+                             f"{self.micro_batch_size} x accumulation x world_size {self.world_size}")
+        bad = sorted(n for n, d in (self.files or {}).items() if d.rank >= self.world_size)
+        if bad:
+            raise ValueError(f"{bad[0]!r} written by rank {(self.files or {})[bad[0]].rank}, but world_size is "
+                             f"{self.world_size}")
+        return self
+
+
+def _schema_problems(e: ValidationError) -> str:
+    """The problems of a :class:`Marker` ValidationError, each as ``key: what (got value)``."""
+    out = []
+    for err in e.errors():
+        where = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            out.append(f"no {where!r} (the saver always writes it)")
+        elif not where or err["type"] == "value_error":  # our validators name the value themselves
+            out.append(f"{where + ': ' if where else ''}{msg}")
+        else:
+            out.append(f"{where}: {msg} (got {err['input']!r:.60})")
+    return "; ".join(out)
+
+
+_REPAIR = ("--resume auto sets the checkpoint aside (checkpoints/damaged-<tag>) and continues from the newest one "
+           "that verifies; to use this one, restore it from a copy")
+
+
 def read_marker(ckpt: str | Path) -> dict[str, Any]:
-    """The ``COMPLETE`` marker of checkpoint directory ``ckpt``. Raises ConfigError naming the
-    file when it is not a JSON object with a ``step`` and (when present) a ``files`` mapping: a
-    damaged marker (markers are written atomically, so only a damaged disk or a hand edit makes one)."""
+    """The ``COMPLETE`` marker of checkpoint directory ``ckpt``, as written (a dict; absent optional
+    keys stay absent), checked against :class:`Marker`.
+
+    Raises ConfigError naming the file, each problem (unreadable, not JSON, not a JSON object, a
+    missing key, a value of the wrong type or range, a file path outside the directory, a ``step``
+    other than the directory name's ``stepNNNNNNNN``) and the fix: a damaged marker (markers are
+    written atomically, so only a damaged disk or a hand edit makes one)."""
     f = Path(ckpt) / MARKER
     try:
         meta = json.loads(f.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{f} is damaged: not JSON ({type(e).__name__}: {str(e)[:80]})") from None
-    if not isinstance(meta, dict) or "step" not in meta or not isinstance(meta.get("files", {}), dict):
-        raise ConfigError(f"{f} is damaged: not a checkpoint marker (a JSON object with step, layout and files)")
+        raise ConfigError(f"{f} is damaged: not JSON ({type(e).__name__}: {str(e)[:80]}): {_REPAIR}") from None
+    except OSError as e:
+        raise ConfigError(f"{f} is damaged: it cannot be read ({e.strerror or e}): {_REPAIR}") from None
+    if not isinstance(meta, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+                type(None): "null"}[type(meta)]
+        raise ConfigError(f"{f} is damaged: not a checkpoint marker (JSON {kind}, not an object with step, layout "
+                          f"and files): {_REPAIR}")
+    try:
+        Marker.model_validate(meta)
+    except ValidationError as e:
+        raise ConfigError(f"{f} is damaged: {_schema_problems(e)}: {_REPAIR}") from None
+    tag = _TAG.fullmatch(Path(ckpt).name)
+    if tag and int(tag.group(1)) != meta["step"]:
+        raise ConfigError(f"{f} is damaged: step {meta['step']} in a directory named {Path(ckpt).name} (the saver "
+                          f"names it {_step_tag(meta['step'])}): {_REPAIR}")
     return meta
+
+
+def _needed(meta: dict[str, Any], names: set[str]) -> list[tuple[tuple[str, ...], str]]:
+    """The files a checkpoint with marker ``meta`` holds whatever its model, as ``(names, what)``:
+    one of ``names`` must be there. The one rule, from the layout (:func:`run_layout`) and what the
+    marker says it holds (:func:`holds`):
+
+    - every rank ``r``: ``client_rank{r}.pt`` (:func:`save`);
+    - DeepSpeed's model states: ``mp_rank_00_model_states.pt``, or at ZeRO-3 one
+      ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` per rank;
+    - at ZeRO 1-3, every rank's optimizer partition ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt``;
+    - an expert-parallel backend below ZeRO-3 writes ``layer_{l}_expert_{e}_mp_rank_00_model_states.pt``
+      for every MoE layer ``l`` and expert ``e`` (none in a model without MoE layers), so the listed ones
+      must form the whole grid of layers x experts, and at ZeRO-0 ``expp_rank_{p}_mp_rank_00_optim_states.pt``
+      per expert-parallel rank ``p`` (DeepSpeed's ``DeepSpeedEngine._save_moe_checkpoint``);
+    - with the reference shards or the layout-free state (:func:`holds`), every rank's shard
+      ``reference/rank{r:05d}.pt``.
+
+    ``names``: the files the checkpoint holds (the expert grid is read from them). Counts far
+    beyond the files there are (a damaged digit: more ranks than files, a grid far larger than the
+    expert files) give one need no file meets, so nothing is enumerated beyond them."""
+    world, zero, ep = meta["world_size"], meta["zero_stage"], meta["ep_size"]
+    if world > len(names) + 1024:
+        return [((), f"the files of {world} ranks ({len(names)} files in all)")]
+    needs: list[tuple[tuple[str, ...], str]] = [((f"client_rank{r}.pt",), f"rank {r}'s client state")
+                                                for r in range(world)]
+    if zero == 3:
+        needs += [((f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",), f"rank {r}'s ZeRO-3 model states")
+                  for r in range(world)]
+    else:
+        needs.append((("mp_rank_00_model_states.pt",), "DeepSpeed's model states"))
+    if zero >= 1:
+        needs += [((name, f"bf16_{name}"), f"rank {r}'s ZeRO optimizer partition")
+                  for r in range(world) for name in [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"]]
+    grid = [(int(m[1]), int(m[2])) for n in names if (m := _EXPERT_FILE.fullmatch(n))]
+    if meta["moe_backend"] != "reference" and zero < 3 and grid:
+        layers, experts = max(g[0] for g in grid) + 1, max(g[1] for g in grid) + 1
+        if layers * experts > 2 * len(grid) + 64:
+            return needs + [((), f"the expert files of {layers} MoE layers x {experts} experts ({len(grid)} listed)")]
+        needs += [((f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt",), f"expert {e} of MoE layer {layer}")
+                  for layer in range(layers) for e in range(experts)]
+        if zero == 0:
+            needs += [((f"expp_rank_{p}_mp_rank_00_optim_states.pt",), f"expert-parallel rank {p}'s optimizer state")
+                      for p in range(ep)]
+    held = holds(meta)
+    if held["reference_weights"] or held["layout_free"]:
+        claim = "the layout-free state the marker claims" if held["layout_free"] else "the reference weights"
+        needs += [((shard_path(Path(), r).as_posix(),), f"rank {r}'s reference shard, {claim}") for r in range(world)]
+    return needs
+
+
+def layout_gaps(ckpt: str | Path, meta: dict[str, Any]) -> list[str]:
+    """What checkpoint ``ckpt`` with marker ``meta`` (:func:`read_marker`) lacks of the files its
+    layout needs (:func:`_needed`): one line naming the marker, the layout, the first missing files
+    and the fix, or an empty list. A marker with digests must list them (a file it does not list
+    is not verified, so it is not part of the checkpoint); one without (older smelt-ds) must have
+    them on disk. Reads no file's contents."""
+    ckpt = Path(ckpt)
+    files = meta.get("files")
+    names = set(files) if files is not None else {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")
+                                                   if p.is_file()}
+    missing = [f"{' or '.join(alts)} ({what})" if alts else what for alts, what in _needed(meta, names)
+               if not any(a in names for a in alts)]
+    if not missing:
+        return []
+    how = "does not list" if files is not None else "has no file digests (an older smelt-ds), and its directory lacks"
+    more = f", and {len(missing) - 4} more" if len(missing) > 4 else ""
+    from smelt_ds.runs.reshard import describe_layout  # reshard imports this module
+
+    return [f"{ckpt / MARKER} is damaged: it {how} {len(missing)} file(s) its layout ({describe_layout(meta)}) "
+            f"needs: {'; '.join(missing[:4])}{more}: {_REPAIR}"]
+
+
+def marker_damage(ckpt: str | Path) -> list[str]:
+    """What makes the marker of checkpoint ``ckpt`` damaged, without reading any other file: the
+    error of :func:`read_marker`, or :func:`layout_gaps`; an empty list for a sound marker. The
+    SHA-256 of the files is :func:`verify`'s."""
+    try:
+        meta = read_marker(ckpt)
+    except ConfigError as e:
+        return [str(e)]
+    return layout_gaps(ckpt, meta)
+
+
+def newest_sound(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of ``run_dir`` whose marker is sound (:func:`marker_damage`),
+    or None: the one ``--resume auto`` loads unless a file's SHA-256 differs (:func:`choose`).
+    Reads the markers only."""
+    return next((p for p in reversed(_complete_tags(checkpoint_dir(run_dir))) if not marker_damage(p)), None)
 
 
 def verify(path: str | Path, rank: int | None = None, names: list[str] | None = None,
@@ -484,8 +695,8 @@ def check_layout(path: str | Path, layout: dict[str, Any]) -> None:
     size either fails deep inside DeepSpeed or, worse, loads the wrong partition. Raises
     ConfigError naming each difference and the supported path (``smelt-ds export`` then
     ``train.init_from``, which starts a new run from the weights at any scale). Fields an older
-    marker lacks are not compared."""
-    meta = json.loads((Path(path) / MARKER).read_text())
+    marker lacks are not compared. Raises ConfigError for a damaged marker (:func:`read_marker`)."""
+    meta = read_marker(path)
     diffs = [f"{_LAYOUT_WORDS[k]} {meta[k]!r} in the checkpoint vs {v!r} now" for k, v in layout.items()
              if k in meta and k in _LAYOUT_WORDS and meta[k] != v]
     if diffs:
@@ -514,8 +725,12 @@ def _write_marker(ckpt: Path, meta: dict[str, Any]) -> None:
 
 def reference_files(ckpt: str | Path) -> list[str] | None:
     """The reference shards (relative paths) the ``COMPLETE`` marker of ``ckpt`` lists; None for
-    a marker without file digests (older smelt-ds), whose shards are whatever ``reference/`` holds."""
-    files = json.loads((Path(ckpt) / MARKER).read_text()).get("files")
+    a marker without file digests (older smelt-ds), whose shards are whatever ``reference/`` holds,
+    and for a damaged marker (:func:`read_marker`; :func:`verify` names the damage)."""
+    try:
+        files = read_marker(ckpt).get("files")
+    except ConfigError:
+        return None
     return None if files is None else sorted(n for n in files if n.startswith(REFERENCE_DIR + "/"))
 
 
@@ -554,8 +769,12 @@ def _drop_reference(ckpt: Path, newer: str) -> None:
     still holds: the shards leave its file list, and ``reference_weights`` and ``layout_free``
     turn false (it resumes at its own layout only, :func:`holds`); then the files are deleted: a
     crash in between leaves unlisted files, never a listed file missing (which :func:`verify`
-    would call damaged). Checkpoints whose marker has no digests (older smelt-ds) are left alone."""
-    meta = json.loads((ckpt / MARKER).read_text())
+    would call damaged). Checkpoints whose marker has no digests (older smelt-ds) or is damaged
+    (:func:`read_marker`: :func:`choose` sets them aside) are left alone."""
+    try:
+        meta = read_marker(ckpt)
+    except ConfigError:
+        return
     files = meta.get("files")
     if files is None:
         return
@@ -594,15 +813,16 @@ def latest_complete(run_dir: str | Path) -> Path | None:
 
 
 def _verify_everywhere(path: Path) -> list[str]:
-    """The ranks check the files in parallel, each those a rank ``w`` with ``w % world == rank``
-    wrote (its own at the writing layout; every file also when fewer ranks resume it); the union of
-    the problems, on all ranks."""
+    """A damaged marker (:func:`marker_damage`: its content, or files its layout needs that it does
+    not list), else the files' digests: the ranks check the files in parallel, each those a rank
+    ``w`` with ``w % world == rank`` wrote (its own at the writing layout; every file also when
+    fewer ranks resume it); the union of the problems (each once), on all ranks."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    mine = verify(path, rank, world_size=world) if world > 1 else verify(path)
-    return [p for problems in control.gather_objects(mine) for p in problems]
+    mine = marker_damage(path) or (verify(path, rank, world_size=world) if world > 1 else verify(path))
+    return list(dict.fromkeys(p for problems in control.gather_objects(mine) for p in problems))
 
 
 def _quarantine(path: Path) -> Path:
@@ -652,10 +872,11 @@ def _choose(run_dir: Path, resume: str) -> Path | None:
 
 def choose(run_dir: str | Path, resume: str) -> Path | None:
     """The checkpoint ``--resume`` loads (collective): ``auto``, the newest complete checkpoint of
-    ``run_dir`` whose files match the SHA-256 digests in its marker (a damaged newer one is moved to
-    ``damaged-<tag>`` with a message, and the next newest is tried; None when none is left), or
-    the checkpoint directory ``resume`` names. Raises ConfigError for a directory that is not a
-    complete checkpoint or is damaged (naming the file)."""
+    ``run_dir`` whose marker is sound (:func:`marker_damage`: it reads as a :class:`Marker` and lists
+    every file its layout needs) and whose files match the SHA-256 digests in it (a damaged newer
+    one is moved to ``damaged-<tag>`` with a message saying why, and the next newest is tried; None
+    when none is left), or the checkpoint directory ``resume`` names. Raises ConfigError for a
+    directory that is not a complete checkpoint or is damaged (naming the file and the problem)."""
     return _choose(Path(run_dir), resume)
 
 
@@ -684,7 +905,7 @@ def load_from(engine, path: Path, layout: dict[str, Any] | None = None) -> dict[
     check_layout(path, layout or {"world_size": dist.get_world_size() if dist.is_initialized() else 1})
     client_file = path / f"client_rank{rank}.pt"
     if not client_file.is_file():
-        meta = json.loads((path / MARKER).read_text())
+        meta = read_marker(path)
         raise ConfigError(f"checkpoint {path} has no state for rank {rank}: it was written by "
                           f"{meta.get('world_size')} rank(s); resume with that many ranks")
     try:

@@ -32,7 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "whether it is complete, and the layouts (ranks, MoE backend, expert-parallel "
                                      "size, ZeRO stage) a resume (`smelt-ds train RECIPE --resume auto`) can "
                                      "continue it at with the run's recipe. Exit status 1 for an incomplete or "
-                                     "(--verify) damaged checkpoint.",
+                                     "damaged checkpoint: a marker that is not one or does not list every file its "
+                                     "layout needs, a listed file missing, or (--verify) a file whose SHA-256 "
+                                     "differs.",
                          epilog="example: smelt-ds checkpoint info runs/tiny-smelt")
     i.add_argument("path", help="run directory (its newest complete checkpoint) or a checkpoints/stepNNNNNNNN "
                                 "directory")
@@ -89,7 +91,12 @@ def resumable_layouts(cfg, meta: dict[str, Any], max_ranks: int = 64) -> list[di
 
 def checkpoint_info(path: Path, recipe: str | None = None, max_ranks: int = 64,
                     verify: bool = False) -> tuple[str, int]:
-    """The report :func:`run_info` prints, and the exit status (0 complete, 1 incomplete or damaged)."""
+    """The report :func:`run_info` prints, and the exit status: 0 complete, 1 incomplete or damaged.
+
+    Damaged: the marker does not read as one (:func:`smelt_ds.runs.checkpoint.read_marker`), does not
+    list every file its layout needs (:func:`smelt_ds.runs.checkpoint.layout_gaps`), lists a file that
+    is missing, or (``verify``) a file differs from its SHA-256; the report then says why, claims no
+    layout-free state and lists no layout to resume at."""
     ck = _checkpoint_of(path)
     lines = [f"checkpoint    {ck}"]
     files = [p for p in ck.rglob("*") if p.is_file()]
@@ -110,41 +117,51 @@ def checkpoint_info(path: Path, recipe: str | None = None, max_ranks: int = 64,
     try:
         meta = ckpt.read_marker(ck)
     except ConfigError as e:
-        lines += [f"complete      marker present, but damaged: {e} (--resume auto sets it aside and takes the next "
-                  "newest)", f"files         {len(files)}, {total:,} bytes"]
+        lines += [f"complete      marker present, but damaged: {e}", f"files         {len(files)}, {total:,} bytes"]
         return "\n".join(lines), 1
-    status = 0
-    problems = ckpt.verify(ck) if verify else []
-    missing = [f for f in meta.get("files", {}) if not (ck / f).is_file()]
-    if problems or missing:
-        status = 1
-        what = "; ".join((problems or [f"{ck / f} is missing" for f in missing])[:4])
-        lines.append(f"complete      marker present, but damaged: {what}")
+    listed = meta.get("files") or {}
+    problems = ckpt.layout_gaps(ck, meta) + (ckpt.verify(ck) if verify else
+                                             [f"{ck / f} is missing" for f in listed if not (ck / f).is_file()])
+    if problems:
+        lines.append(f"complete      marker present, but damaged: {'; '.join(problems[:4])}")
     else:
         lines.append("complete      yes" + (" (every file's SHA-256 verified)" if verify else
                                            " (marker present, every listed file present; --verify checks SHA-256)"))
-    lines += [f"step          {meta.get('step')} ({meta.get('tokens_seen', 0):,} tokens seen)",
+    lines += [f"step          {meta['step']} ({meta['tokens_seen']:,} tokens seen)",
               f"layout        {describe_layout(meta)}"]
     if "global_batch_samples" in meta:
         lines.append(f"batch         global batch {meta['global_batch_samples']} samples of micro-batch "
                      f"{meta['micro_batch_size']}")
     held = ckpt.holds(meta)
-    if held["removed_by"] is not None:
+    if problems:
+        free = "no: the checkpoint is damaged (above); it resumes nowhere until restored from a copy"
+    elif held["removed_by"] is not None:
         free = (f"no: its reference shards were removed by pruning once {held['removed_by']} was complete "
                 "(train.reference_weights newest or minimal); resumes at its own layout only (the run's newest "
                 "checkpoint keeps its shards)")
     else:
         free = "yes: resumes at any layout below" if held["layout_free"] else "no: resumes at its own layout only"
     lines.append(f"layout-free   {free}")
-    lines.append(f"reference     {'yes' if held['reference_weights'] else 'no'} (the fp32 weights in the reference "
-                 "layout, reference/rank*.pt)")
+    if problems and held["reference_weights"]:
+        lines.append("reference     listed, but the checkpoint is damaged (above): `smelt-ds export` reads the shards "
+                     "only if they verify")
+    else:
+        lines.append(f"reference     {'yes' if held['reference_weights'] else 'no'} (the fp32 weights in the reference "
+                     "layout, reference/rank*.pt)")
     lines.append(f"files         {len(files)}, {total:,} bytes")
     for kind, n in sorted(kinds.items()):
         lines.append(f"  {n:4d}  {sizes[kind]:>16,} bytes  {kind}")
+    if problems:
+        instead = ckpt.newest_sound(ck.parent.parent)
+        then = (f"from {instead.name} (its marker is sound; its files are checked then)"
+                if instead is not None and instead != ck else "from the newest checkpoint that verifies")
+        lines.append(f"resumable at  nowhere: damaged; --resume auto moves it to checkpoints/damaged-<tag> and "
+                     f"continues {then}")
+        return "\n".join(lines), 1
     config = Path(recipe) if recipe else ck.parent.parent / "config.yaml"
     if not config.is_file():
         lines.append(f"resumable at  (no recipe: {config} does not exist; pass --recipe)")
-        return "\n".join(lines), status
+        return "\n".join(lines), 0
     layouts = resumable_layouts(load_config(config), meta, max_ranks)
     lines.append(f"resumable at  (recipe {config}; ZeRO stages per backend and EP size)")
     by_world: dict[int, list[str]] = {}
@@ -155,7 +172,7 @@ def checkpoint_info(path: Path, recipe: str | None = None, max_ranks: int = 64,
         by_world.setdefault(lay["world_size"], []).append(f"{lay['moe_backend']}{ep} ({zero})")
     for world, items in sorted(by_world.items()):
         lines.append(f"  {world:4d} rank(s): {'; '.join(items)}")
-    return "\n".join(lines), status
+    return "\n".join(lines), 0
 
 
 def run_info(args: argparse.Namespace) -> int:

@@ -136,11 +136,13 @@ def _marker(path: Path) -> dict[str, Any]:
 
 
 def _peek(out_dir: Path, resume: str) -> Path | None:
-    """The checkpoint a resume will most likely load (before verification: :func:`smelt_ds.runs.checkpoint.choose`
-    may fall back to an older one of the same run, which has the same batch)."""
+    """The checkpoint a resume will most likely load: for ``auto`` the newest whose marker is sound
+    (:func:`smelt_ds.runs.checkpoint.newest_sound`; :func:`smelt_ds.runs.checkpoint.choose` sets the
+    damaged ones aside), before the files' digests are checked (a file that does not verify makes
+    ``choose`` fall back to an older one of the same run, and the plan is redone for it)."""
     if resume == "none":
         return None
-    path = ckpt.latest_complete(out_dir) if resume == "auto" else Path(resume)
+    path = ckpt.newest_sound(out_dir) if resume == "auto" else Path(resume)
     return path if path is not None and (path / ckpt.MARKER).is_file() else None
 
 

@@ -162,9 +162,10 @@ RESUME_BATCH = ("train.micro_batch_size", "train.global_batch_tokens")
 
 
 def _records_batch(out_dir: Path, resume: str) -> bool:
-    """Whether the checkpoint ``resume`` names (``auto``: the newest complete one) records the
-    run's global batch in its marker, which :func:`smelt_ds.runs.reshard.plan_resume` keeps."""
-    path = ckpt.latest_complete(out_dir) if resume == "auto" else Path(resume)
+    """Whether the checkpoint ``resume`` names (``auto``: the newest complete one whose marker is
+    sound, :func:`smelt_ds.runs.checkpoint.newest_sound`) records the run's global batch in its
+    marker, which :func:`smelt_ds.runs.reshard.plan_resume` keeps."""
+    path = ckpt.newest_sound(out_dir) if resume == "auto" else Path(resume)
     if path is None or not (path / ckpt.MARKER).is_file():
         return False
     try:

@@ -467,20 +467,23 @@ def _train_lrs(rank, world, raw):
 
 
 def _four_rank_checkpoint(run_dir: Path, step: int, damaged_rank: int | None) -> Path:
-    """A complete checkpoint as 4 ranks write one: a file per rank listed in the marker with its
-    digest and writer; the file of ``damaged_rank`` has one byte changed after the digest."""
+    """A complete checkpoint as 4 ranks write one at ZeRO-0 (:mod:`tests.runs.checkpoint_files`):
+    every file listed in the marker with its digest and writer; the reference shard of
+    ``damaged_rank`` has one byte changed after the digest."""
     from smelt_ds.runs import checkpoint as ckpt
+    from tests.runs.checkpoint_files import layout_files, writer
 
     d = ckpt.checkpoint_dir(run_dir) / f"step{step:08d}"
     (d / "reference").mkdir(parents=True)
     files = {}
-    for r in range(4):
-        f = d / "reference" / f"rank{r:05d}.pt"
+    for name in layout_files(4, 0):
+        f, r = d / name, writer(name)
         f.write_bytes(bytes(range(256)) * (r + 1))
-        files[f"reference/rank{r:05d}.pt"] = {**ckpt.file_digest(f), "rank": r}
-        if r == damaged_rank:
+        files[name] = {**ckpt.file_digest(f), "rank": r}
+        if damaged_rank is not None and name == f"reference/rank{damaged_rank:05d}.pt":
             f.write_bytes(b"\xff" + f.read_bytes()[1:])
-    (d / ckpt.MARKER).write_text(json.dumps({"step": step, "world_size": 4, "files": files}))
+    (d / ckpt.MARKER).write_text(json.dumps({"step": step, "tokens_seen": 0, "world_size": 4, "zero_stage": 0,
+                                             "moe_backend": "reference", "ep_size": 1, "files": files}))
     return d
 
 

@@ -38,6 +38,7 @@ from smelt_ds.runs.reshard import plan_resume
 from smelt_ds.testing import scaled_timeout
 from tests import two_ranks
 from tests.numerics import lm_chain_length, prob_tol
+from tests.runs.checkpoint_files import layout_files, writer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -338,10 +339,13 @@ def test_a_micro_batch_change_at_another_layout_continues_the_trajectory(micro4,
 
 
 def _fake_checkpoint(run_dir: Path, **meta) -> Path:
+    """The marker of a 2-rank ZeRO-3 AutoEP EP 2 checkpoint, listing the files that layout writes
+    (:mod:`tests.runs.checkpoint_files`; not on disk: the plan reads the marker only)."""
     d = ckpt.checkpoint_dir(run_dir) / "step00000004"
     d.mkdir(parents=True)
+    files = {n: {"sha256": "0" * 64, "bytes": 0, "rank": writer(n)} for n in layout_files(2, 3, "autoep", 2)}
     base = {"step": 4, "tokens_seen": 512, "world_size": 2, "zero_stage": 3, "moe_backend": "autoep", "ep_size": 2,
-            "micro_batch_size": 1, "global_batch_samples": 4, "layout_free": True, "files": {}}
+            "micro_batch_size": 1, "global_batch_samples": 4, "layout_free": True, "files": files}
     (d / ckpt.MARKER).write_text(json.dumps({**base, **meta}))
     return d
 

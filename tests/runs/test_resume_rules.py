@@ -30,6 +30,7 @@ from smelt_ds.runs.cli import checkpoint_info
 from smelt_ds.runs.reshard import plan_resume
 from smelt_ds.train.guards import check_run_dir
 from tests import two_ranks
+from tests.runs.checkpoint_files import layout_files, writer
 
 
 def _cfg(run: Path, **sections):
@@ -39,16 +40,17 @@ def _cfg(run: Path, **sections):
 
 def _checkpoint(run: Path, step: int, cfg, world: int, reference: bool = True, **meta) -> Path:
     """A complete checkpoint of ``cfg`` on ``world`` ranks as :func:`smelt_ds.runs.checkpoint.save`
-    marks one: a client state and (``reference``) a reference shard per rank, each listed with its
-    digest, and the marker's layout (:func:`smelt_ds.runs.checkpoint.run_layout`)."""
+    marks one: DeepSpeed's files of the layout, a client state and (``reference``) a reference
+    shard per rank (:mod:`tests.runs.checkpoint_files`), each listed with its digest and writer,
+    and the marker's layout (:func:`smelt_ds.runs.checkpoint.run_layout`)."""
     d = ckpt.checkpoint_dir(run) / f"step{step:08d}"
+    layout = ckpt.run_layout(cfg, world)
     files = {}
-    for r in range(world):
-        names = [f"client_rank{r}.pt"] + ([f"reference/rank{r:05d}.pt"] if reference else [])
-        for name in names:
-            (d / name).parent.mkdir(parents=True, exist_ok=True)
-            files[name] = {**ckpt.write_hashed({"step": step, "rank": r, "w": torch.ones(3)}, d / name), "rank": r}
-    marker = {"step": step, "tokens_seen": step * 128, **ckpt.run_layout(cfg, world), "reference_weights": reference,
+    for name in layout_files(world, layout["zero_stage"], layout["moe_backend"], layout["ep_size"], reference):
+        r = writer(name)
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        files[name] = {**ckpt.write_hashed({"step": step, "rank": r, "w": torch.ones(3)}, d / name), "rank": r}
+    marker = {"step": step, "tokens_seen": step * 128, **layout, "reference_weights": reference,
               "layout_free": reference, "files": files, **meta}
     ckpt._write_marker(d, marker)
     return d
