@@ -26,8 +26,8 @@ had done until then) and the next section runs. In the order they run:
   ``RANK`` 0/1, ``WORLD_SIZE`` 2, ``LOCAL_RANK`` 0, ``SMELT_DIST_BACKEND=cuda:gloo``: CUDA tensors
   through gloo, no CPU backend; smelt-ds adds a gloo control group for host values), the tiny
   recipe in fp32 with AutoEP (EP 2) at ZeRO-3 for 20 steps, against the same recipe on 1 rank
-  (reference MoE backend, ZeRO-3; the global batch of 1024 tokens kept: micro-batch 4, accumulation
-  2 on 1 rank, 1 on 2). A 2-rank configuration that fails (gloo may lack an operation on CUDA
+  (reference MoE backend, ZeRO-3; the global batch kept, 1024 tokens, 256 in a dry run: micro-batch
+  4, accumulation 2 on 1 rank, 1 on 2). A 2-rank configuration that fails (gloo may lack an operation on CUDA
   tensors that DeepSpeed needs) is retried with the next: AutoEP EP 2 at ZeRO-2, then the reference
   backend at ZeRO-3; the JSON says which ran and the line of the log that made the others fail.
   Per-step losses against the 1 rank's, next to the fp32 bound (``tests/numerics.py``).
@@ -147,11 +147,13 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     GPU: the layer sections at recipe s's shapes (micro-batch 4 x 4096 tokens, its h100 layout) in
     bf16; the tiny recipe's own data and 200 steps stopped at 120; 20 steps on 2 ranks; recipe s
     shrunk to 4 layers of 16 experts for memory. Dry run: the tiny recipe's width, seq_len 32,
-    fp32 on the CPU; a small built-in corpus (150 kB per domain, vocabulary 512); 12 steps stopped
-    at 6; 4 steps on 2 ranks."""
+    fp32 on the CPU; a small built-in corpus (150 kB per domain, vocabulary 512); 12 steps of 4 x 32
+    tokens stopped at 6; 4 steps of 256 tokens on 2 ranks."""
     dry = args.dry_run
     # the built-in corpus, tokenizer and shards of the dry run: small, so that preparing them takes seconds
     data = ["data.builtin_max_bytes=150000", "data.tokenizer.vocab_size=512", "model.vocab_size=512"] if dry else []
+    # the dry run's windows: 4 x 32 tokens per micro-batch, not the tiny recipe's 8 x 128 (its steps cost 8x less)
+    short = ["train.seq_len=32", "train.micro_batch_size=4"]
     return {
         "dry_run": dry, "device": "cpu" if dry else "cuda", "dtype": "float32" if dry else "bfloat16",
         "precision": "fp32" if dry else "bf16", "fail": dict(args.fail_section),
@@ -159,14 +161,14 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
                   "batch": 2 if dry else 4, "seq_len": 32 if dry else 4096,
                   "warmup": 1 if dry else 3, "repeats": 3 if dry else 20, "sdpa_repeats": 2 if dry else 5},
         "journey": {"recipe": "recipes/tiny/smelt.yaml", "steps": 12 if dry else 200, "stop_at": 6 if dry else 120,
-                    "sets": [*data, "train.warmup_steps=2", "eval.eval_batches=1"] if dry else [],
+                    "sets": [*data, *short, "train.warmup_steps=2", "eval.eval_batches=1"] if dry else [],
                     "eval_args": (["--episodes", "2", "--shots", "0,1", "--tasks", "kv_recall"] if dry
                                   else ["--episodes", "16", "--shots", "0,4"]),
                     "eval_cpu_reference": not dry,  # on a GPU, the same eval on the CPU in float32 beside it
                     "prompt": "def ", "new_tokens": 16 if dry else 64},
         "two_ranks": {"recipe": "recipes/tiny/smelt.yaml", "steps": 4 if dry else 20, "micro_batch": 4,
-                      "global_batch_tokens": 1024, "precision": "fp32",
-                      "sets": [*data, "train.warmup_steps=2", "eval.eval_batches=1"] if dry
+                      "global_batch_tokens": 256 if dry else 1024, "precision": "fp32",
+                      "sets": [*data, "train.seq_len=32", "train.warmup_steps=2", "eval.eval_batches=1"] if dry
                       else ["train.warmup_steps=5", "eval.eval_batches=1"],
                       "backend": None if dry else "cuda:gloo"},
         "memory": {"recipe": "recipes/tiny/smelt.yaml" if dry else "recipes/s/smelt.yaml",

@@ -51,7 +51,7 @@ TINY = ROOT / "recipes" / "tiny" / "smelt.yaml"
 #: the dry run's sizes (bench/gpu_check.py make_plan), restated: the tests check the script against them
 DRY_DATA = ["data.builtin_max_bytes=150000", "data.tokenizer.vocab_size=512", "model.vocab_size=512"]
 JOURNEY_STEPS, JOURNEY_STOP, NEW_TOKENS = 12, 6, 16
-TWO_RANK_STEPS, GLOBAL_TOKENS = 4, 1024
+TWO_RANK_STEPS, GLOBAL_TOKENS = 4, 256
 PRINTED = 1e-3  # a value printed with 4 significant digits
 
 
