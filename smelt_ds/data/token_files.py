@@ -38,8 +38,8 @@ import numpy as np
 from smelt_ds.errors import ConfigError
 
 __all__ = ["MEGATRON_MAGIC", "MEGATRON_DTYPES", "NPY_MAGIC", "TokenFile", "ScanStats", "open_megatron",
-           "open_flat", "megatron_prefix", "megatron_pair", "documents", "content_keys", "select_smallest",
-           "CHUNK_TOKENS", "KEY_HEAD_TOKENS", "KEY_TAIL_TOKENS"]
+           "open_flat", "megatron_prefix", "megatron_pair", "documents", "scan_ids", "window_starts", "content_keys",
+           "select_smallest", "CHUNK_TOKENS", "KEY_HEAD_TOKENS", "KEY_TAIL_TOKENS", "ID_SAMPLE_WINDOWS"]
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 #: Megatron-LM's ``DType`` codes (megatron/core/datasets/indexed_dataset.py)
@@ -55,6 +55,8 @@ _CHUNK_KEYS = 1 << 15  # documents hashed at once (arrays of 64 slots each: 16 M
 KEY_HEAD_TOKENS, KEY_TAIL_TOKENS = 48, 16
 #: the uint32-read-as-uint16 check of raw files: windows of bytes read, and the pairs needed to decide
 DTYPE_SAMPLE_WINDOWS, DTYPE_SAMPLE_BYTES, DTYPE_MIN_PAIRS = 4, 1 << 20, 32
+#: windows of a file that :func:`scan_ids` reads when it may not read the whole file
+ID_SAMPLE_WINDOWS = 8
 
 
 @dataclass
@@ -283,9 +285,15 @@ def _uint16_pairs_sample(path: Path, size: int) -> np.ndarray:
     ids at even positions of the file, column 1 those at odd positions (windows start on 4-byte
     boundaries, so a pair is the two halves of one uint32)."""
     pairs = np.memmap(path, dtype=np.uint16, mode="r", shape=(size // 4, 2))
-    per, n = DTYPE_SAMPLE_BYTES // 4, len(pairs)
-    starts = sorted({k * max(0, n - per) // (DTYPE_SAMPLE_WINDOWS - 1) for k in range(DTYPE_SAMPLE_WINDOWS)})
-    return np.concatenate([np.asarray(pairs[a:a + per]) for a in starts])
+    per = DTYPE_SAMPLE_BYTES // 4
+    return np.concatenate([np.asarray(pairs[a:a + per]) for a in window_starts(len(pairs), per, DTYPE_SAMPLE_WINDOWS)])
+
+
+def window_starts(n: int, per: int, count: int) -> list[int]:
+    """Starts of ``count`` windows of ``per`` items spread evenly over ``n`` items, the first
+    window at 0 and the last ending at ``n`` (fewer when they coincide; one at 0 when
+    ``per >= n``). ``count >= 2``."""
+    return sorted({k * max(0, n - per) // (count - 1) for k in range(count)})
 
 
 def _refuse_uint32_as_uint16(path: Path, size: int, dtype_field: str) -> None:
@@ -357,13 +365,33 @@ class ScanStats:
         return keep
 
 
+def scan_ids(tf: TokenFile, stats: ScanStats, max_tokens: int | None = None) -> int:
+    """Fill the id range of ``stats`` from the tokens of ``tf``, read :data:`CHUNK_TOKENS` at a time
+    (bounded memory): every token when ``max_tokens`` is None or at least ``tf.num_tokens``, else
+    :data:`ID_SAMPLE_WINDOWS` windows of ``max_tokens // ID_SAMPLE_WINDOWS`` tokens (at least 1)
+    spread evenly over the file, the first and the last included (:func:`window_starts`).
+    Returns the number of tokens read. The ids of a Megatron file are its .bin's, whatever its
+    documents."""
+    tokens, n = tf.tokens(), tf.num_tokens
+    if max_tokens is None or n <= max_tokens:
+        ranges = [(0, n)]
+    else:
+        per = max(1, max_tokens // ID_SAMPLE_WINDOWS)
+        ranges = [(a, a + per) for a in window_starts(n, per, ID_SAMPLE_WINDOWS)]
+    for a, b in ranges:
+        for base in range(a, b, CHUNK_TOKENS):
+            stats.add_ids(tokens[base:min(b, base + CHUNK_TOKENS)], base == ranges[0][0])
+    return sum(b - a for a, b in ranges)
+
+
 def _flat_documents(tf: TokenFile, eot_id: int | None, stats: ScanStats) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    if eot_id is None:  # documents unknown: only the id range
+        scan_ids(tf, stats)
+        return
     tokens, start = tf.tokens(), 0
     for base in range(0, tf.num_tokens, CHUNK_TOKENS):
         chunk = tokens[base:base + CHUNK_TOKENS]
         stats.add_ids(chunk, base == 0)
-        if eot_id is None:
-            continue
         ends = np.flatnonzero(chunk == eot_id).astype(np.int64) + base  # positions of end-of-text ids
         if ends.size:
             starts = np.concatenate([[start], ends[:-1] + 1])
@@ -372,7 +400,7 @@ def _flat_documents(tf: TokenFile, eot_id: int | None, stats: ScanStats) -> Iter
             keep = stats.add_documents(lengths)
             start = int(ends[-1]) + 1
             yield starts[keep], lengths[keep]
-    if eot_id is not None and start < tf.num_tokens:  # the tokens after the last end-of-text
+    if start < tf.num_tokens:  # the tokens after the last end-of-text
         tail = np.array([tf.num_tokens - start], dtype=np.int64)
         stats.add_documents(tail)
         yield np.array([start], dtype=np.int64), tail
@@ -380,8 +408,7 @@ def _flat_documents(tf: TokenFile, eot_id: int | None, stats: ScanStats) -> Iter
 
 def _megatron_documents(tf: TokenFile, eot_id: int | None, stats: ScanStats) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     tokens = tf.tokens()
-    for base in range(0, tf.num_tokens, CHUNK_TOKENS):
-        stats.add_ids(tokens[base:base + CHUNK_TOKENS], base == 0)
+    scan_ids(tf, stats)
     for d0 in range(0, tf.num_documents or 0, _CHUNK_DOCUMENTS):
         bounds = tf.document_bounds(d0, min(d0 + _CHUNK_DOCUMENTS, tf.num_documents or 0))
         starts, lengths = bounds[:-1], np.diff(bounds)

@@ -26,6 +26,8 @@ The manifest (``meta.json`` ``token_files``) identifies each user file by path, 
 time and the sha256 of a bounded sample (:func:`~smelt_ds.data.cache.sha256_sample`, 1 MiB), and
 records its documents, tokens and id range: the largest id is checked against the tokenizer when
 preparing and against ``model.vocab_size`` before training, without reading the files again.
+Before the queue, ``smelt-ds preflight`` and ``render-job`` check the same on the files themselves
+(:func:`check_source_ids`: every id up to :data:`PREFLIGHT_SCAN_TOKENS`, a sample beyond).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 from smelt_ds.config.data import DataConfig, SourceConfig
 from smelt_ds.data.cache import sha256_file, sha256_sample
 from smelt_ds.data.token_files import (
+    ID_SAMPLE_WINDOWS,
     ScanStats,
     TokenFile,
     content_keys,
@@ -49,19 +52,25 @@ from smelt_ds.data.token_files import (
     megatron_prefix,
     open_flat,
     open_megatron,
+    scan_ids,
     select_smallest,
 )
+from smelt_ds.data.tokenizer import tokenizer_id_space
 from smelt_ds.errors import ConfigError
 from smelt_ds.files import relative_rule
+from smelt_ds.runs.tokenizer_file import load_tokenizer
 
 __all__ = ["TOKEN_SPLIT_SCHEME", "resolve_token_paths", "token_source_files", "open_token_path", "scan_source",
            "SourceScan", "write_source", "PackedStream", "PackedTokens", "TokenFileChanged", "verify_token_files",
-           "open_any", "inspect_file", "check_ids", "check_token_file_ids", "check_eot", "relocate_token_files"]
+           "open_any", "inspect_file", "check_ids", "check_token_file_ids", "check_eot", "relocate_token_files",
+           "TokenFilesNotFound", "check_source_ids", "PREFLIGHT_SCAN_TOKENS"]
 
 TOKEN_SPLIT_SCHEME = "token-key-v1"  # in the preparation key of recipes with token sources
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _OPEN_FILES = 64  # memory maps kept open per stream (least recently used closed first)
 _WRITE_DOCS = 1 << 20  # documents routed to the split indexes at once
+#: token ids that :func:`check_source_ids` reads at most for a recipe (2^28: 512 MiB of uint16)
+PREFLIGHT_SCAN_TOKENS = 1 << 28
 
 
 # --------------------------------------------------------------------------------------------
@@ -531,3 +540,71 @@ def inspect_file(tf: TokenFile, eot_id: int | None) -> ScanStats:
     check_ids(tf, st, "inspect")
     check_eot(tf, st, eot_id, "--eot-id")
     return st
+
+
+# --------------------------------------------------------------------------------------------
+# before the queue (smelt-ds preflight, render-job)
+# --------------------------------------------------------------------------------------------
+
+
+class TokenFilesNotFound(ConfigError):
+    """A token source none of whose files is on this machine (:func:`resolve_token_paths` found
+    none): ``where`` names the source (``data.sources[i]``)."""
+
+    def __init__(self, message: str, where: str):
+        super().__init__(message)
+        self.where = where
+
+
+def check_source_ids(data: DataConfig, model_vocab_size: int, max_tokens: int = PREFLIGHT_SCAN_TOKENS) -> str:
+    """The largest token id of every file of the token sources of ``data`` (``megatron``,
+    ``tokens``) against the tokenizer of ``data.tokenizer.path`` and ``model_vocab_size``, before
+    anything is prepared (``smelt-ds preflight``, ``render-job``).
+
+    Each file is opened as preparing and ``smelt-ds data inspect`` open it (header, index and
+    sizes checked; a raw uint16 file that holds uint32 ids refused) and its ids are read as they
+    read them (:func:`~smelt_ds.data.token_files.scan_ids`, bounded memory): every token when the
+    files hold at most ``max_tokens`` tokens in all, else at most ``max_tokens / files`` tokens of
+    each, in evenly spread windows (the first and the last included; a smaller file is read
+    whole), so an id outside the sample is found only when the data are prepared. The ids are
+    checked with :func:`check_ids` (against the tokenizer's ids, when ``data.tokenizer.path``
+    loads here) and :func:`check_token_file_ids` (against ``model_vocab_size``). Returns a summary
+    line (files, largest id, what was read). Raises :class:`TokenFilesNotFound` for a source
+    without files here (relative paths are read in the current directory), ConfigError naming the
+    file, its largest id, the tokenizer's ids or ``model.vocab_size`` and the fix.
+    """
+    sources = [(i, src) for i, src in enumerate(data.sources) if src.is_token_source()]
+    if not sources:
+        return "no megatron or tokens source (token ids are checked when text is tokenised)"
+    files: list[tuple[str, TokenFile]] = []
+    for i, src in sources:
+        where = f"data.sources[{i}]"
+        try:
+            paths = resolve_token_paths(src, where)
+        except ConfigError as e:
+            raise TokenFilesNotFound(str(e), where) from None
+        files += [(where, open_token_path(p, src, where)) for p in paths]
+    try:
+        tok = load_tokenizer(data.tokenizer.path, "data.tokenizer.path") if data.tokenizer.path else None
+    except ConfigError:  # the tokenizer check names the problem
+        tok = None
+    id_space = tokenizer_id_space(tok) if tok is not None else None
+    label = f"data.tokenizer.path {str(data.tokenizer.path)!r}"
+    total = sum(tf.num_tokens for _, tf in files)
+    share = None if total <= max_tokens else max(1, max_tokens // len(files))
+    read, top, top_name, sampled = 0, -1, "", 0
+    for where, tf in files:
+        st = ScanStats()
+        read += scan_ids(tf, st, share)
+        sampled += share is not None and tf.num_tokens > share
+        check_ids(tf, st, where, id_space, label)
+        check_token_file_ids(tf.name, where, st.max_id, model_vocab_size)
+        if st.max_id > top:
+            top, top_name = st.max_id, tf.name
+    fits = (f"the tokenizer's ids 0..{id_space - 1} and model.vocab_size {model_vocab_size}" if id_space is not None
+            else f"model.vocab_size {model_vocab_size} ({label} is not read here: see the tokenizer check)")
+    how = ("every token read" if not sampled else
+           f"{read:,} of {total:,} tokens read: {sampled} file(s) in {ID_SAMPLE_WINDOWS} windows each (preparing "
+           "reads every id)")
+    return f"{len(files)} token file(s): largest id {top:,} ({top_name}) fits {fits}; {how}"
+
