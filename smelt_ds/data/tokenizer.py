@@ -42,7 +42,8 @@ from smelt_ds.errors import ConfigError
 from smelt_ds.runs.tokenizer_file import TOKENIZER_FILE, load_tokenizer
 
 __all__ = ["train_tokenizer", "special_ids", "tokenizer_key", "cached_tokenizer", "utf8_len", "cut_document",
-           "cut_batches", "cut_problem", "UncuttableDocument", "write_tokenizer_file", "tokenizer_id_space"]
+           "cut_batches", "cut_problem", "UncuttableDocument", "write_tokenizer_file", "tokenizer_id_space",
+           "unused_vocab_size"]
 
 
 def train_tokenizer(batches: Iterable[list[str]], cfg: TokenizerConfig) -> Tokenizer:
@@ -97,6 +98,25 @@ def tokenizer_id_space(tok: Tokenizer) -> int:
     """The largest id of the tokenizer (added tokens included) + 1. A vocabulary can be small but
     sparse, so ``get_vocab_size()`` is not always the largest id + 1."""
     return 1 + max(tok.get_vocab_size() - 1, max(tok.get_vocab(with_added_tokens=True).values(), default=-1))
+
+
+def unused_vocab_size(cfg: TokenizerConfig, size: int, model_vocab_size: int) -> str | None:
+    """Why ``data.tokenizer.vocab_size`` has no effect for a recipe with ``data.tokenizer.path``
+    (a tokenizer of ``size`` tokens), or None.
+
+    The field sizes a tokenizer trained from the sources; with ``path`` set nothing is trained and
+    the loaded tokenizer's vocabulary is used. A value the recipe does not set (the default), one
+    equal to ``size``, or one equal to ``model_vocab_size`` (``model.vocab_size``, which the
+    shipped recipes repeat there and which the tokenizer is checked against anyway) says nothing
+    wrong; any other value asks for a vocabulary the run will not have. Returns the message
+    naming both fields, both sizes and the fix (a warning: the run itself is unaffected)."""
+    if cfg.path is None or "vocab_size" not in cfg.model_fields_set or cfg.vocab_size in (size, model_vocab_size):
+        return None
+    return (f"`data.tokenizer.vocab_size` ({cfg.vocab_size}) is not used: `data.tokenizer.path` ({str(cfg.path)!r}) "
+            f"gives the tokenizer, of {size} tokens (data.tokenizer.vocab_size only sizes a tokenizer trained from "
+            f"the sources): to keep this tokenizer, remove data.tokenizer.vocab_size from the recipe or set it to "
+            f"{size}; to train one of {cfg.vocab_size} tokens, unset data.tokenizer.path (--set "
+            "data.tokenizer.path=null)")
 
 
 def special_ids(tok: Tokenizer, cfg: TokenizerConfig, where: str = "data.tokenizer") -> tuple[int, int]:

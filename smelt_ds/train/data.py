@@ -6,6 +6,7 @@ work while the others wait for its completion marker); every rank then opens the
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from smelt_ds.config.run import RunConfig
 from smelt_ds.config.train import resolve_batch
 from smelt_ds.data.loader import TrainLoader, validation_loaders
 from smelt_ds.data.prepare import prepare_from_config
+from smelt_ds.data.tokenizer import unused_vocab_size
 
 __all__ = ["Batch", "TrainData", "build_data", "unigram_entropy"]
 
@@ -89,6 +91,9 @@ def build_data(cfg: RunConfig, rank: int, world_size: int) -> TrainData:
     """
 
     prepared = prepare_from_config(cfg.data)
+    unused = unused_vocab_size(cfg.data.tokenizer, prepared.vocab_size, cfg.model.vocab_size)
+    if unused and rank == 0:  # what `smelt-ds preflight` warns of; the run is unaffected
+        print(f"smelt-ds data: warning: {unused}", file=sys.stderr, flush=True)
     t = cfg.train
     accum, _ = resolve_batch(t, world_size)
     loader = TrainLoader(prepared, t.seq_len, t.micro_batch_size, seed=cfg.data.seed, dp_rank=rank,
