@@ -7,6 +7,8 @@ inspect token files made elsewhere.
     smelt-ds data prepare [--recipe R.yaml] [--set data.KEY=VALUE ...] [--source SPEC ...] [-o DIR]
     smelt-ds data verify DIR
     smelt-ds data inspect PATH ... [--eot-id N] [--token-dtype uint16|uint32] [--tokenizer T] [--recipe R.yaml]
+    smelt-ds data tokenize --input PATH ... -o PREFIX [--format megatron|npy] [--json-key KEY] [--workers N]
+                           [--recipe R.yaml] [--set data.KEY=VALUE ...] [--tokenizer T] [--no-append-eod]
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from smelt_ds.data.builtin import build_builtin_corpus
 from smelt_ds.data.ladder import PINNED, build_ladder_corpus, fetch_packages, ladder_corpus_dir, packages_dir
 from smelt_ds.data.prepare import build_tokenizer, prepare_from_config
 from smelt_ds.data.prepared import PreparedData, check_compatible
-from smelt_ds.data.token_files import ScanStats, TokenFile
+from smelt_ds.data.pretokenize import DEFAULT_CHUNK_BYTES, FORMATS, tokenize_files, work_dir
+from smelt_ds.data.token_files import ScanStats, TokenFile, megatron_prefix
 from smelt_ds.data.token_sources import check_ids, check_token_file_ids, inspect_file, open_any
 from smelt_ds.data.tokenizer import tokenizer_id_space
 from smelt_ds.errors import ConfigError
@@ -208,6 +211,33 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 2 if failed else 0
 
 
+def _cmd_tokenize(args: argparse.Namespace) -> int:
+
+    cfg = _run_config(args)
+    tok_path, _ = build_tokenizer(cfg.data, args.cache_dir)
+    tok = load_tokenizer(tok_path, "--tokenizer" if args.tokenizer else "data.tokenizer.path")
+    try:
+        r = tokenize_files(cfg.data, tok, args.input, args.out, fmt=args.format, json_key=args.json_key,
+                           input_format=args.input_format, sample_by=args.sample_by, glob=args.glob,
+                           append_eod=not args.no_append_eod, workers=args.workers, chunk_bytes=args.chunk_bytes,
+                           progress=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"smelt-ds data tokenize: interrupted; the chunks written so far are kept in "
+              f"{str(work_dir(args.out, args.format))!r}: run the same command again to continue", file=sys.stderr)
+        return 130
+    kind = "Megatron-LM indexed dataset" if r.format == "megatron" else "numpy token file (np.save)"
+    eod = f"each document ends with end-of-text id {r.eot_id}" if not args.no_append_eod else "no end-of-text ids"
+    resumed = f", {r.resumed_chunks} of them continued from the interrupted run" if r.resumed_chunks else ""
+    skipped = ", ".join(f"{n:,} {why}" for why, n in sorted(r.skipped.items()) if n) or "nothing"
+    source = (f"{{megatron: {megatron_prefix(args.out)}}}" if r.format == "megatron"
+              else f"{{tokens: {r.outputs[0]}, eot_id: {r.eot_id}}}")
+    print(f"wrote {', '.join(str(p) for p in r.outputs)}: {kind}, {r.dtype.name}, {r.documents:,} documents, "
+          f"{r.tokens:,} tokens ({eod}); {r.chunks:,} chunks{resumed}; skipped {skipped}")
+    print(f"tokenizer {tok_path} (sha256 {tokenizer_hash(tok)}, ids 0..{tokenizer_id_space(tok) - 1:,})")
+    print(f"train on it: data.sources: [{source}] with data.tokenizer.path: {tok_path}")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 # parser
 # --------------------------------------------------------------------------------------------
@@ -220,7 +250,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``smelt-ds data {builtin,ladder,tokenizer,prepare,verify,inspect}``."""
+    """Register ``smelt-ds data {builtin,ladder,tokenizer,prepare,verify,inspect,tokenize}``."""
     data = subparsers.add_parser("data", help="build the built-in corpus, train a tokenizer, prepare shards",
                                  description="Data pipeline: built-in corpus, tokenizer, token shards.")
     sub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
@@ -283,3 +313,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", help="a tokenizer.json or transformers directory: check that every id is one of its")
     p.add_argument("--recipe", help="a recipe: check that every id is below its model.vocab_size (as training does)")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("tokenize", help="write Megatron .bin/.idx or numpy .npy token files from JSONL or text "
+                                        "(as Megatron-LM's preprocess_data.py)",
+                       description="Tokenise JSONL, Parquet or text files with the recipe's tokenizer (data.tokenizer: "
+                                   "its path, or the BPE the recipe trains) into a Megatron-LM indexed dataset "
+                                   "(PREFIX.bin + PREFIX.idx) or a numpy .npy token file, in worker processes. The "
+                                   "files appear complete or not at all; an interrupted run continues where it "
+                                   "stopped when run again with the same inputs and options.")
+    p.add_argument("--input", action="append", required=True, metavar="PATH",
+                   help="a JSONL, Parquet or text file, or a directory of them (read in order; repeatable)")
+    p.add_argument("-o", "--output", "--output-prefix", dest="out", required=True,
+                   help="megatron: the prefix (writes PREFIX.bin and PREFIX.idx); npy: the file")
+    p.add_argument("--format", choices=FORMATS, default="megatron", help="output format (default megatron)")
+    p.add_argument("--json-key", "--json-keys", dest="json_key", default="text",
+                   help="the JSONL field (Parquet column) holding the text (default text; one per run)")
+    p.add_argument("--input-format", choices=("auto", "jsonl", "parquet", "text"), default="auto",
+                   help="auto: .jsonl/.json/.ndjson = JSONL, .parquet = Parquet, else text")
+    p.add_argument("--sample-by", choices=("document", "paragraph", "line"), default="document",
+                   help="text files: one document per file, blank-line-separated paragraph or line")
+    p.add_argument("--glob", default="**/*", help="files of a directory --input (default **/*)")
+    p.add_argument("--no-append-eod", action="store_true",
+                   help="megatron: do not end each document with the end-of-text id (training then inserts it)")
+    p.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1: this process)")
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help=(
+                   f"characters of text per chunk: the unit of work and of resuming (default {DEFAULT_CHUNK_BYTES})"))
+    p.add_argument("--recipe", help="the recipe whose data.tokenizer to use (default: the default recipe's)")
+    p.add_argument("--tokenizer", help="a tokenizer.json or transformers directory (data.tokenizer.path)")
+    _add_common(p)
+    p.set_defaults(func=_cmd_tokenize)
