@@ -14,6 +14,7 @@ from pathlib import Path
 
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.jobs import SCHEDULERS, JobOptions, plan_job, render, summary
+from smelt_ds.launch.paths import slurm_log_dir
 from smelt_ds.launch.preflight import failures, format_results, run_checks
 
 
@@ -39,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the resolved plan only; write nothing")
     p.add_argument("--no-data-check", action="store_true",
                    help="do not check the recipe's data here (for data only the compute nodes see)")
+    p.add_argument("--require-shared", action="store_true",
+                   help="several nodes: refuse a job with a path on a node-local file system (/tmp, memory, a local "
+                        "disk) instead of warning")
     p.add_argument("--force", action="store_true",
                    help="write the job even when a check of `smelt-ds preflight` fails (memory, data, trackers, ...)")
     p.add_argument("--workdir", default=None,
@@ -110,7 +114,7 @@ def options_from_args(args: argparse.Namespace):
 def run_render_job(args: argparse.Namespace) -> int:
     plan = plan_job(args.recipe, options_from_args(args))
     text = render(plan)  # also on --dry-run: bad scheduler options fail here, not at submission
-    results = run_checks(plan, data=not args.no_data_check)  # what `smelt-ds preflight` checks
+    results = run_checks(plan, data=not args.no_data_check, require_shared=args.require_shared)  # preflight's
     for r in results:
         if r.status == "warn":
             print(f"smelt-ds render-job: warning: {r.name}: {r.detail}", file=sys.stderr)
@@ -132,19 +136,31 @@ def run_render_job(args: argparse.Namespace) -> int:
         print(text, end="")
         print(summary(plan), file=sys.stderr)
         if args.scheduler == "slurm":  # -o creates it; Slurm does not, and a job without it fails with no log
-            log_dir = plan.options.log_dir or str(Path(plan.workdir) / "runs" / "slurm-logs")
+            log_dir = slurm_log_dir(plan)[1]
             print(f"smelt-ds render-job: create the log directory before sbatch (Slurm does not): mkdir -p "
                   f"{shlex.quote(log_dir)}", file=sys.stderr)
         return 0
     out = Path(args.output)
     if out.is_dir():
         raise ConfigError(f"-o {args.output!r} is a directory: name the job file, e.g. -o job.sbatch")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    if args.scheduler == "slurm":  # Slurm does not create the log directory: before the job is written
+        what, log_dir = slurm_log_dir(plan)
+        try:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            given = plan.options.log_dir or log_dir
+            shown = repr(given) if given == log_dir else f"{given!r}, {log_dir}"
+            raise ConfigError(f"{what} ({shown}): cannot create it "
+                              f"({e.strerror or e}); nothing written: pass --log-dir DIR, a directory you can "
+                              "create and write on a file system the first node of the job sees") from None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    except OSError as e:
+        raise ConfigError(f"-o {args.output!r}: cannot write the job file ({e.strerror or e}): name a file in a "
+                          "directory you can write, e.g. -o jobs/job.sbatch") from None
     if args.scheduler != "k8s":
         out.chmod(0o755)
-    if args.scheduler == "slurm":  # Slurm does not create the log directory
-        Path(plan.options.log_dir or Path(plan.workdir) / "runs" / "slurm-logs").mkdir(parents=True, exist_ok=True)
     print(summary(plan, args.output))
     print(f"wrote {out}")
     return 0

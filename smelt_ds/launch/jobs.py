@@ -44,6 +44,7 @@ from smelt_ds.config.loading import dump_config
 from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.k8s_mounts import K8S_RECIPE, K8S_RECIPE_DIR, pod_mounts, unseen_paths
+from smelt_ds.launch.paths import slurm_log_dir
 from smelt_ds.launch.placement import MIN_HEADROOM, memory_report, place, zero3_decision
 from smelt_ds.resources import DATA_ROOT
 
@@ -523,7 +524,7 @@ def _render_slurm(plan: JobPlan) -> dict[str, str]:
     if o.shutdown_s >= o.signal_lead_s:
         raise ConfigError(f"--shutdown-timeout ({o.shutdown_s} s) must be shorter than --signal-lead "
                           f"({o.signal_lead_s} s): the ranks must have saved before the time limit")
-    log_dir = o.log_dir or str(Path(plan.workdir) / "runs" / "slurm-logs")
+    log_dir = slurm_log_dir(plan)[1]  # absolute: sbatch resolves #SBATCH --output in its own directory
     if re.search(r"\s", log_dir):
         what = f"--log-dir {log_dir!r}" if o.log_dir else \
             f"the default log directory ({log_dir!r}, under --workdir {plan.workdir!r})"
@@ -559,7 +560,7 @@ def _render_k8s(plan: JobPlan) -> dict[str, str]:
     _positive("--memory-per-gpu", o.memory_per_gpu_gib)
     _positive("--backoff-limit", o.backoff_limit)
     mounts = pod_mounts(plan.workdir, o.runs_pvc, o.data_pvc)
-    unseen = unseen_paths(plan.config, plan.workdir, plan.run_dir, mounts)
+    unseen = unseen_paths(plan.config, plan.workdir, plan.run_dir, mounts, plan.env)
     if unseen:
         where = "; ".join(f"{m.path} ({m.what})" for m in mounts)
         raise ConfigError("a pod of this job cannot use these recipe paths:\n  " + "\n  ".join(unseen)

@@ -21,6 +21,12 @@ The checks, in order (:data:`CHECKS`), and the training code each one runs:
   (:func:`smelt_ds.runs.tokenizer_file.load_tokenizer`), holds the end-of-text and padding tokens
   (:func:`smelt_ds.data.tokenizer.special_ids`) and fits ``model.vocab_size``; or the tokenizer to
   be trained does.
+- ``paths``: every path the job uses, as it uses them (:mod:`smelt_ds.launch.paths`): the run
+  directory, data cache, ``data.output_dir`` and Slurm log directory can be created and written
+  (a directory is created there, then removed), the inputs (recipe, data, tokenizer,
+  ``train.init_from``, the working directory, the job's Python) can be read; for a job on several
+  nodes, a warning naming each path on a node-local file system (``/tmp``, memory, a local disk:
+  :func:`smelt_ds.launch.paths.file_system`), an error with ``--require-shared``.
 - ``memory``: the memory verdict for the ZeRO stage and checkpointing policy that will run
   (:func:`smelt_ds.launch.placement.memory_report`, at least :data:`MIN_HEADROOM` free).
 - ``trackers``: every tracker's package imports and its server answers within a short timeout
@@ -68,6 +74,7 @@ from smelt_ds.data.tokenizer import special_ids
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.jobs import MIN_HEADROOM, SCHEDULERS, JobOptions, JobPlan, gloo_ifname, plan_job
 from smelt_ds.launch.k8s_mounts import pod_mounts, unseen_paths
+from smelt_ds.launch.paths import job_paths, node_local, unreadable, unwritable
 from smelt_ds.mappings import updated_environ
 from smelt_ds.parallel.ds_config import build_ds_config
 from smelt_ds.parallel.moe_backends.apply import check_backend_runtime
@@ -79,7 +86,7 @@ from smelt_ds.train.trackers import FALLBACKS, check_trackers
 __all__ = ["CHECKS", "CheckResult", "run_checks", "format_results", "failures", "add_parser"]
 
 #: the checks, in the order they run and print
-CHECKS = ("config", "data", "tokenizer", "memory", "trackers", "interpreter", "deepspeed ops", "network")
+CHECKS = ("config", "data", "tokenizer", "paths", "memory", "trackers", "interpreter", "deepspeed ops", "network")
 #: the oldest Python the suite runs on
 MIN_PYTHON = (3, 11)
 
@@ -113,16 +120,28 @@ def check_config(plan: JobPlan) -> str:
 
 def check_data(cfg: RunConfig, workdir: str) -> str:
     """Every file source exists (relative paths in ``workdir``) and the data prepared for ``cfg``,
-    if any, fit ``model.vocab_size``. Raises ConfigError naming the field, the value and the fix."""
-    for i, src in enumerate(cfg.data.sources):
-        kind = src.kind()
-        if kind in TOKEN_KINDS:
-            resolve_token_paths(src, f"data.sources[{i}]")
-        elif kind == "path" and not glob.has_magic(str(src.path)) and not Path(str(src.path)).expanduser().exists():
-            raise ConfigError(f"`data.sources[{i}].path` ({src.path!r}): no such file or directory (relative paths "
-                              f"are read in the job's working directory, {workdir!r}): fix the path")
-    if cfg.train.init_from:
-        check_init_from(cfg.train.init_from)
+    if any, fit ``model.vocab_size``. Raises ConfigError naming every source (and
+    ``train.init_from``) not found, each with its field and value, the working directory relative
+    paths were read in with ``--workdir`` to name another, and the fix."""
+    bad, relative = [], False
+    sources = [(f"data.sources[{i}]", src) for i, src in enumerate(cfg.data.sources)]
+    for where, src in [*sources, ("train.init_from", None)]:
+        value = str(getattr(src, src.kind())) if src is not None else str(cfg.train.init_from or "")
+        try:
+            if src is None:
+                if value:
+                    check_init_from(value)
+            elif src.kind() in TOKEN_KINDS:
+                resolve_token_paths(src, where)
+            elif src.kind() == "path" and not glob.has_magic(value) and not Path(value).expanduser().exists():
+                raise ConfigError(f"`{where}.path` ({src.path!r}): no such file or directory")
+        except ConfigError as e:
+            bad.append(str(e))
+            relative |= not Path(str(value)).expanduser().is_absolute()
+    if bad:
+        rule = (f" (relative paths are read in the job's working directory, {workdir!r}: pass --workdir DIR when the "
+                "job runs in another directory)" if relative else "")
+        raise ConfigError("; ".join(bad) + f"{rule}: fix the path{'s' if len(bad) > 1 else ''}")
     files = [s for s in cfg.data.sources if s.kind() in (*TOKEN_KINDS, "path")]
     if len(files) < len(cfg.data.sources):
         return (f"{len(files)} file source(s) found; built-in, ladder and Hub sources are built or downloaded by "
@@ -270,27 +289,63 @@ def check_network(plan: JobPlan) -> str:
             f"{' where the pod has it' if pod else ''}); NCCL on {nccl}")
 
 
+def check_paths(plan: JobPlan, data: bool = True, require_shared: bool = False) -> str:
+    """Every path of the job (:func:`smelt_ds.launch.paths.job_paths`) as the job uses it: the
+    directories it writes can be created and written, its inputs can be read; with several nodes,
+    the paths on a node-local file system (:func:`smelt_ds.launch.paths.node_local`). Raises
+    ConfigError naming each path's field or option, its value, what is wrong and the fix (node-local
+    paths too with ``require_shared``), else CheckWarning naming the node-local ones. A Kubernetes
+    pod's paths are judged against its volumes by the data check."""
+    if plan.options.scheduler == "k8s":
+        return "a pod's paths are judged against its volumes (the data check): the run directory and cache on " \
+               "the shared read-write volume, inputs on a volume or in the image"
+    paths = job_paths(plan, data)
+    bad = []
+    for p in paths:
+        why = unwritable(p) if p.writes else unreadable(p)
+        if why:
+            shown = repr(p.value) if p.value == p.path else f"{p.value!r}, {p.path}"
+            bad.append(f"{p.what} ({shown}): {why}: {p.fix}" + (", a directory this user can create and write"
+                       if p.writes else "" if p.executable else ", or let this user read it (chmod)"))
+    groups = node_local(paths) if plan.nodes > 1 else {}
+    local = (f"node-local paths for a job on {plan.nodes} nodes: "
+             + "; ".join(f"{why}: {', '.join(which)}" for why, which in groups.items())
+             + ": put the run directory, cache and logs on a file system every node mounts (NFS, Lustre, GPFS, "
+               "BeeGFS, CephFS, ...), and the inputs there too or at the same path on every node")
+    if bad or (groups and require_shared):
+        raise ConfigError("; ".join(bad + ([f"{local} (--require-shared)"] if groups and require_shared else [])))
+    written = [p.what for p in paths if p.writes]
+    read = sum(1 for p in paths if not p.writes and os.path.exists(p.path))
+    ok = f"writable: {', '.join(written)}; {read} input(s) readable"
+    if groups:
+        raise CheckWarning(f"{ok}; {local} (--require-shared makes this an error)")
+    return ok + ("; none on a node-local file system" if plan.nodes > 1 else "")
+
+
 def _pod_paths(plan: JobPlan) -> CheckResult:
     """A Kubernetes job's data check: every path the run reads or writes lies in a volume of the
     pod or in its image (:func:`smelt_ds.launch.k8s_mounts.unseen_paths`, what render-job refuses)."""
     mounts = pod_mounts(plan.workdir, plan.options.runs_pvc, plan.options.data_pvc)
-    unseen = unseen_paths(plan.config, plan.workdir, plan.run_dir, mounts)
+    unseen = unseen_paths(plan.config, plan.workdir, plan.run_dir, mounts, plan.env)
     if unseen:
         return CheckResult("data", "fail", "a pod cannot use: " + "; ".join(unseen))
     return CheckResult("data", "ok", "every path is in a volume of the pod or in its image (files are read there)")
 
 
-def run_checks(plan: JobPlan, data: bool = True) -> list[CheckResult]:
+def run_checks(plan: JobPlan, data: bool = True, require_shared: bool = False) -> list[CheckResult]:
     """Every check of :data:`CHECKS` after ``config`` for a planned job (``plan_job`` did the rest of
     ``config``), in the job's working directory and environment. ``data=False`` skips the data
     check and the reading of ``data.tokenizer.path`` (render-job --no-data-check: files only the
-    compute nodes see). Never raises ConfigError: a failure is a result."""
+    compute nodes see). ``require_shared``: a path of a job on several nodes on a node-local file
+    system fails the ``paths`` check instead of a warning. Never raises ConfigError: a failure is a
+    result."""
     k8s = plan.options.scheduler == "k8s"
     cfg = plan.config
     steps: list[tuple[str, Callable[[], str], bool]] = [
         ("config", lambda: check_config(plan), False),
         ("data", lambda: check_data(cfg, plan.workdir), k8s),
         ("tokenizer", lambda: check_tokenizer(init_from_tokenizer(cfg)), k8s),  # as training resolves it
+        ("paths", lambda: check_paths(plan, data, require_shared), False),
         ("memory", lambda: check_memory(plan), False),
         ("trackers", lambda: check_tracking(cfg), k8s),
         ("interpreter", lambda: check_interpreter(cfg), k8s),
@@ -332,8 +387,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "preflight", help="every check training makes before its first step, before the queue",
         description="Resolve a recipe for a cluster layout as training will, then check its DeepSpeed config, data, "
-                    "tokenizer, memory, trackers, interpreter and DeepSpeed ops in the job's working directory and "
-                    "environment. Exit status 2 when a check fails (render-job runs the same checks).")
+                    "tokenizer, paths, memory, trackers, interpreter and DeepSpeed ops in the job's working directory "
+                    "and environment. Exit status 2 when a check fails (render-job runs the same checks).")
     p.add_argument("recipe", help="YAML recipe, e.g. recipes/m/smelt.yaml")
     p.add_argument("--scheduler", default="slurm", choices=SCHEDULERS,
                    help="where the job runs (default slurm); k8s: data, interpreter and tracker checks warn only")
@@ -346,6 +401,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="an environment variable the job sets (e.g. MLFLOW_TRACKING_URI=...), repeatable")
     p.add_argument("--hostfile", default=None, help="hostfile of a multi-node deepspeed-launcher job")
     p.add_argument("--no-data-check", action="store_true", help="skip the data check")
+    p.add_argument("--require-shared", action="store_true",
+                   help="several nodes: a path on a node-local file system (/tmp, memory, a local disk) fails the "
+                        "paths check instead of a warning")
     p.set_defaults(func=run_preflight)
 
 
@@ -359,7 +417,7 @@ def run_preflight(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"{head}\n  {'config':<14}FAIL  {e}\n  (the other checks need a recipe that resolves)")
         return 2
-    results = run_checks(plan, data=not args.no_data_check)
+    results = run_checks(plan, data=not args.no_data_check, require_shared=args.require_shared)
     print(f"{head} on {plan.nodes} x {plan.gpus_per_node} ranks (layout {plan.layout_name}), "
           f"{args.scheduler}, working directory {plan.workdir}")
     print(format_results(results))
