@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
 import pytest
 
 from tests.markers import slow_fixture
+
+T = TypeVar("T")
 
 TINY = {
     "model": {"vocab_size": 61, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -26,14 +34,40 @@ def tiny_cfg():
     return make
 
 
+def once_per_run(tmp_path_factory, name: str, make: Callable[[Path], T], load: Callable[[Path], T]) -> T:
+    """A session fixture's files built once per pytest run, also when pytest-xdist splits the
+    session over worker processes (``pytest -n 2``, README): ``make(directory)`` builds them and
+    returns the fixture's value, ``load(directory)`` returns the value from files already built.
+
+    Without workers, ``make`` runs in a fresh temporary directory. With workers, the directory is
+    ``name`` beside the workers' own base directories (pytest-xdist's documented recipe): the first
+    worker to take the lock builds it, marks it done, and the others wait for the lock and ``load``
+    it. A build that failed part-way (no done mark) is removed and built again by the next worker."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return make(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(f"{root}.lock"):
+        done = root / ".built"
+        if done.is_file():
+            return load(root)
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir()
+        value = make(root)
+        done.touch()
+        return value
+
+
 @pytest.fixture(scope="session")
 @slow_fixture
 def two_rank_reference(tmp_path_factory):
     """An uninterrupted 2-rank training of the shared recipe (:mod:`tests.two_ranks`), trained once
-    per session: a :class:`tests.two_ranks.Reference`."""
-    from tests.two_ranks import train_reference
+    per run (:func:`once_per_run`): a :class:`tests.two_ranks.Reference`. Read-only: a test that
+    changes the run copies it first."""
+    from tests.two_ranks import load_reference, train_reference
 
-    return train_reference(tmp_path_factory.mktemp("two-ranks"))
+    return once_per_run(tmp_path_factory, "two-ranks", train_reference, load_reference)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -777,13 +777,16 @@ def _check_pip(words: list[str], what: str) -> None:
 
 
 def _check_pytest(words: list[str], what: str) -> None:
-    """``pytest``: the markers of ``-m EXPR`` are registered in setup.cfg, the paths exist."""
+    """``pytest``: the markers of ``-m EXPR`` are registered in setup.cfg, ``-n`` (pytest-xdist's
+    workers) is a count or ``auto``, the paths exist."""
     markers = {line.split(":")[0].strip() for line in _setup_cfg()["tool:pytest"]["markers"].splitlines() if line}
     for prev, tok in zip(["", *words], words, strict=False):
         if prev == "-m":
             unknown = set(re.findall(r"\w+", tok)) - markers - {"and", "or", "not"}
             assert not unknown, f"{what}: -m names markers {sorted(unknown)} that setup.cfg does not register"
-        elif tok != "pytest" and not tok.startswith("-") and prev != "-m":
+        elif prev == "-n":
+            assert tok == "auto" or tok.isdigit(), f"{what}: -n {tok} is not a number of workers or auto"
+        elif tok != "pytest" and not tok.startswith("-"):
             assert (ROOT / tok.split("::")[0]).exists(), f"{what}: {tok} does not exist"
 
 

@@ -81,10 +81,16 @@ class Reference:
 
 
 def train_reference(tmp: Path) -> Reference:
-    cache, run_dir = tmp / "cache", tmp / "reference"
-    recipe = write_recipe(tmp / "recipe.yaml", run_dir, cache)
+    """Train the reference in ``tmp`` (its recipe, data cache and run directory)."""
+    recipe = write_recipe(tmp / "recipe.yaml", tmp / "reference", tmp / "cache")
     r = cli_train(recipe, "--set", f"train.exit_after_steps={REFERENCE_STEPS}")
     assert r.returncode == 0, r.stderr[-3000:]
+    return load_reference(tmp)
+
+
+def load_reference(tmp: Path) -> Reference:
+    """The reference :func:`train_reference` trained in ``tmp``, read from its files."""
+    run_dir = tmp / "reference"
     got = losses(run_dir)
     assert sorted(got) == list(range(1, REFERENCE_STEPS + 1)), sorted(got)
-    return Reference(recipe, cache, run_dir, got)
+    return Reference(tmp / "recipe.yaml", tmp / "cache", run_dir, got)

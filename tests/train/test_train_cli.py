@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -162,9 +163,11 @@ def _logged_steps(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
 
 
-def _cpu_allreduce_buffers() -> set[str]:
-    """The names DeepSpeed's CPU collectives create in /dev/shm (smelt_ds.parallel.distributed)."""
-    return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")}
+def _cpu_allreduce_buffers(port: int) -> set[str]:
+    """The names DeepSpeed's CPU collectives create in /dev/shm for the ranks of the run whose
+    MASTER_PORT is ``port`` (smelt_ds.parallel.distributed.cpu_allreduce_buffer): not another run's,
+    which tests running beside this one (pytest -n 2) may be starting."""
+    return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")}
 
 
 @pytest.mark.distributed
@@ -174,7 +177,6 @@ def test_ctrl_c_under_nproc_2_saves_a_checkpoint_and_exits_143(tmp_path, recipe)
     from smelt_ds.runs import checkpoint as ckpt
 
     run_dir = recipe.parent / "run"
-    shm_before = _cpu_allreduce_buffers()
     with (tmp_path / "out.txt").open("w") as out, (tmp_path / "err.txt").open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "smelt_ds.cli", "train", str(recipe), "--nproc", "2",
                                  "--set", "train.max_steps=100000", "--set", "train.log_every=1",
@@ -189,7 +191,9 @@ def test_ctrl_c_under_nproc_2_saves_a_checkpoint_and_exits_143(tmp_path, recipe)
                 raise AssertionError("no training step logged in time")
             time.sleep(0.2)
         # DeepSpeed's CPU collectives' shared-memory files (66 MB a rank) lose their names once mapped
-        assert _cpu_allreduce_buffers() - shm_before == set()
+        port = re.search(r"--master_port (\d+)", (tmp_path / "err.txt").read_text())
+        assert port, (tmp_path / "err.txt").read_text()[-3000:]
+        assert _cpu_allreduce_buffers(int(port[1])) == set()
         os.killpg(proc.pid, signal.SIGINT)
         rc = proc.wait(scaled_timeout(120))
     stderr = (tmp_path / "err.txt").read_text()
