@@ -13,7 +13,16 @@ import sys
 from pathlib import Path
 
 from smelt_ds.errors import ConfigError
-from smelt_ds.launch.jobs import SCHEDULERS, JobOptions, plan_job, render, summary
+from smelt_ds.launch.jobs import (
+    GANG_SCHEDULERS,
+    K8S_RESTART_POLICIES,
+    NUMA_MODES,
+    SCHEDULERS,
+    JobOptions,
+    plan_job,
+    render,
+    summary,
+)
 from smelt_ds.launch.paths import slurm_log_dir
 from smelt_ds.launch.preflight import failures, format_results, run_checks
 
@@ -80,6 +89,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-time-requeues", type=int, default=d.max_time_requeues,
                    help=f"times a job requeues itself at its time limit (after a checkpoint), counted by "
                         f"SLURM_RESTART_COUNT (every requeue); 0 = never (default {d.max_time_requeues})")
+    g.add_argument("--startup-time", type=int, default=d.startup_s, dest="startup_s",
+                   help=f"seconds one start spends before its first step (allocation, imports, DeepSpeed, checkpoint "
+                        f"load); --time must be at least this + --shutdown-timeout + --signal-lead (default "
+                        f"{d.startup_s})")
+    g.add_argument("--cpu-bind", default=d.cpu_bind,
+                   help=f"srun --cpu-bind of the one task per node that runs torchrun (default {d.cpu_bind}: every CPU "
+                        "of the node; per-rank affinity: --numa-binding)")
+    p.add_argument("--numa-binding", default=None, choices=NUMA_MODES,
+                   help="Slurm, Kubernetes: torchrun --numa-binding, binding each rank to the CPUs near its GPU (node: "
+                        "its NUMA node; needs numactl on the nodes; default: no binding)")
     g = p.add_argument_group("Kubernetes")
     g.add_argument("--image", default=d.image, help=f"container image with smelt-ds (default {d.image}; "
                                                     "launchers/k8s/Dockerfile)")
@@ -87,7 +106,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--runs-pvc", default=d.runs_pvc, help=f"ReadWriteMany PVC for runs/ (default {d.runs_pvc})")
     g.add_argument("--data-pvc", default=d.data_pvc, help=f"PVC with the corpora (default {d.data_pvc})")
     g.add_argument("--backoff-limit", type=int, default=d.backoff_limit,
-                   help=f"pod restarts before the job fails (default {d.backoff_limit})")
+                   help=f"restarts of a failed pod before the job fails; 0 = never (default {d.backoff_limit})")
+    g.add_argument("--restart-policy", default=d.restart_policy, choices=K8S_RESTART_POLICIES,
+                   help=f"ExitCode: a bad configuration (a rank's exit 2) or non-finite steps (3) fail the job at "
+                        f"once, other failures restart; OnFailure: every failure restarts (default {d.restart_policy})")
+    g.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE",
+                   help="pod nodeSelector label, e.g. nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3 (repeatable)")
+    g.add_argument("--toleration", action="append", default=[], dest="tolerations", metavar="KEY[=VALUE][:EFFECT]",
+                   help="tolerate a node taint as `kubectl taint` writes it, e.g. nvidia.com/gpu:NoSchedule "
+                        "(repeatable)")
+    g.add_argument("--affinity", default=None, metavar="FILE",
+                   help="YAML/JSON file with the pods' affinity (nodeAffinity, podAffinity, podAntiAffinity)")
+    g.add_argument("--rdma-resource", action="append", default=[], dest="rdma_resources", metavar="NAME=COUNT",
+                   help="device plugin resource per pod for RDMA (InfiniBand/RoCE), e.g. rdma/hca=1; adds the "
+                        "IPC_LOCK capability (repeatable)")
+    g.add_argument("--ipc-lock", action="store_true", help="add the IPC_LOCK capability (RDMA pins memory)")
+    g.add_argument("--gang", default=None, choices=tuple(GANG_SCHEDULERS),
+                   help="gang scheduling: all pods start together or none (runPolicy.schedulingPolicy; the training "
+                        "operator runs with the same --gang-scheduler-name)")
+    g.add_argument("--gang-queue", default=None, help="the Volcano queue of the job (with --gang volcano)")
     g.add_argument("--shm-size", default=d.shm_size, help=f"/dev/shm size (default {d.shm_size})")
     g.add_argument("--cpus-per-gpu", type=int, default=d.cpu_per_gpu, dest="cpu_per_gpu",
                    help=f"CPU cores requested per GPU (default {d.cpu_per_gpu})")
@@ -108,7 +145,11 @@ def options_from_args(args: argparse.Namespace):
                       max_time_requeues=args.max_time_requeues,
                       image=args.image, namespace=args.namespace, runs_pvc=args.runs_pvc, data_pvc=args.data_pvc,
                       backoff_limit=args.backoff_limit, shm_size=args.shm_size, cpu_per_gpu=args.cpu_per_gpu,
-                      memory_per_gpu_gib=args.memory_per_gpu_gib)
+                      memory_per_gpu_gib=args.memory_per_gpu_gib, startup_s=args.startup_s, cpu_bind=args.cpu_bind,
+                      numa_binding=args.numa_binding, restart_policy=args.restart_policy,
+                      node_selector=list(args.node_selector), tolerations=list(args.tolerations),
+                      affinity=args.affinity, rdma_resources=list(args.rdma_resources), ipc_lock=args.ipc_lock,
+                      gang=args.gang, gang_queue=args.gang_queue)
 
 
 def run_render_job(args: argparse.Namespace) -> int:

@@ -9,8 +9,12 @@ estimates memory per GPU; :func:`render` fills one of the templates in ``launche
 * ``slurm``: ``launchers/slurm/smelt.sbatch``, one ``srun`` task per node running torchrun,
   rendezvous at the first host of ``SLURM_JOB_NODELIST``, ``--requeue`` + ``--resume auto``; a
   job whose ranks fail requeues itself while ``SLURM_RESTART_COUNT`` is below ``--max-requeues``
-  (default 3), one at its time limit while it is below ``--max-time-requeues`` (default 50);
-* ``k8s``: ``launchers/k8s/pytorchjob.yaml``, a Kubeflow PyTorchJob with one pod per node.
+  (default 3), one at its time limit while it is below ``--max-time-requeues`` (default 50); a
+  rank's exit 2 (bad configuration) or 3 is read from ``RUN_DIR/exit_status/`` and never requeued
+  (:mod:`smelt_ds.train.exit_status`); ``--time`` below :func:`slurm_min_time` is refused;
+* ``k8s``: ``launchers/k8s/pytorchjob.yaml``, a Kubeflow PyTorchJob with one pod per node,
+  ``restartPolicy: ExitCode`` (:func:`k8s_pod_command`), and the scheduling options of
+  :func:`k8s_scheduling` (node selector, tolerations, affinity, RDMA resources, gang scheduling).
 
 Templates hold ``{{NAME}}`` fields; values are quoted for the file's language here (shell words
 with :func:`shlex.quote`, YAML scalars as JSON strings). Nothing is launched: the rendered file is
@@ -34,10 +38,13 @@ import os
 import re
 import shlex
 import sys
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from torch.numa.binding import AffinityMode
 
 from smelt_ds.config.cluster import ClusterLayout
 from smelt_ds.config.loading import dump_config
@@ -50,7 +57,8 @@ from smelt_ds.resources import DATA_ROOT
 
 __all__ = ["SCHEDULERS", "LAUNCHERS_DIR", "TEMPLATES", "NCCL_FAULT_ENV", "Host", "parse_hostfile", "expand_nodelist",
            "JobOptions", "JobPlan", "plan_job", "render", "fill_template", "per_node_command", "k8s_pod_command",
-           "summary", "main", "GLOO_FROM_NCCL", "gloo_ifname"]
+           "summary", "main", "GLOO_FROM_NCCL", "gloo_ifname", "slurm_min_time", "k8s_scheduling", "NUMA_MODES",
+           "GANG_SCHEDULERS", "K8S_RESTART_POLICIES"]
 
 SCHEDULERS = ("deepspeed", "slurm", "k8s")
 LAUNCHERS_DIR = DATA_ROOT / "launchers"
@@ -59,6 +67,12 @@ TEMPLATES = {"deepspeed": LAUNCHERS_DIR / "deepspeed" / "run.sh",
              "k8s": LAUNCHERS_DIR / "k8s" / "pytorchjob.yaml"}
 #: where the repository lives in the image of launchers/k8s/Dockerfile
 K8S_WORKDIR = "/workspace/smelt-ds"
+#: ``--gang``: the gang scheduler -> the pods' schedulerName (Volcano's; scheduler-plugins' as a second scheduler)
+GANG_SCHEDULERS = {"volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler"}
+#: ``--restart-policy``: the PyTorchJob replicas' restart policies render-job writes (k8s_pod_command)
+K8S_RESTART_POLICIES = ("ExitCode", "OnFailure")
+#: torchrun's --numa-binding modes (torch.numa.binding.AffinityMode)
+NUMA_MODES = tuple(m.value for m in AffinityMode)
 _FIELD = re.compile(r"\{\{([A-Z0-9_]+)\}\}")
 #: NCCL fault handling in every rendered job (docs/cluster.md, "Faults and hangs on a cluster";
 #: docs/faults.md, the NCCL exit statuses): error handling 3 (SkipCleanUp, torch's default, as torchtitan
@@ -241,6 +255,9 @@ class JobOptions:
     log_dir: str | None = None
     signal_lead_s: int = 600
     shutdown_s: int = 300
+    startup_s: int = 600  # Slurm: what one start spends before its first step (the --time floor, slurm_min_time)
+    cpu_bind: str = "none"  # Slurm: srun --cpu-bind of the one task per node
+    numa_binding: str | None = None  # torchrun --numa-binding (node, socket, exclusive, core-complex)
     run_dir: str | None = None
     max_requeues: int = 3
     max_time_requeues: int = 50  # Slurm: requeues at the time limit (a job that makes progress); 50 x --time at most
@@ -248,10 +265,18 @@ class JobOptions:
     namespace: str = "default"
     runs_pvc: str = "smelt-runs"
     data_pvc: str = "smelt-corpora"
-    backoff_limit: int = 20
+    backoff_limit: int = 3
+    restart_policy: str = "ExitCode"  # k8s: ExitCode (2, 3 never restart) or OnFailure (every failure restarts)
     shm_size: str = "64Gi"
     cpu_per_gpu: int = 8
     memory_per_gpu_gib: int = 64
+    node_selector: list[str] = field(default_factory=list)  # k8s: KEY=VALUE
+    tolerations: list[str] = field(default_factory=list)  # k8s: KEY[=VALUE][:EFFECT], as kubectl taint writes it
+    affinity: str | None = None  # k8s: a YAML/JSON file holding a pod's `affinity`
+    rdma_resources: list[str] = field(default_factory=list)  # k8s: NAME=COUNT per pod, e.g. rdma/hca=1
+    ipc_lock: bool = False  # k8s: the IPC_LOCK capability (also with any rdma resource)
+    gang: str | None = None  # k8s: volcano or scheduler-plugins
+    gang_queue: str | None = None  # k8s: the Volcano queue
 
 
 @dataclass
@@ -283,6 +308,8 @@ class JobPlan:
     run_dir: str = ""
     #: the layout's and the user's recipe overrides (``--set``), in the order they apply
     config_overrides: list[str] = field(default_factory=list)
+    #: this rendering's id (12 hex digits, random): a Kubernetes job counts its pods' failures under it
+    render_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
     def world_size(self) -> int:
@@ -456,7 +483,8 @@ def per_node_command(plan: JobPlan) -> str:
     # a pod reads the ConfigMap's recipe; SMELT_RECIPE names another copy (a local test of the command)
     recipe = f'"${{SMELT_RECIPE:-{plan.recipe_arg}}}"' if plan.options.scheduler == "k8s" else \
         shlex.quote(plan.recipe_arg)
-    return (f"python -m torch.distributed.run --nnodes={plan.nodes} --nproc-per-node={plan.gpus_per_node} "
+    numa = f"--numa-binding={plan.options.numa_binding} " if plan.options.numa_binding else ""
+    return (f"python -m torch.distributed.run --nnodes={plan.nodes} --nproc-per-node={plan.gpus_per_node} {numa}"
             f"--node-rank={rank} --master-addr={master} --master-port={port} "
             f"-m smelt_ds.train {recipe} {shlex.join(['--resume', 'auto', *plan.train_args])}")
 
@@ -472,18 +500,43 @@ def k8s_pod_command(plan: JobPlan) -> str:
     which passes it to the ranks: each finishes its step, they save a checkpoint together and exit
     143; the pod then exits 143 as well (torchrun itself reports the signal as a failure, exit 1
     with a ``SignalException`` traceback, which a restart policy could take for a crash).
-    Otherwise the pod's status is torchrun's."""
+
+    Otherwise, as torchrun reports any failed rank as 1, the ranks write their own statuses to a
+    directory of the pod (:mod:`smelt_ds.train.exit_status`): when one wrote 2 (bad configuration) or
+    3 (non-finite steps) the pod exits with it, which the ``ExitCode`` restart policy
+    (``--restart-policy``, the default) never restarts (1-127: permanent). Any other failure is
+    retryable there: the pod exits 128 + torchrun's status (129 for a failed rank) while it has failed
+    at most ``--backoff-limit`` times, counted in ``<run_dir>/exit_status/k8s-<render id>/<pod>.failures``
+    on the shared volume (the training operator does not apply ``runPolicy.backoffLimit`` to this
+    policy's restarts, kubeflow/trainer#2045), then 1 (permanent: the job fails). Under ``OnFailure``
+    the pod exits with 2, 3 or torchrun's status and ``runPolicy.backoffLimit`` caps the restarts."""
+    o = plan.options
     on_stop = ('on_stop() { [[ -z "$stop" ]] || return 0; stop=143; '
                'echo "smelt-ds: $1: passing SIGTERM to torchrun: the ranks finish their step, save a checkpoint '
                'and exit" >&2; [[ -z "$pid" ]] || kill -TERM "$pid" 2>/dev/null || true; }; ')
+    # a rank's own 2 or 3 (in that order) wins over torchrun's 1
+    no_restart = ('[[ -z "$stop" ]] || exit "$stop"; [[ "$rc" != 0 ]] || exit 0; for s in 2 3; do '
+                  'if grep -qsx "$s" "$SMELT_EXIT_STATUS_DIR"/rank*; then echo "smelt-ds: torchrun exited $rc; a rank '
+                  'exited $s (2: bad configuration, 3: non-finite steps): not restarting" >&2; exit "$s"; fi; done; ')
+    if o.restart_policy == "OnFailure":
+        retry = 'exit "$rc"'
+    else:
+        count = shlex.quote(f"{plan.run_dir}/exit_status/k8s-{plan.render_id}")
+        retry = (f'f={count}/"$(hostname)".failures; mkdir -p {count}; n=$(( $(cat "$f" 2>/dev/null || echo 0) + 1 )); '
+                 f'echo "$n" > "$f"; if (( n > {o.backoff_limit} )); then echo "smelt-ds: torchrun exited $rc, failure '
+                 f'$n of this pod: not restarting: limit reached ({o.backoff_limit}; render-job --backoff-limit)" >&2; '
+                 'exit 1; fi; r=$(( rc < 128 ? 128 + rc : rc )); echo "smelt-ds: torchrun exited $rc (a rank failed, '
+                 f'hung or lost a peer), failure $n of this pod: exiting $r, restarted (at most {o.backoff_limit} '
+                 'times)" >&2; exit "$r"')
     return ('[[ -z "${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ]] || '
             'mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")"; stop=; pid=; ' + on_stop
             + "trap 'on_stop SIGTERM' TERM; trap 'on_stop SIGINT' INT; trap 'on_stop SIGHUP' HUP; "
-            + GLOO_FROM_NCCL + '; ' + per_node_command(plan) + ' & pid=$!; '
+            + GLOO_FROM_NCCL + '; '
+            'export SMELT_EXIT_STATUS_DIR="${TMPDIR:-/tmp}/smelt-exit-status"; rm -rf "$SMELT_EXIT_STATUS_DIR"; '
+            + per_node_command(plan) + ' & pid=$!; '
             '[[ -z "$stop" ]] || kill -TERM "$pid"; '  # a signal while it started
             # a trapped signal ends `wait` early (status > 128): wait again until torchrun has exited
-            'until wait "$pid"; rc=$?; ! kill -0 "$pid" 2>/dev/null; do :; done; '
-            'exit "${stop:-$rc}"')
+            'until wait "$pid"; rc=$?; ! kill -0 "$pid" 2>/dev/null; do :; done; ' + no_restart + retry)
 
 
 def _deepspeed_port(o: JobOptions) -> int:
@@ -507,6 +560,22 @@ def slurm_seconds(limit: str) -> int:
     return int(a) * 60 + int(b or 0)  # M or M:S
 
 
+def slurm_min_time(o: JobOptions) -> int:
+    """The shortest Slurm ``--time`` (seconds) a job of options ``o`` accepts: ``startup_s`` (what a
+    start spends before its first step: allocation, imports, DeepSpeed initialisation, loading the
+    checkpoint) + ``shutdown_s`` (the time the ranks get to save a checkpoint, taken as the least
+    training a start must do: no start trains for less time than its save takes) + ``signal_lead_s``
+    (the script checkpoints and requeues that long before the limit). With the defaults, 600 + 300 +
+    600 s = 25 min."""
+    return o.startup_s + o.shutdown_s + o.signal_lead_s
+
+
+def _slurm_time(seconds: int) -> str:
+    """``seconds`` as a Slurm time limit ``H:MM:SS`` rounded up to whole minutes."""
+    minutes = -(-seconds // 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:00"
+
+
 def _render_slurm(plan: JobPlan) -> dict[str, str]:
     o = plan.options
     extra = [f"#SBATCH --partition={o.partition}"] if o.partition else []
@@ -517,6 +586,7 @@ def _render_slurm(plan: JobPlan) -> dict[str, str]:
         extra.append(f"#SBATCH {opt}")
     limit = slurm_seconds(o.time)
     _positive("--signal-lead", o.signal_lead_s)
+    _positive("--startup-time", o.startup_s)
     if limit <= o.signal_lead_s:
         raise ConfigError(f"--time {o.time!r} ({limit} s) must be longer than --signal-lead ({o.signal_lead_s} s): the "
                           "job checkpoints and requeues that many seconds before its time limit; give a longer --time "
@@ -524,6 +594,16 @@ def _render_slurm(plan: JobPlan) -> dict[str, str]:
     if o.shutdown_s >= o.signal_lead_s:
         raise ConfigError(f"--shutdown-timeout ({o.shutdown_s} s) must be shorter than --signal-lead "
                           f"({o.signal_lead_s} s): the ranks must have saved before the time limit")
+    floor = slurm_min_time(o)
+    if limit < floor:
+        raise ConfigError(f"--time {o.time!r} ({limit} s) is shorter than one start needs, {floor} s = --startup-time "
+                          f"({o.startup_s} s: allocation, imports, DeepSpeed and checkpoint load) + --shutdown-timeout "
+                          f"({o.shutdown_s} s: one checkpoint save's worth of training) + --signal-lead "
+                          f"({o.signal_lead_s} s: the checkpoint and requeue before the limit); a start would requeue "
+                          f"having trained little or nothing: give --time {_slurm_time(floor)} or more")
+    if not re.fullmatch(r"[A-Za-z0-9_.:,\-]+", o.cpu_bind or ""):
+        raise ConfigError(f"--cpu-bind {o.cpu_bind!r} is not an srun --cpu-bind value: write e.g. none, cores, "
+                          "sockets, ldoms or map_ldom:0,1 (man srun)")
     log_dir = slurm_log_dir(plan)[1]  # absolute: sbatch resolves #SBATCH --output in its own directory
     if re.search(r"\s", log_dir):
         what = f"--log-dir {log_dir!r}" if o.log_dir else \
@@ -536,7 +616,8 @@ def _render_slurm(plan: JobPlan) -> dict[str, str]:
                               f"{name} {example}")
     port = str(o.master_port) if o.master_port is not None else "$((10000 + SLURM_JOB_ID % 20000))"
     return {**_shell_common(plan), "JOB_NAME": plan.job_name, "TIME": o.time, "SIGNAL_LEAD_S": str(o.signal_lead_s),
-            "MASTER_PORT": port,
+            "MASTER_PORT": port, "CPU_BIND": o.cpu_bind,
+            "NUMA_ARGS": f" --numa-binding={o.numa_binding}" if o.numa_binding else "",
             "LOG_DIR": log_dir, "EXTRA_SBATCH": "\n".join(extra), "MAX_REQUEUES": str(o.max_requeues),
             "MAX_TIME_REQUEUES": str(o.max_time_requeues),
             "PYTHON": shlex.quote(sys.executable)}  # the interpreter that has smelt-ds: the one rendering the job
@@ -558,7 +639,12 @@ def _render_k8s(plan: JobPlan) -> dict[str, str]:
             raise ConfigError(f"`{name}` ({v!r}) must be a non-empty name without spaces")
     _positive("--cpus-per-gpu", o.cpu_per_gpu)
     _positive("--memory-per-gpu", o.memory_per_gpu_gib)
-    _positive("--backoff-limit", o.backoff_limit)
+    if not isinstance(o.backoff_limit, int) or isinstance(o.backoff_limit, bool) or o.backoff_limit < 0:
+        raise ConfigError(f"`--backoff-limit` ({o.backoff_limit!r}) must be 0 (never restart a failed pod) or a "
+                          "positive integer, e.g. --backoff-limit 3")
+    if o.restart_policy not in K8S_RESTART_POLICIES:
+        raise ConfigError(f"--restart-policy {o.restart_policy!r}: use ExitCode (a bad configuration never restarts) "
+                          "or OnFailure (every failure restarts, up to --backoff-limit)")
     mounts = pod_mounts(plan.workdir, o.runs_pvc, o.data_pvc)
     unseen = unseen_paths(plan.config, plan.workdir, plan.run_dir, mounts, plan.env)
     if unseen:
@@ -569,7 +655,8 @@ def _render_k8s(plan: JobPlan) -> dict[str, str]:
     label = re.sub(r"[^A-Za-z0-9_.-]", "_", plan.recipe_path.name)[-63:].strip("_.-") or "recipe"
     env = {**{k: v.format(run_dir=plan.run_dir) for k, v in NCCL_FAULT_ENV.items()}, **plan.env}  # --env wins
     items = [f"                - {{name: {k}, value: {j(v)}}}" for k, v in env.items()]
-    return {"JOB_NAME": j(plan.job_name), "NAMESPACE": j(o.namespace), "RECIPE_LABEL": j(label),
+    return {**k8s_scheduling(plan), "RESTART_POLICY": o.restart_policy,
+            "JOB_NAME": j(plan.job_name), "NAMESPACE": j(o.namespace), "RECIPE_LABEL": j(label),
             "BACKOFF_LIMIT": str(o.backoff_limit), "GRACE_S": str(o.shutdown_s + 60), "IMAGE": j(o.image),
             "WORKDIR": j(plan.workdir), "NODE_CMD": j(cmd), "NODES": str(plan.nodes),
             "GPUS_PER_NODE": str(plan.gpus_per_node), "SHUTDOWN_S": str(o.shutdown_s),
@@ -585,10 +672,101 @@ def _render_k8s(plan: JobPlan) -> dict[str, str]:
                              + dump_config(plan.config))}
 
 
+def _k8s_pairs(option: str, items: list[str], value: str, example: str) -> dict[str, str]:
+    """``KEY=VALUE`` options (``--node-selector``, ``--rdma-resource``) as a mapping; a key is a
+    Kubernetes qualified name (``[prefix/]name``), ``value`` the regular expression of its values."""
+    out = {}
+    for item in items:
+        m = re.fullmatch(rf"((?:[a-z0-9.-]+/)?[A-Za-z0-9][-A-Za-z0-9_.]*)=({value})", item)
+        if m is None:
+            raise ConfigError(f"{option} {item!r}: write KEY=VALUE, e.g. {option} {example}")
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def _tolerations(items: list[str]) -> list[dict[str, str]]:
+    """``--toleration KEY[=VALUE][:EFFECT]`` (a taint as ``kubectl taint`` writes it) as pod tolerations:
+    operator Equal with a value, Exists without; every effect when none is given."""
+    out = []
+    for item in items:
+        m = re.fullmatch(r"((?:[a-z0-9.-]+/)?[A-Za-z0-9][-A-Za-z0-9_.]*)(?:=([-A-Za-z0-9_.]*))?"
+                         r"(?::(NoSchedule|PreferNoSchedule|NoExecute))?", item)
+        if m is None:
+            raise ConfigError(f"--toleration {item!r}: write KEY[=VALUE][:EFFECT] with EFFECT NoSchedule, "
+                              "PreferNoSchedule or NoExecute, e.g. --toleration nvidia.com/gpu:NoSchedule")
+        key, value, effect = m.groups()
+        t = {"key": key, "operator": "Equal" if value is not None else "Exists"}
+        t.update({"value": value} if value is not None else {})
+        t.update({"effect": effect} if effect else {})
+        out.append(t)
+    return out
+
+
+def _affinity(path: str | None) -> dict[str, Any] | None:
+    """The pod ``affinity`` in the YAML/JSON file ``path`` (the object itself, or a mapping with an
+    ``affinity`` key), checked for its three keys; Kubernetes checks the rest at ``kubectl apply``."""
+    if path is None:
+        return None
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"--affinity {path!r}: cannot read it as YAML ({e}): name a file holding a pod's "
+                          "affinity, e.g. {nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: ...}}") from e
+    if isinstance(data, dict) and set(data) == {"affinity"}:
+        data = data["affinity"]
+    keys = {"nodeAffinity", "podAffinity", "podAntiAffinity"}
+    if not isinstance(data, dict) or not data or not set(data) <= keys:
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ConfigError(f"--affinity {path!r} holds {got}: a pod's affinity has only the keys {sorted(keys)}")
+    return data
+
+
+def k8s_scheduling(plan: JobPlan) -> dict[str, str]:
+    """The Kubernetes template's scheduling fields (YAML lines, JSON flow values, empty when unused):
+    ``SCHEDULING_POLICY`` (``runPolicy.schedulingPolicy`` for ``--gang``: ``minAvailable`` = the pods,
+    ``queue``), ``POD_PLACEMENT`` (``schedulerName``, ``nodeSelector``, ``tolerations``,
+    ``affinity``), ``SECURITY_CONTEXT`` (``IPC_LOCK`` with ``--ipc-lock`` or any ``--rdma-resource``)
+    and ``DEVICE_RESOURCES`` (``--rdma-resource NAME=COUNT``, in limits and requests). Raises
+    ConfigError naming the option, the value and the form it takes."""
+    o, j = plan.options, json.dumps
+    if o.gang not in (None, *GANG_SCHEDULERS):
+        raise ConfigError(f"--gang {o.gang!r}: use one of {', '.join(GANG_SCHEDULERS)} (the training operator's "
+                          "--gang-scheduler-name)")
+    if o.gang_queue is not None and o.gang != "volcano":
+        raise ConfigError(f"--gang-queue {o.gang_queue!r} names a Volcano queue: add --gang volcano")
+    policy = {"minAvailable": plan.nodes, **({"queue": o.gang_queue} if o.gang_queue else {})}
+    pod: dict[str, Any] = {"schedulerName": GANG_SCHEDULERS[o.gang]} if o.gang else {}
+    selector = _k8s_pairs("--node-selector", o.node_selector, r"(?:[A-Za-z0-9][-A-Za-z0-9_.]*)?",
+                          "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3")
+    pod.update({"nodeSelector": selector} if selector else {})
+    tolerations = _tolerations(o.tolerations)
+    pod.update({"tolerations": tolerations} if tolerations else {})
+    affinity = _affinity(o.affinity)
+    pod.update({"affinity": affinity} if affinity else {})
+    rdma = _k8s_pairs("--rdma-resource", o.rdma_resources, r"[1-9][0-9]*", "rdma/hca=1")
+    for name in rdma:
+        if "/" not in name or name == "nvidia.com/gpu" or name.split("/")[0].endswith("kubernetes.io"):
+            raise ConfigError(f"--rdma-resource {name}=...: name a device plugin's resource DOMAIN/NAME other than "
+                              "the GPUs (requested already), e.g. rdma/hca, rdma/rdma_shared_device_a or "
+                              "nvidia.com/hostdev")
+    caps = {"capabilities": {"add": ["IPC_LOCK"]}} if o.ipc_lock or rdma else None
+    return {"SCHEDULING_POLICY": f"    schedulingPolicy: {j(policy)}" if o.gang else "",
+            "POD_PLACEMENT": "\n".join(f"          {k}: {j(v)}" for k, v in pod.items()),
+            "SECURITY_CONTEXT": f"              securityContext: {j(caps)}  # RDMA pins memory" if caps else "",
+            "DEVICE_RESOURCES": "\n".join(f"                  {k}: {v}" for k, v in rdma.items())}
+
+
 def render(plan: JobPlan) -> str:
     """The filled template of ``plan.options.scheduler``. Raises ConfigError for bad scheduler
     options (time limit, sbatch lines, image name, ...)."""
-    s = plan.options.scheduler
+    s, numa = plan.options.scheduler, plan.options.numa_binding
+    if numa is not None and (s == "deepspeed" or numa not in NUMA_MODES):
+        raise ConfigError(f"--numa-binding {numa!r}: " + (
+            "the deepspeed launcher binds with its own --bind_cores_to_rank; use --scheduler slurm or k8s"
+            if s == "deepspeed" else f"torchrun's modes are {', '.join(NUMA_MODES)} (node: the CPUs of the NUMA node "
+                                     "of the rank's GPU)"))
     template = TEMPLATES[s].read_text()
     values = {"slurm": _render_slurm, "deepspeed": _render_deepspeed, "k8s": _render_k8s}[s](plan)
     if s == "k8s" and plan.nodes == 1:  # a single pod: the Master alone
@@ -596,6 +774,9 @@ def render(plan: JobPlan) -> str:
     if s == "k8s":  # --env replaces a variable the template sets (a container lists each name once)
         for k in plan.env:
             template = re.sub(rf"\n *- \{{name: {re.escape(k)}, value: [^\n]*", "", template)
+        for k in ("SCHEDULING_POLICY", "POD_PLACEMENT", "SECURITY_CONTEXT", "DEVICE_RESOURCES"):
+            if not values[k]:  # an option not given: no line
+                template = template.replace(f"\n{{{{{k}}}}}", "")
     return fill_template(template, values, str(TEMPLATES[s].relative_to(DATA_ROOT)))
 
 

@@ -72,7 +72,7 @@ def test_rendered_slurm_and_k8s_jobs(case, tmp_path):
     assert specs["Master"]["replicas"] == 1 and ("Worker" in specs) == (lay.nodes > 1)
     assert sum(s["replicas"] for s in specs.values()) == lay.nodes  # one pod per node
     for role in specs:
-        assert specs[role]["restartPolicy"] == "OnFailure"
+        assert specs[role]["restartPolicy"] == "ExitCode"  # a bad configuration (exit 2) never restarts
         pod = specs[role]["template"]["spec"]
         (c,) = pod["containers"]
         assert c["name"] == "pytorch" and c["image"] == "registry.example.org/smelt-ds:1.0"
