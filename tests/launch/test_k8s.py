@@ -31,6 +31,13 @@ _REPLICA = {
                    "restartPolicy": {"enum": ["Always", "OnFailure", "Never", "ExitCode"]},
                    "template": {"type": "object"}},
 }
+#: RunPolicy.schedulingPolicy (gang scheduling: Volcano, scheduler-plugins), from the same CRD's SchedulingPolicy
+_SCHEDULING_POLICY = {
+    "type": "object", "additionalProperties": False,
+    "properties": {"minAvailable": {"type": "integer", "minimum": 1}, "queue": {"type": "string"},
+                   "priorityClass": {"type": "string"}, "scheduleTimeoutSeconds": {"type": "integer"},
+                   "minResources": {"type": "object", "additionalProperties": {"type": ["string", "integer"]}}},
+}
 #: the PyTorchJob (kubeflow.org/v1) fields the manifest uses, written from the training-operator's
 #: CRD (manifests/base/crds/kubeflow.org_pytorchjobs.yaml: PyTorchJobSpec, RunPolicy, ReplicaSpec):
 #: unknown fields are refused, as `kubectl apply --validate=strict` refuses them; each replica's pod
@@ -48,7 +55,8 @@ PYTORCHJOB_SCHEMA = {
                  "properties": {
                      "runPolicy": {"type": "object", "additionalProperties": False,
                                    "properties": {"backoffLimit": {"type": "integer", "minimum": 0},
-                                                  "cleanPodPolicy": {"enum": ["All", "Running", "None"]}}},
+                                                  "cleanPodPolicy": {"enum": ["All", "Running", "None"]},
+                                                  "schedulingPolicy": _SCHEDULING_POLICY}},
                      "pytorchReplicaSpecs": {"type": "object", "additionalProperties": False, "required": ["Master"],
                                              "properties": {"Master": _REPLICA, "Worker": _REPLICA}}}},
     },
