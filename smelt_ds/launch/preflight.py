@@ -20,7 +20,12 @@ The checks, in order (:data:`CHECKS`), and the training code each one runs:
 - ``tokenizer``: ``data.tokenizer.path`` (or ``train.init_from``'s) loads
   (:func:`smelt_ds.runs.tokenizer_file.load_tokenizer`), holds the end-of-text and padding tokens
   (:func:`smelt_ds.data.tokenizer.special_ids`) and fits ``model.vocab_size``; or the tokenizer to
-  be trained does.
+  be trained does. A warning when ``data.tokenizer.vocab_size`` asks for another size, which the
+  loaded tokenizer ignores (:func:`smelt_ds.data.tokenizer.unused_vocab_size`).
+- ``token ids``: the largest id of every ``megatron`` / ``tokens`` file is one of the tokenizer's
+  and below ``model.vocab_size``, read as ``smelt-ds data inspect`` reads it (every id up to
+  :data:`smelt_ds.data.token_sources.PREFLIGHT_SCAN_TOKENS` in all, a sample of each file beyond:
+  :func:`smelt_ds.data.token_sources.check_source_ids`); what preparing refuses after the queue.
 - ``paths``: every path the job uses, as it uses them (:mod:`smelt_ds.launch.paths`): the run
   directory, data cache, ``data.output_dir`` and Slurm log directory can be created and written
   (a directory is created there, then removed), the inputs (recipe, data, tokenizer,
@@ -46,7 +51,8 @@ The checks, in order (:data:`CHECKS`), and the training code each one runs:
 A Kubernetes pod sees its image and its mounts, not this machine: there the data check is that
 every recipe path lies in a volume of the pod or in its image (:mod:`smelt_ds.launch.k8s_mounts`,
 what ``render-job`` refuses), and the interpreter and tracker checks are warnings (``warn``); the
-others are the same.
+others are the same. The token ids are checked on the files this machine sees at the recipe's paths
+(relative ones in this directory), and skipped, saying so, when it sees none.
 """
 
 from __future__ import annotations
@@ -69,8 +75,8 @@ from smelt_ds.config.run import RunConfig
 from smelt_ds.data.cache import is_complete
 from smelt_ds.data.prepare import prepared_path
 from smelt_ds.data.prepared import PreparedData, check_compatible
-from smelt_ds.data.token_sources import resolve_token_paths
-from smelt_ds.data.tokenizer import special_ids
+from smelt_ds.data.token_sources import TokenFilesNotFound, check_source_ids, resolve_token_paths
+from smelt_ds.data.tokenizer import special_ids, unused_vocab_size
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.jobs import MIN_HEADROOM, SCHEDULERS, JobOptions, JobPlan, gloo_ifname, plan_job
 from smelt_ds.launch.k8s_mounts import pod_mounts, unseen_paths
@@ -86,7 +92,8 @@ from smelt_ds.train.trackers import FALLBACKS, check_trackers
 __all__ = ["CHECKS", "CheckResult", "run_checks", "format_results", "failures", "add_parser"]
 
 #: the checks, in the order they run and print
-CHECKS = ("config", "data", "tokenizer", "paths", "memory", "trackers", "interpreter", "deepspeed ops", "network")
+CHECKS = ("config", "data", "tokenizer", "token ids", "paths", "memory", "trackers", "interpreter",
+          "deepspeed ops", "network")
 #: the oldest Python the suite runs on
 MIN_PYTHON = (3, 11)
 
@@ -170,8 +177,28 @@ def check_tokenizer(cfg: RunConfig) -> str:
         raise ConfigError(f"`model.vocab_size` ({vocab}) is smaller than the tokenizer of `data.tokenizer.path` "
                           f"({tok_cfg.path!r}, {size} tokens): set model.vocab_size to at least {size} (e.g. "
                           f"{padded}, padded to a multiple of 128)")
-    return (f"{tok_cfg.path}: {size} tokens <= model.vocab_size {vocab}; {tok_cfg.eot_token!r} and "
-            f"{tok_cfg.pad_token!r} are in it")
+    ok = (f"{tok_cfg.path}: {size} tokens <= model.vocab_size {vocab}; {tok_cfg.eot_token!r} and "
+          f"{tok_cfg.pad_token!r} are in it")
+    unused = unused_vocab_size(tok_cfg, size, vocab)
+    if unused:
+        raise CheckWarning(f"{ok}; but {unused}")
+    return ok
+
+
+def check_token_ids(cfg: RunConfig, pod: bool, read: bool) -> str:
+    """The largest id of every ``megatron`` / ``tokens`` file against the tokenizer's ids and
+    ``model.vocab_size`` (:func:`smelt_ds.data.token_sources.check_source_ids`, the reading of
+    ``smelt-ds data inspect``), for a pod (``pod``) the files this machine sees at the recipe's
+    paths. Raises CheckSkipped when ``read`` is false (--no-data-check) or a source has no files
+    here, ConfigError naming the file, its largest id, the size it exceeds and the fix."""
+    if not read:
+        raise CheckSkipped("--no-data-check (data files are not read here)")
+    try:
+        return check_source_ids(cfg.data, cfg.model.vocab_size) + (" (the files here at render time)" if pod else "")
+    except TokenFilesNotFound as e:
+        raise CheckSkipped(f"`{e.where}` has no files on this machine (relative paths read in {Path.cwd()}): " + (
+            "the pod reads them from its volumes; to check their ids before the queue, run `smelt-ds data inspect "
+            "FILE --tokenizer T --recipe R` where they are" if pod else "see the data check")) from None
 
 
 def check_memory(plan: JobPlan) -> str:
@@ -191,6 +218,10 @@ def check_memory(plan: JobPlan) -> str:
 
 class CheckWarning(Exception):
     """A check that found something the job survives (e.g. a tracker it will fall back for)."""
+
+
+class CheckSkipped(Exception):
+    """A check that cannot run here (the files are not on this machine); the message says why."""
 
 
 def check_tracking(cfg: RunConfig) -> str:
@@ -345,6 +376,7 @@ def run_checks(plan: JobPlan, data: bool = True, require_shared: bool = False) -
         ("config", lambda: check_config(plan), False),
         ("data", lambda: check_data(cfg, plan.workdir), k8s),
         ("tokenizer", lambda: check_tokenizer(init_from_tokenizer(cfg)), k8s),  # as training resolves it
+        ("token ids", lambda: check_token_ids(cfg, k8s, data), False),  # a pod's too, when its files are here
         ("paths", lambda: check_paths(plan, data, require_shared), False),
         ("memory", lambda: check_memory(plan), False),
         ("trackers", lambda: check_tracking(cfg), k8s),
@@ -367,6 +399,8 @@ def run_checks(plan: JobPlan, data: bool = True, require_shared: bool = False) -
                 out.append(CheckResult(name, "ok", check()))
             except CheckWarning as e:
                 out.append(CheckResult(name, "warn", str(e)))
+            except CheckSkipped as e:
+                out.append(CheckResult(name, "skip", str(e)))
             except ConfigError as e:
                 note = " (checked here; a Kubernetes pod sees its own image and mounts)" if soft else ""
                 out.append(CheckResult(name, "warn" if soft else "fail", f"{e}{note}"))
