@@ -40,6 +40,11 @@ The checks, in order (:data:`CHECKS`), and the training code each one runs:
   deepspeed launcher) is 3.11 or newer and has the packages the recipe needs (tutel with
   ``moe_runtime.use_tutel``: :func:`smelt_ds.parallel.moe_backends.apply.check_backend_runtime`;
   lm-eval with ``eval.harness_tasks``).
+- ``ds config``: the DeepSpeed config of the ``config`` check parsed by DeepSpeed's own config
+  classes at the job's world size, as ``deepspeed.initialize`` parses it on every rank
+  (:func:`smelt_ds.config.deepspeed_validation.validate_deepspeed_config`; the recipe's
+  ``deepspeed.config`` keys were parsed so when it was loaded); a warning naming a top-level key
+  DeepSpeed's parser never reads (``zero_optimisation``), which DeepSpeed ignores.
 - ``deepspeed ops``: the DeepSpeed ops the run builds at start (CPU Adam with an optimizer
   offload; the CPU communication op with several CPU ranks) can be built: DeepSpeed's own
   ``is_compatible`` and a C++ compiler.
@@ -60,6 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import importlib.metadata
 import importlib.util
 import os
 import shlex
@@ -71,6 +77,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smelt_ds.config.data import TOKEN_KINDS
+from smelt_ds.config.deepspeed_validation import unread_keys, validate_deepspeed_config
 from smelt_ds.config.run import RunConfig
 from smelt_ds.data.cache import is_complete
 from smelt_ds.data.prepare import prepared_path
@@ -93,7 +100,7 @@ __all__ = ["CHECKS", "CheckResult", "run_checks", "format_results", "failures", 
 
 #: the checks, in the order they run and print
 CHECKS = ("config", "data", "tokenizer", "token ids", "paths", "memory", "trackers", "interpreter",
-          "deepspeed ops", "network")
+          "ds config", "deepspeed ops", "network")
 #: the oldest Python the suite runs on
 MIN_PYTHON = (3, 11)
 
@@ -123,6 +130,29 @@ def check_config(plan: JobPlan) -> str:
     return (f"ZeRO-{plan.config.deepspeed.zero_stage}, {plan.config.moe_runtime.backend} MoE backend; DeepSpeed "
             f"config built for {world} ranks: train_batch_size {ds['train_batch_size']} = micro-batch "
             f"{ds['train_micro_batch_size_per_gpu']} x accumulation {ds['gradient_accumulation_steps']} x {world}")
+
+
+def check_deepspeed_config(plan: JobPlan) -> str:
+    """The whole DeepSpeed config of the job parsed by DeepSpeed's own config classes on its
+    ``nodes x gpus_per_node`` ranks (:func:`smelt_ds.config.deepspeed_validation.validate_deepspeed_config`).
+    Raises ConfigError naming the field path, its value, DeepSpeed's message and the fix;
+    CheckWarning naming the top-level keys DeepSpeed's parser never reads, with the closest one it
+    reads (:func:`smelt_ds.config.deepspeed_validation.unread_keys`: DeepSpeed ignores them);
+    CheckSkipped when the config check could not build the config."""
+    world = plan.nodes * plan.gpus_per_node
+    try:
+        ds = build_ds_config(plan.config, world)
+    except ConfigError:
+        raise CheckSkipped("no DeepSpeed config was built: see the config check") from None
+    validate_deepspeed_config({}, ds, world)
+    ok = f"DeepSpeed {importlib.metadata.version('deepspeed')}'s config classes accept it on {world} ranks"
+    unread = unread_keys(ds, world)
+    if unread:
+        raise CheckWarning(f"{ok}; its parser never reads (DeepSpeed ignores them): " + "; ".join(
+            f"`deepspeed.config.{key}`: " + (f"did you mean `deepspeed.config.{close}`?" if close else
+                                             "remove it unless deepspeed.initialize reads it itself")
+            for key, close in unread.items()))
+    return f"{ok} ({', '.join(ds)})"
 
 
 def check_data(cfg: RunConfig, workdir: str) -> str:
@@ -381,6 +411,7 @@ def run_checks(plan: JobPlan, data: bool = True, require_shared: bool = False) -
         ("memory", lambda: check_memory(plan), False),
         ("trackers", lambda: check_tracking(cfg), k8s),
         ("interpreter", lambda: check_interpreter(cfg), k8s),
+        ("ds config", lambda: check_deepspeed_config(plan), False),
         ("deepspeed ops", lambda: check_deepspeed_ops(plan), False),
         ("network", lambda: check_network(plan), False),
     ]
