@@ -54,7 +54,7 @@ from smelt_ds.parallel import control
 from smelt_ds.runs.reference_weights import REFERENCE_DIR, gather_reference_shard, shard_path
 
 __all__ = ["checkpoint_dir", "save", "choose", "load", "load_from", "latest_complete", "read_marker", "verify",
-           "rng_state", "restore_rng", "MARKER", "run_layout",
+           "rng_state", "restore_rng", "MARKER", "run_layout", "describe_layout",
            "check_layout", "REFERENCE_CHOICES", "offline_exportable", "writes_reference", "reference_files",
            "newest_with_reference", "holds", "Marker", "layout_gaps", "marker_damage", "newest_sound"]
 
@@ -611,8 +611,6 @@ def layout_gaps(ckpt: str | Path, meta: dict[str, Any]) -> list[str]:
         return []
     how = "does not list" if files is not None else "has no file digests (an older smelt-ds), and its directory lacks"
     more = f", and {len(missing) - 4} more" if len(missing) > 4 else ""
-    from smelt_ds.runs.reshard import describe_layout  # reshard imports this module
-
     return [f"{ckpt / MARKER} is damaged: it {how} {len(missing)} file(s) its layout ({describe_layout(meta)}) "
             f"needs: {'; '.join(missing[:4])}{more}: {_REPAIR}"]
 
@@ -681,6 +679,13 @@ def run_layout(cfg, world_size: int) -> dict[str, Any]:
             "ep_size": rt.ep_size if rt.backend != "reference" else 1,
             "micro_batch_size": cfg.train.micro_batch_size,
             "global_batch_samples": cfg.train.micro_batch_size * accum * world_size}
+
+
+def describe_layout(layout: dict[str, Any]) -> str:
+    """A layout (:func:`run_layout`, a ``COMPLETE`` marker) in words, for messages:
+    ``"2 rank(s), ZeRO-3, autoep, EP 2"``; a key the layout lacks reads ``None``."""
+    return (f"{layout.get('world_size')} rank(s), ZeRO-{layout.get('zero_stage')}, {layout.get('moe_backend')}, "
+            f"EP {layout.get('ep_size')}")
 
 
 _LAYOUT_WORDS = {"world_size": "ranks (data-parallel x expert-parallel)", "zero_stage": "ZeRO stage",

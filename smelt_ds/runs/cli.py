@@ -15,7 +15,7 @@ from typing import Any
 from smelt_ds.config.loading import config_from_dict, config_to_dict, load_config
 from smelt_ds.errors import ConfigError
 from smelt_ds.runs import checkpoint as ckpt
-from smelt_ds.runs.reshard import describe_layout, valid_world_sizes
+from smelt_ds.runs.reshard import valid_world_sizes
 
 __all__ = ["add_parser", "resumable_layouts", "checkpoint_info"]
 
@@ -128,7 +128,7 @@ def checkpoint_info(path: Path, recipe: str | None = None, max_ranks: int = 64,
         lines.append("complete      yes" + (" (every file's SHA-256 verified)" if verify else
                                            " (marker present, every listed file present; --verify checks SHA-256)"))
     lines += [f"step          {meta['step']} ({meta['tokens_seen']:,} tokens seen)",
-              f"layout        {describe_layout(meta)}"]
+              f"layout        {ckpt.describe_layout(meta)}"]
     if "global_batch_samples" in meta:
         lines.append(f"batch         global batch {meta['global_batch_samples']} samples of micro-batch "
                      f"{meta['micro_batch_size']}")

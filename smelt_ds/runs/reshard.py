@@ -45,17 +45,11 @@ from smelt_ds.runs import checkpoint as ckpt
 from smelt_ds.runs.reference_weights import expert_placement, mark_local_expert_counts, reference_name, shard_path
 
 __all__ = ["LAYOUT_KEYS", "ResumePlan", "engine_counters", "layout_change", "plan_resume", "load_resharded",
-           "valid_world_sizes", "describe_layout"]
+           "valid_world_sizes"]
 
 #: what a layout is (the ``COMPLETE`` marker's keys, :func:`smelt_ds.runs.checkpoint.run_layout`)
 LAYOUT_KEYS = ("world_size", "zero_stage", "moe_backend", "ep_size")
 _WORDS = {"world_size": "ranks", "zero_stage": "ZeRO stage", "moe_backend": "MoE backend", "ep_size": "EP size"}
-
-
-def describe_layout(layout: dict[str, Any]) -> str:
-    """``"2 ranks, ZeRO-3, autoep, EP 2"``."""
-    return (f"{layout.get('world_size')} rank(s), ZeRO-{layout.get('zero_stage')}, {layout.get('moe_backend')}, "
-            f"EP {layout.get('ep_size')}")
 
 
 def layout_change(meta: dict[str, Any], layout: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -113,8 +107,8 @@ class ResumePlan:
                     "and the same samples in every optimizer step; the load-balancing loss and DeepSpeed-MoE's "
                     "capacity are computed per micro-batch, so they now see other groups of samples)")
         what = "; ".join(f"{_WORDS[k]} {a} -> {b}" for k, (a, b) in self.changes.items())
-        return (f"resuming {self.checkpoint.name} at another layout ({what}): {describe_layout(self.old)} -> "
-                f"{describe_layout(self.new)}; {self._batch()}); converted from the layout-free state: "
+        return (f"resuming {self.checkpoint.name} at another layout ({what}): {ckpt.describe_layout(self.old)} -> "
+                f"{ckpt.describe_layout(self.new)}; {self._batch()}); converted from the layout-free state: "
                 f"{', '.join(self.converted)}")
 
     def row(self) -> dict[str, Any]:
@@ -208,7 +202,7 @@ def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
             "training state: its reference shards (fp32 weights and AdamW moments in the reference layout) were "
             f"removed by pruning once the newer {held['removed_by']} was complete (train.reference_weights newest "
             "or minimal keeps them in the newest checkpoint only): resume the run's newest checkpoint at this "
-            f"layout (--resume auto), or this one at its own layout ({describe_layout(meta)}); "
+            f"layout (--resume auto), or this one at its own layout ({ckpt.describe_layout(meta)}); "
             "train.reference_weights: every_save keeps them in every checkpoint")
     if "global_batch_samples" not in meta or (changes and not held["layout_free"]):
         if not changes:
@@ -217,7 +211,7 @@ def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
             f"checkpoint {path} was written with another layout ({what}) and holds no layout-free training state "
             "(it was written before smelt-ds kept one, with train.layout_free_state: false, or by a save without "
             "the reference weights, train.reference_weights): resume it at its own layout "
-            f"({describe_layout(meta)}), or continue from its weights alone with `smelt-ds export` and "
+            f"({ckpt.describe_layout(meta)}), or continue from its weights alone with `smelt-ds export` and "
             "train.init_from in a new --run-dir (the optimizer state starts fresh)")
     t = cfg.train
     old_micro, global_batch = int(meta["micro_batch_size"]), int(meta["global_batch_samples"])
@@ -237,7 +231,7 @@ def plan_resume(cfg, out_dir: Path, resume: str, world_size: int):
         raise ConfigError(
             f"the run draws random numbers per micro-batch (model.dropout {cfg.model.dropout}, moe.router_jitter "
             f"{cfg.moe.router_jitter}), which another layout or micro-batch size gives to other micro-batches: "
-            f"resume checkpoint {path} at its own layout ({describe_layout(meta)}) and micro-batch size "
+            f"resume checkpoint {path} at its own layout ({ckpt.describe_layout(meta)}) and micro-batch size "
             f"(--set train.micro_batch_size={old_micro})")
     if t.global_batch_tokens is not None:
         resolve_batch(t.model_copy(update={"gradient_accumulation_steps": None}), world_size)  # the run's: same accum
