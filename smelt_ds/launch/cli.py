@@ -21,9 +21,9 @@ from smelt_ds.launch.jobs import (
     JobOptions,
     plan_job,
     render,
+    slurm_log_dir,
     summary,
 )
-from smelt_ds.launch.paths import slurm_log_dir
 from smelt_ds.launch.preflight import failures, format_results, run_checks
 
 

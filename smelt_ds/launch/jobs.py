@@ -51,14 +51,13 @@ from smelt_ds.config.loading import dump_config
 from smelt_ds.config.run import RunConfig
 from smelt_ds.errors import ConfigError
 from smelt_ds.launch.k8s_mounts import K8S_RECIPE, K8S_RECIPE_DIR, pod_mounts, unseen_paths
-from smelt_ds.launch.paths import slurm_log_dir
 from smelt_ds.launch.placement import MIN_HEADROOM, memory_report, place, zero3_decision
 from smelt_ds.resources import DATA_ROOT
 
 __all__ = ["SCHEDULERS", "LAUNCHERS_DIR", "TEMPLATES", "NCCL_FAULT_ENV", "Host", "parse_hostfile", "expand_nodelist",
            "JobOptions", "JobPlan", "plan_job", "render", "fill_template", "per_node_command", "k8s_pod_command",
            "summary", "main", "GLOO_FROM_NCCL", "gloo_ifname", "slurm_min_time", "k8s_scheduling", "NUMA_MODES",
-           "GANG_SCHEDULERS", "K8S_RESTART_POLICIES"]
+           "GANG_SCHEDULERS", "K8S_RESTART_POLICIES", "slurm_log_dir"]
 
 SCHEDULERS = ("deepspeed", "slurm", "k8s")
 LAUNCHERS_DIR = DATA_ROOT / "launchers"
@@ -318,6 +317,15 @@ class JobPlan:
     @property
     def ep_size(self) -> int:
         return self.config.moe_runtime.ep_size if self.config.moe_runtime.backend != "reference" else 1
+
+
+def slurm_log_dir(plan: JobPlan) -> tuple[str, str]:
+    """``(what, directory)``: the Slurm job's log directory, absolute (``--log-dir``, relative
+    to the working directory, else ``WORKDIR/runs/slurm-logs``), and how the user set it."""
+    given = plan.options.log_dir
+    if given is None:
+        return "the log directory (default WORKDIR/runs/slurm-logs)", os.path.join(plan.workdir, "runs", "slurm-logs")
+    return "--log-dir", os.path.normpath(os.path.join(plan.workdir, os.path.expanduser(given)))
 
 
 def _positive(name: str, value: Any) -> None:

@@ -42,15 +42,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from smelt_ds.data.cache import cache_root
-
-if TYPE_CHECKING:
-    from smelt_ds.launch.jobs import JobPlan
+from smelt_ds.launch.jobs import JobPlan, slurm_log_dir
 
 __all__ = ["NODE_TEMP_DIRS", "NODE_LOCAL_TYPES", "SHARED_TYPES", "JobPath", "FileSystem", "mount_table",
-           "file_system", "job_paths", "unwritable", "unreadable", "node_local", "slurm_log_dir"]
+           "file_system", "job_paths", "unwritable", "unreadable", "node_local"]
 
 #: directories every node has its own of (temporary files, memory): node-local by name
 NODE_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
@@ -128,15 +125,6 @@ def file_system(path: str, table: list[tuple[str, str, str]] | None = None) -> F
     if fstype in SHARED_TYPES or any(fstype.startswith(t + ".") for t in SHARED_TYPES):
         return FileSystem(point, fstype, device, "shared", f"{on} (a shared file system)")
     return FileSystem(point, fstype, device, "unknown", f"{on} (not known as node-local)")
-
-
-def slurm_log_dir(plan: JobPlan) -> tuple[str, str]:
-    """``(what, directory)``: the Slurm job's log directory, absolute (``--log-dir``, relative
-    to the working directory, else ``WORKDIR/runs/slurm-logs``), and how the user set it."""
-    given = plan.options.log_dir
-    if given is None:
-        return "the log directory (default WORKDIR/runs/slurm-logs)", os.path.join(plan.workdir, "runs", "slurm-logs")
-    return "--log-dir", os.path.normpath(os.path.join(plan.workdir, os.path.expanduser(given)))
 
 
 def _interpreter(plan: JobPlan) -> tuple[str, str]:
