@@ -137,7 +137,7 @@ _TWICE: dict[tuple[tuple[str, ...], str], tuple[str, str, object]] = {
     **{(path, "--set"): ("a.b=1", "c.d=2", ["a.b=1", "c.d=2"]) for path in (
         ("budget",), ("config", "show"), ("config", "validate"), ("data", "tokenizer"), ("data", "prepare"),
         ("train",), ("eval",), ("eval", "build-tasks"), ("analyze",), ("generate",), ("memory",), ("sweep",),
-        ("preflight",), ("render-job",))},
+        ("preflight",), ("render-job",), ("data", "tokenize"))},
     (("match",), "--ranges"): ("0:1:2", "1:2:3", "0:1:2,1:2:3"),
     (("data", "tokenizer"), "--input"): ("a.txt", "builtin:code", ["a.txt", "builtin:code"]),
     (("data", "prepare"), "--source"): ("path=a", "path=b", ["path=a", "path=b"]),
@@ -159,6 +159,13 @@ _TWICE: dict[tuple[tuple[str, ...], str], tuple[str, str, object]] = {
     (("render-job",), "--env"): ("A=1", "B=2", ["A=1", "B=2"]),
     (("preflight",), "--env"): ("A=1", "B=2", ["A=1", "B=2"]),
     (("render-job",), "--sbatch"): ("--qos=high", "--mem=0", ["--qos=high", "--mem=0"]),
+    (("data", "tokenize"), "--input"): ("a.jsonl", "shards/", ["a.jsonl", "shards/"]),  # read in this order
+    # Kubernetes pod placement: several labels, taints and device resources
+    (("render-job",), "--node-selector"): ("a/b=1", "c=d", ["a/b=1", "c=d"]),
+    (("render-job",), "--toleration"): ("nvidia.com/gpu:NoSchedule", "spot=true:NoExecute",
+                                        ["nvidia.com/gpu:NoSchedule", "spot=true:NoExecute"]),
+    (("render-job",), "--rdma-resource"): ("rdma/hca=1", "nvidia.com/hostdev=2",
+                                           ["rdma/hca=1", "nvidia.com/hostdev=2"]),
 }
 
 

@@ -80,7 +80,8 @@ INPUT_FILES = {"--hostfile": {"hostfile": "launchers/deepspeed/hostfile.example"
 #: options whose value is an output path (kept relative: it lands in the temporary directory)
 OUTPUT_OPTIONS = {"-o", "--output", "--output-dir", "--output_path"}
 #: commands whose recipe (or sweep) and --set overrides are loaded and validated
-VALIDATED = {("train",), ("sweep",), ("render-job",), ("memory",), ("budget",), ("data", "prepare")}
+VALIDATED = {("train",), ("sweep",), ("render-job",), ("memory",), ("budget",), ("data", "prepare"),
+             ("data", "tokenize")}
 
 #: examples that train, evaluate a trained run or run the harness: example -> the test that runs
 #: that path end to end ("tests/<file>.py::<test>"). Keys are the example's words (comments and
@@ -183,6 +184,8 @@ EXPENSIVE = {
     "path=books/,sample_by=paragraph,domain=books --vocab-size 8192 -o prepared/":
         "tests/data/test_cli.py::test_prepare_then_reuse_then_verify",
     "smelt-ds data verify prepared/": "tests/data/test_cli.py::test_prepare_then_reuse_then_verify",
+    "smelt-ds data tokenize --input corpus.jsonl -o data/web_text_document --recipe recipes/tiny/smelt.yaml "
+    "--workers 8": "tests/data/test_tokenize.py::test_the_recipes_tokenizer_and_a_text_input",
     # help texts
     "smelt-ds export runs/tiny-smelt -o exports/tiny-smelt": _RUN_EXPORT_INIT,
     "smelt-ds eval build-tasks OUT": "tests/eval/test_offline_tasks.py::test_cli",
@@ -200,10 +203,12 @@ EXPENSIVE = {
 
 
 #: inputs on the reader's cluster or machine that the checkout lacks (docs/cluster.md's walkthrough,
-#: docs/data.md's token files): input (a path, or a prefix ending in "/") -> why it is not here. An
-#: example naming one is parsed, and its recipe validated through its stand-in (STAND_INS); it runs
-#: when it is cheap and every such input has a stand-in, else its class is `cluster` (not run).
+#: docs/data.md's token files and the files it tokenises): input (a path, or a prefix ending in "/")
+#: -> why it is not here. An example naming one is parsed, and its recipe validated through its
+#: stand-in (STAND_INS); it runs when it is cheap and every such input has a stand-in, else its class
+#: is `cluster` (not run).
 _INSPECT = "tests/data/test_token_bad_input.py::test_inspect_prints_what_the_writers_wrote"
+_TOKENIZE = "tests/data/test_tokenize.py::test_megatron_round_trip_through_inspect_and_the_reader"
 CLUSTER_INPUTS = {
     "/shared/": "a path on the cluster's shared filesystem (docs/cluster.md: corpora, tokenizer, environment)",
     "m-smelt-pile.yaml": "the recipe docs/cluster.md has the reader write (stand-in: its yaml block)",
@@ -211,6 +216,10 @@ CLUSTER_INPUTS = {
     "exports/m-smelt-pile": f"the export of the walkthrough's run (the path at tiny scale: {_RUN_EXPORT_INIT})",
     "corpus_text_document": f"a Megatron dataset docs/data.md writes with megatron-core's builder ({_INSPECT})",
     "corpus.npy": f"a flat token file docs/data.md writes with np.save ({_INSPECT})",
+    "shards/": "the reader's own directory of JSONL files docs/data.md tokenises (a JSONL file at test scale: "
+               f"{_TOKENIZE})",
+    "/data/tokenizers/": "a tokenizer on the reader's machine (Llama 3's, which the checkout does not ship; a "
+                         f"tokenizer.json at test scale: {_TOKENIZE})",
 }
 
 
@@ -568,7 +577,7 @@ def validate(cmd: Command, ns: argparse.Namespace, tmp: Path) -> None:
         elif cmd.path == ("budget",):
             for r in ns.recipes:
                 load_config(_in_repo(r), sets)
-        elif cmd.path == ("data", "prepare") and ns.recipe is None:
+        elif cmd.path in (("data", "prepare"), ("data", "tokenize")) and ns.recipe is None:
             config_from_dict(apply_overrides({}, sets))
         else:
             load_config(_in_repo(ns.recipe), sets)
@@ -586,7 +595,8 @@ def _cheap(cmd: Command) -> list[str] | None:
             p == ("memory",) and "--measure" not in a):
         return a
     if p in (("recipes", "table"), ("config", "reference")):  # it would rewrite a page of docs/: print it instead
-        return a if {"-o", "--output"} & set(a) else [*a, "-o", "-"]
+        # (--check compares with the checkout's page and writes nothing: run as written)
+        return a if {"-o", "--output", "--check"} & set(a) else [*a, "-o", "-"]
     if p == ("recipes", "derive"):  # it would rewrite the checkout's recipes: compare instead
         return a if "--check" in a else [*a, "--check"]
     if p == ("sweep",) and ("--dry-run" in a or "--render" in a):

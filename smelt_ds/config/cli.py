@@ -51,12 +51,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(func=run_validate)
     r = csub.add_parser("reference", help="print the recipe reference (docs/configuration.md): every recipe "
                                           "field's type, default and description",
-                        description="Print the recipe reference (every section and field of the run config with "
-                                    "its YAML type, default and description, read from the config's pydantic "
+                        description="Print the recipe reference (every section and field of the run config with\n"
+                                    "its YAML type, default and description, read from the config's pydantic\n"
                                     "fields), write it with -o, or check that a file is up to date.",
-                        epilog="examples: smelt-ds config reference | less; smelt-ds config reference -o "
-                               "docs/configuration.md (regenerate the checkout's page); smelt-ds config reference "
-                               "--check")
+                        epilog="examples:\n"
+                               "  smelt-ds config reference                           # print it (pipe it to less)\n"
+                               "  smelt-ds config reference -o docs/configuration.md  # rewrite the checkout's page\n"
+                               "  smelt-ds config reference --check                   # exit 1 when it is stale",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("-o", "--output", default=None,
                    help="write the reference to this file (default: print it; '-' prints it too)")
     r.add_argument("--check", action="store_true",
