@@ -39,7 +39,7 @@ import re
 import shlex
 import sys
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -328,9 +328,12 @@ def slurm_log_dir(plan: JobPlan) -> tuple[str, str]:
     return "--log-dir", os.path.normpath(os.path.join(plan.workdir, os.path.expanduser(given)))
 
 
-def _positive(name: str, value: Any) -> None:
+def _positive(name: str, value: Any, example: int, unit: str = "") -> None:
+    """Raise ConfigError unless ``value`` is an integer >= 1; the message offers ``name example``
+    (a sensible value of the option: its default where it has one), in ``unit`` when given."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"`{name}` ({value!r}) must be a positive integer, e.g. {name} 2")
+        raise ConfigError(f"`{name}` ({value!r}) must be a positive integer{f' ({unit})' if unit else ''}, e.g. "
+                          f"{name} {example}")
 
 
 def _recipe_arg(path: Path, workdir: str, scheduler: str) -> str:
@@ -593,8 +596,8 @@ def _render_slurm(plan: JobPlan) -> dict[str, str]:
             raise ConfigError(f"--sbatch {opt!r}: pass one sbatch option such as --sbatch=--qos=high")
         extra.append(f"#SBATCH {opt}")
     limit = slurm_seconds(o.time)
-    _positive("--signal-lead", o.signal_lead_s)
-    _positive("--startup-time", o.startup_s)
+    _positive("--signal-lead", o.signal_lead_s, JobOptions.signal_lead_s, "seconds")
+    _positive("--startup-time", o.startup_s, JobOptions.startup_s, "seconds")
     if limit <= o.signal_lead_s:
         raise ConfigError(f"--time {o.time!r} ({limit} s) must be longer than --signal-lead ({o.signal_lead_s} s): the "
                           "job checkpoints and requeues that many seconds before its time limit; give a longer --time "
@@ -645,8 +648,8 @@ def _render_k8s(plan: JobPlan) -> dict[str, str]:
                     ("--data-pvc", o.data_pvc)):
         if not v or re.search(r"\s", v):
             raise ConfigError(f"`{name}` ({v!r}) must be a non-empty name without spaces")
-    _positive("--cpus-per-gpu", o.cpu_per_gpu)
-    _positive("--memory-per-gpu", o.memory_per_gpu_gib)
+    _positive("--cpus-per-gpu", o.cpu_per_gpu, JobOptions.cpu_per_gpu, "CPU cores")
+    _positive("--memory-per-gpu", o.memory_per_gpu_gib, JobOptions.memory_per_gpu_gib, "GiB")
     if not isinstance(o.backoff_limit, int) or isinstance(o.backoff_limit, bool) or o.backoff_limit < 0:
         raise ConfigError(f"`--backoff-limit` ({o.backoff_limit!r}) must be 0 (never restart a failed pod) or a "
                           "positive integer, e.g. --backoff-limit 3")
@@ -680,31 +683,108 @@ def _render_k8s(plan: JobPlan) -> dict[str, str]:
                              + dump_config(plan.config))}
 
 
-def _k8s_pairs(option: str, items: list[str], value: str, example: str) -> dict[str, str]:
+#: Kubernetes' rule for a label value, a taint value and the name part of a key (``IsQualifiedName``,
+#: ``IsValidLabelValue``; apimachinery's ``validation``), for messages
+K8S_NAME_RULE = "at most 63 characters: alphanumerics, '-', '_', '.', starting and ending with an alphanumeric"
+_K8S_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _k8s_name_problem(text: str) -> str | None:
+    """Why ``text`` is not a Kubernetes label value / key name (:data:`K8S_NAME_RULE`; not empty), or None."""
+    bad = sorted({c for c in text if not (c.isascii() and (c.isalnum() or c in "-_."))})
+    if bad:
+        return "may not contain " + " or ".join("a space" if c == " " else repr(c) for c in bad)
+    if len(text) > 63:
+        return f"has {len(text)} characters, more than 63"
+    if not _K8S_NAME.fullmatch(text):
+        return "is empty" if not text else "must start and end with a letter or digit"
+    return None
+
+
+def _k8s_key_problem(key: str) -> str | None:
+    """Why ``key`` is not a Kubernetes label key ``[PREFIX/]NAME`` (the key of a label, a taint or
+    a resource: NAME per :data:`K8S_NAME_RULE`, PREFIX a DNS subdomain of at most 253 characters),
+    or None."""
+    prefix, slash, name = key.rpartition("/")
+    if "/" in prefix:
+        return "has more than one '/'"
+    if slash and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+        return f"its prefix {prefix!r} is not a DNS subdomain: lower-case alphanumerics, '-' and '.'"
+    problem = _k8s_name_problem(name)
+    return None if problem is None else f"its name {name!r} {problem}"
+
+
+def _k8s_key_error(option: str, item: str, key: str, problem: str, example: str) -> ConfigError:
+    return ConfigError(f"{option} {item!r}: the key {key!r} is not a Kubernetes label key: {problem} (a key is "
+                       f"[PREFIX/]NAME, NAME {K8S_NAME_RULE}; PREFIX a DNS subdomain such as nvidia.com), e.g. {option} "
+                       f"{example}")
+
+
+def _k8s_pairs(option: str, items: list[str], what: str, check: Callable[[str], str | None],
+               example: str) -> dict[str, str]:
     """``KEY=VALUE`` options (``--node-selector``, ``--rdma-resource``) as a mapping; a key is a
-    Kubernetes qualified name (``[prefix/]name``), ``value`` the regular expression of its values."""
-    out = {}
+    Kubernetes label key (``[PREFIX/]NAME``, :func:`_k8s_key_problem`), ``check(value)`` says what is
+    wrong with a value (None: nothing), ``what`` names the values in messages. Raises ConfigError for
+    an item without ``=``, a bad key or value (naming the rule broken), and for a key given twice (a
+    mapping holds one value per key: the second would silently replace the first)."""
+    out: dict[str, str] = {}
     for item in items:
-        m = re.fullmatch(rf"((?:[a-z0-9.-]+/)?[A-Za-z0-9][-A-Za-z0-9_.]*)=({value})", item)
-        if m is None:
+        key, eq, val = item.partition("=")
+        if not eq:
             raise ConfigError(f"{option} {item!r}: write KEY=VALUE, e.g. {option} {example}")
-        out[m.group(1)] = m.group(2)
+        problem = _k8s_key_problem(key)
+        if problem is not None:
+            raise _k8s_key_error(option, item, key, problem, example)
+        problem = check(val)
+        if problem is not None:
+            raise ConfigError(f"{option} {item!r}: {what} {val!r} {problem}, e.g. {option} {example}")
+        if key in out:
+            raise ConfigError(f"{option} {key} is given twice ({key}={out[key]} and {item}): give each key once")
+        out[key] = val
     return out
+
+
+def _label_value_problem(value: str) -> str | None:
+    """Why ``value`` is not a Kubernetes label value (empty, or :data:`K8S_NAME_RULE`), or None."""
+    problem = _k8s_name_problem(value) if value else None
+    return None if problem is None else f"{problem} (a Kubernetes label value: {K8S_NAME_RULE}, or empty)"
+
+
+def _count_problem(value: str) -> str | None:
+    """Why ``value`` is not a positive device count, or None."""
+    return None if re.fullmatch(r"[1-9][0-9]*", value) else "must be a positive integer (devices per pod)"
+
+
+_TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
 def _tolerations(items: list[str]) -> list[dict[str, str]]:
     """``--toleration KEY[=VALUE][:EFFECT]`` (a taint as ``kubectl taint`` writes it) as pod tolerations:
-    operator Equal with a value, Exists without; every effect when none is given."""
+    operator Equal with a value, Exists without; every effect when none is given. Raises ConfigError
+    naming what is wrong: the effect, the key (:func:`_k8s_key_problem`), the value (a label value),
+    or an empty value after ``=`` (write ``KEY:EFFECT`` for any value, or give the value)."""
     out = []
+    example = "e.g. --toleration nvidia.com/gpu:NoSchedule"
     for item in items:
-        m = re.fullmatch(r"((?:[a-z0-9.-]+/)?[A-Za-z0-9][-A-Za-z0-9_.]*)(?:=([-A-Za-z0-9_.]*))?"
-                         r"(?::(NoSchedule|PreferNoSchedule|NoExecute))?", item)
-        if m is None:
-            raise ConfigError(f"--toleration {item!r}: write KEY[=VALUE][:EFFECT] with EFFECT NoSchedule, "
-                              "PreferNoSchedule or NoExecute, e.g. --toleration nvidia.com/gpu:NoSchedule")
-        key, value, effect = m.groups()
-        t = {"key": key, "operator": "Equal" if value is not None else "Exists"}
-        t.update({"value": value} if value is not None else {})
+        taint, colon, effect = item.rpartition(":") if ":" in item else (item, "", "")
+        if colon and effect not in _TAINT_EFFECTS:
+            raise ConfigError(f"--toleration {item!r}: write KEY[=VALUE][:EFFECT] with EFFECT "
+                              f"{', '.join(_TAINT_EFFECTS[:-1])} or {_TAINT_EFFECTS[-1]} (not {effect!r}), {example}")
+        key, eq, value = taint.partition("=")
+        problem = _k8s_key_problem(key)
+        if problem is not None:
+            raise _k8s_key_error("--toleration", item, key, problem, "nvidia.com/gpu:NoSchedule")
+        if eq and not value:
+            raise ConfigError(f"--toleration {item!r}: the value after '=' is empty: write {key}{colon}{effect} "
+                              f"to tolerate the taint whatever its value (operator Exists), or give the value, "
+                              f"{key}=VALUE{colon}{effect}")
+        problem = _k8s_name_problem(value) if eq else None
+        if problem is not None:
+            raise ConfigError(f"--toleration {item!r}: the value {value!r} {problem} (a taint value: "
+                              f"{K8S_NAME_RULE}), {example}")
+        t = {"key": key, "operator": "Equal" if eq else "Exists"}
+        t.update({"value": value} if eq else {})
         t.update({"effect": effect} if effect else {})
         out.append(t)
     return out
@@ -746,14 +826,14 @@ def k8s_scheduling(plan: JobPlan) -> dict[str, str]:
         raise ConfigError(f"--gang-queue {o.gang_queue!r} names a Volcano queue: add --gang volcano")
     policy = {"minAvailable": plan.nodes, **({"queue": o.gang_queue} if o.gang_queue else {})}
     pod: dict[str, Any] = {"schedulerName": GANG_SCHEDULERS[o.gang]} if o.gang else {}
-    selector = _k8s_pairs("--node-selector", o.node_selector, r"(?:[A-Za-z0-9][-A-Za-z0-9_.]*)?",
+    selector = _k8s_pairs("--node-selector", o.node_selector, "the label value", _label_value_problem,
                           "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3")
     pod.update({"nodeSelector": selector} if selector else {})
     tolerations = _tolerations(o.tolerations)
     pod.update({"tolerations": tolerations} if tolerations else {})
     affinity = _affinity(o.affinity)
     pod.update({"affinity": affinity} if affinity else {})
-    rdma = _k8s_pairs("--rdma-resource", o.rdma_resources, r"[1-9][0-9]*", "rdma/hca=1")
+    rdma = _k8s_pairs("--rdma-resource", o.rdma_resources, "the COUNT", _count_problem, "rdma/hca=1")
     for name in rdma:
         if "/" not in name or name == "nvidia.com/gpu" or name.split("/")[0].endswith("kubernetes.io"):
             raise ConfigError(f"--rdma-resource {name}=...: name a device plugin's resource DOMAIN/NAME other than "
@@ -879,7 +959,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         hosts = expand_nodelist(args.nodelist)
         if args.cmd == "hostfile":
-            _positive("--slots", args.slots)
+            _positive("--slots", args.slots, 8, "GPUs per node")
             print("\n".join(f"{h} slots={args.slots}" for h in hosts))
         else:
             print("\n".join(hosts))

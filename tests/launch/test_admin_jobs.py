@@ -96,6 +96,10 @@ def test_k8s_admin_options_render_a_manifest_that_validates(tmp_path):
     (dict(node_selector=["pool"]), r"--node-selector 'pool': write KEY=VALUE"),
     (dict(rdma_resources=["rdma/hca=0"]), r"--rdma-resource 'rdma/hca=0': write KEY=VALUE"),
     (dict(rdma_resources=["hca=1"]), r"--rdma-resource hca=\.\.\.: name a device plugin's resource DOMAIN/NAME"),
+    # a repeated key: one value per key in nodeSelector and in resources, the second would replace the first
+    (dict(node_selector=["pool=gpu", "pool=cpu"]), r"--node-selector pool is given twice \(pool=gpu and pool=cpu\)"),
+    (dict(rdma_resources=["rdma/hca=1", "rdma/hca=2"]),
+     r"--rdma-resource rdma/hca is given twice \(rdma/hca=1 and rdma/hca=2\)"),
     (dict(gang="kueue"), r"--gang 'kueue': use one of volcano, scheduler-plugins"),
     (dict(gang_queue="q"), r"--gang-queue 'q' names a Volcano queue: add --gang volcano"),
     (dict(restart_policy="Always"), r"--restart-policy 'Always': use ExitCode"),
