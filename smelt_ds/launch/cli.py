@@ -116,15 +116,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="tolerate a node taint as `kubectl taint` writes it, e.g. nvidia.com/gpu:NoSchedule "
                         "(repeatable)")
     g.add_argument("--affinity", default=None, metavar="FILE",
-                   help="YAML/JSON file with the pods' affinity (nodeAffinity, podAffinity, podAntiAffinity)")
+                   help="YAML/JSON file with the pods' affinity (nodeAffinity, podAffinity, podAntiAffinity; "
+                        "default: none)")
     g.add_argument("--rdma-resource", action="append", default=[], dest="rdma_resources", metavar="NAME=COUNT",
                    help="device plugin resource per pod for RDMA (InfiniBand/RoCE), e.g. rdma/hca=1; adds the "
                         "IPC_LOCK capability (repeatable)")
     g.add_argument("--ipc-lock", action="store_true", help="add the IPC_LOCK capability (RDMA pins memory)")
     g.add_argument("--gang", default=None, choices=tuple(GANG_SCHEDULERS),
                    help="gang scheduling: all pods start together or none (runPolicy.schedulingPolicy; the training "
-                        "operator runs with the same --gang-scheduler-name)")
-    g.add_argument("--gang-queue", default=None, help="the Volcano queue of the job (with --gang volcano)")
+                        "operator runs with the same --gang-scheduler-name; default: none, each pod is scheduled "
+                        "on its own)")
+    g.add_argument("--gang-queue", default=None,
+                   help="the Volcano queue of the job (with --gang volcano; default: none, Volcano's default queue)")
     g.add_argument("--shm-size", default=d.shm_size, help=f"/dev/shm size (default {d.shm_size})")
     g.add_argument("--cpus-per-gpu", type=int, default=d.cpu_per_gpu, dest="cpu_per_gpu",
                    help=f"CPU cores requested per GPU (default {d.cpu_per_gpu})")
