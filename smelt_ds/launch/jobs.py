@@ -717,8 +717,8 @@ def _k8s_key_problem(key: str) -> str | None:
 
 def _k8s_key_error(option: str, item: str, key: str, problem: str, example: str) -> ConfigError:
     return ConfigError(f"{option} {item!r}: the key {key!r} is not a Kubernetes label key: {problem} (a key is "
-                       f"[PREFIX/]NAME, NAME {K8S_NAME_RULE}; PREFIX a DNS subdomain such as nvidia.com), e.g. {option} "
-                       f"{example}")
+                       f"[PREFIX/]NAME, NAME {K8S_NAME_RULE}; PREFIX a DNS subdomain such as nvidia.com), "
+                       f"e.g. {option} {example}")
 
 
 def _k8s_pairs(option: str, items: list[str], what: str, check: Callable[[str], str | None],

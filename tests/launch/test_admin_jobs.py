@@ -94,7 +94,7 @@ def test_k8s_admin_options_render_a_manifest_that_validates(tmp_path):
 @pytest.mark.parametrize("kw,match", [
     (dict(tolerations=["gpu:NoSchedul"]), r"--toleration 'gpu:NoSchedul': write KEY\[=VALUE\]\[:EFFECT\]"),
     (dict(node_selector=["pool"]), r"--node-selector 'pool': write KEY=VALUE"),
-    (dict(rdma_resources=["rdma/hca=0"]), r"--rdma-resource 'rdma/hca=0': write KEY=VALUE"),
+    (dict(rdma_resources=["rdma/hca=0"]), r"--rdma-resource 'rdma/hca=0': the COUNT '0' must be a positive integer"),
     (dict(rdma_resources=["hca=1"]), r"--rdma-resource hca=\.\.\.: name a device plugin's resource DOMAIN/NAME"),
     # a repeated key: one value per key in nodeSelector and in resources, the second would replace the first
     (dict(node_selector=["pool=gpu", "pool=cpu"]), r"--node-selector pool is given twice \(pool=gpu and pool=cpu\)"),
