@@ -8,6 +8,7 @@ after the checks of ``smelt-ds preflight`` (:mod:`smelt_ds.launch.preflight`) pa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -25,6 +26,25 @@ from smelt_ds.launch.jobs import (
     summary,
 )
 from smelt_ds.launch.preflight import failures, format_results, run_checks
+
+#: the scheduler behind each ``--scheduler`` value, as messages name it
+SCHEDULER_NAMES = {"deepspeed": "deepspeed launcher", "slurm": "Slurm", "k8s": "Kubernetes"}
+#: the options that only some schedulers use -> those schedulers; every option not listed applies to
+#: all three. An option given for a scheduler that does not use it is refused (:func:`unused_options`),
+#: never silently ignored. These options default to None ("not given"; :func:`options_from_args` then
+#: leaves :class:`~smelt_ds.launch.jobs.JobOptions`' default), so one left at its default is never refused.
+SCHEDULER_OPTIONS: dict[str, tuple[str, ...]] = {
+    "--hostfile": ("deepspeed",),
+    "--master-port": ("deepspeed", "slurm"),  # Kubernetes: the training operator sets MASTER_PORT
+    "--job-name": ("slurm", "k8s"),  # the deepspeed script has no job name
+    "--shutdown-timeout": ("slurm", "k8s"),  # the deepspeed script stops its ranks through RUN_DIR/STOP
+    "--numa-binding": ("slurm", "k8s"),  # torchrun's; the deepspeed launcher has --bind_cores_to_rank
+    **dict.fromkeys(("--time", "--partition", "--account", "--sbatch", "--log-dir", "--signal-lead", "--max-requeues",
+                     "--max-time-requeues", "--startup-time", "--cpu-bind"), ("slurm",)),
+    **dict.fromkeys(("--image", "--namespace", "--runs-pvc", "--data-pvc", "--backoff-limit", "--restart-policy",
+                     "--node-selector", "--toleration", "--affinity", "--rdma-resource", "--ipc-lock", "--gang",
+                     "--gang-queue", "--shm-size", "--cpus-per-gpu", "--memory-per-gpu"), ("k8s",)),
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -133,29 +153,39 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"CPU cores requested per GPU (default {d.cpu_per_gpu})")
     g.add_argument("--memory-per-gpu", type=int, default=d.memory_per_gpu_gib, dest="memory_per_gpu_gib",
                    help=f"host memory requested per GPU, GiB (default {d.memory_per_gpu_gib})")
-    p.set_defaults(func=run_render_job)
+    only = {}
+    for flag, schedulers in SCHEDULER_OPTIONS.items():
+        action = p._option_string_actions[flag]
+        action.default = None  # "not given": told apart from a value given equal to the default
+        only[action.dest] = (flag, schedulers)
+    p.set_defaults(func=run_render_job, scheduler_options=only)
 
 
-def options_from_args(args: argparse.Namespace):
-    """A :class:`smelt_ds.launch.jobs.JobOptions` from parsed arguments."""
+def options_from_args(args: argparse.Namespace) -> JobOptions:
+    """A :class:`smelt_ds.launch.jobs.JobOptions` from parsed arguments: each option given (not None),
+    under its field's name (``--set`` -> ``overrides``); JobOptions' default for the others."""
+    fields = {f.name for f in dataclasses.fields(JobOptions)}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    return JobOptions(**given, overrides=list(args.set))
 
-    return JobOptions(scheduler=args.scheduler, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                      layout=args.layout, overrides=list(args.set), hostfile=args.hostfile,
-                      master_port=args.master_port, workdir=args.workdir, job_name=args.job_name, env=list(args.env),
-                      time=args.time, partition=args.partition, account=args.account, sbatch=list(args.sbatch),
-                      log_dir=args.log_dir, signal_lead_s=args.signal_lead_s, shutdown_s=args.shutdown_s,
-                      run_dir=args.run_dir, max_requeues=args.max_requeues,
-                      max_time_requeues=args.max_time_requeues,
-                      image=args.image, namespace=args.namespace, runs_pvc=args.runs_pvc, data_pvc=args.data_pvc,
-                      backoff_limit=args.backoff_limit, shm_size=args.shm_size, cpu_per_gpu=args.cpu_per_gpu,
-                      memory_per_gpu_gib=args.memory_per_gpu_gib, startup_s=args.startup_s, cpu_bind=args.cpu_bind,
-                      numa_binding=args.numa_binding, restart_policy=args.restart_policy,
-                      node_selector=list(args.node_selector), tolerations=list(args.tolerations),
-                      affinity=args.affinity, rdma_resources=list(args.rdma_resources), ipc_lock=args.ipc_lock,
-                      gang=args.gang, gang_queue=args.gang_queue)
+
+def unused_options(args: argparse.Namespace) -> list[str]:
+    """The options given (not None) that ``--scheduler`` does not use (:data:`SCHEDULER_OPTIONS`),
+    each as a line naming the option, the scheduler(s) it belongs to and the fix."""
+    out = []
+    for dest, (flag, schedulers) in args.scheduler_options.items():
+        if getattr(args, dest) is not None and args.scheduler not in schedulers:
+            names = " and ".join(SCHEDULER_NAMES[s] for s in schedulers)
+            out.append(f"{flag}: a {names} option (--scheduler {' or '.join(schedulers)}): drop it, or pass "
+                       f"--scheduler {' or '.join(schedulers)}")
+    return out
 
 
 def run_render_job(args: argparse.Namespace) -> int:
+    unused = unused_options(args)
+    if unused:  # an option the job would silently ignore
+        raise ConfigError(f"--scheduler {args.scheduler} ({SCHEDULER_NAMES[args.scheduler]}) does not use "
+                          f"{len(unused)} option(s) given; nothing written:\n  " + "\n  ".join(unused))
     plan = plan_job(args.recipe, options_from_args(args))
     text = render(plan)  # also on --dry-run: bad scheduler options fail here, not at submission
     results = run_checks(plan, data=not args.no_data_check, require_shared=args.require_shared)  # preflight's
