@@ -110,4 +110,4 @@ def check_deepspeed_keys(ds: DeepSpeedSection, micro_batch_size: int) -> dict[st
             zero[name] = {"device": getattr(ds, name)}
     base = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": 1,
             "zero_optimization": zero}
-    return validate_deepspeed_config(ds.config, base)
+    return validate_deepspeed_config(ds.config, base, owned=OWNED_KEYS)

@@ -16,6 +16,7 @@ from tests.config.test_deepspeed_validation import (
     ONE_RANK,
     TINY,
     ZERO,
+    deepspeed_console,
     set_args,
     validate_deepspeed_config,
     zero_model_message,
@@ -75,15 +76,50 @@ def test_the_ds_config_check_parses_the_whole_config_at_the_jobs_world_size():
 
 
 def test_a_top_level_key_deepspeed_never_reads_is_a_warning_naming_the_closest_key(capsys):
-    """DeepSpeed ignores an unknown top-level key (its top level is no model), so training starts;
-    the ds config check warns with the closest key DeepSpeed's parser reads."""
+    """DeepSpeed's parser ignores a top-level key it does not know (its top level is no model), and
+    ``deepspeed.initialize`` reads ``data_parallel_size`` itself: no misspelling of a key the parser
+    reads (``tensor_parallel``, ratio 20/33 < MISSPELT), so the ds config check warns and passes."""
     from deepspeed.runtime.config import DeepSpeedConfig
-    ignored = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimisation": {"stage": 2}})
-    assert ignored.zero_optimization_stage == 0  # what DeepSpeed does with it
+    ignored = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "data_parallel_size": 2})
+    assert not hasattr(ignored, "data_parallel_size")  # its parser does not keep it
     rc = cli_main(["preflight", TINY, "--nodes", "1", "--gpus-per-node", "2",
-                   *set_args("deepspeed.config.zero_optimisation.overlap_comm=true")])
+                   *set_args("deepspeed.config.data_parallel_size=2")])
     out = capsys.readouterr().out
     assert rc == 0, out
     row = next(line for line in out.splitlines() if line.startswith("  ds config"))
-    assert "WARN" in row and "`deepspeed.config.zero_optimisation`: did you mean " \
-        "`deepspeed.config.zero_optimization`?" in row, row
+    assert "WARN" in row and "`deepspeed.config.data_parallel_size`: did you mean " \
+        "`deepspeed.config.tensor_parallel`?" in row, row
+
+
+REFUSED = {  # --set -> what the refusal names
+    # one edit from zero_optimization (ratio 32/33): DeepSpeed would drop its settings
+    "deepspeed.config.zero_optimiztion.stage=1": ["`deepspeed.config.zero_optimiztion` ({'stage': 1})",
+                                                  "did you mean `deepspeed.config.zero_optimization`?"],
+    # before: DeepSpeed's ~40-line deprecation notice (twice), then an AttributeError in the ZeRO-3 tuning
+    "deepspeed.config.zero_optimization=true": ["`deepspeed.config.zero_optimization` (True, a bool) must be a mapping",
+                                                "`stage` with `deepspeed.zero_stage`"],
+}
+
+
+@pytest.mark.parametrize("command", [["preflight"], ["render-job", "--scheduler", "slurm", "--dry-run"]])
+@pytest.mark.parametrize("setting", sorted(REFUSED))
+def test_a_misspelt_top_level_key_or_a_section_that_is_no_mapping_fails_preflight_and_render_job(
+        command, setting, capsys):
+    """Refused by the config check, naming the key and the fix, and DeepSpeed prints nothing."""
+    with deepspeed_console() as console:
+        rc = cli_main([command[0], TINY, "--nodes", "4", "--gpus-per-node", "1", *command[1:], *set_args(setting)])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert rc == 2, text
+    assert all(part in text for part in REFUSED[setting]), text
+    assert console.getvalue() == "" and "Traceback" not in text, (console.getvalue(), text)
+
+
+def test_the_ds_config_check_fails_a_misspelt_key_of_a_config_that_skipped_the_load_check():
+    plan = plan_job(TINY, JobOptions(scheduler="slurm", nodes=1, gpus_per_node=2))
+    cfg = plan.config
+    plan.config = cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(
+        update={"config": {"steps_per_prnt": 10}})})
+    rows = {r.name: r for r in run_checks(plan, data=False)}
+    assert rows["ds config"].status == "fail", rows["ds config"]
+    assert "did you mean `deepspeed.config.steps_per_print`?" in rows["ds config"].detail
