@@ -43,8 +43,9 @@ The checks, in order (:data:`CHECKS`), and the training code each one runs:
 - ``ds config``: the DeepSpeed config of the ``config`` check parsed by DeepSpeed's own config
   classes at the job's world size, as ``deepspeed.initialize`` parses it on every rank
   (:func:`smelt_ds.config.deepspeed_validation.validate_deepspeed_config`; the recipe's
-  ``deepspeed.config`` keys were parsed so when it was loaded); a warning naming a top-level key
-  DeepSpeed's parser never reads (``zero_optimisation``), which DeepSpeed ignores.
+  ``deepspeed.config`` keys were parsed so when it was loaded); a top-level key DeepSpeed's
+  parser never reads, which DeepSpeed ignores, fails when it is a misspelling of a key it reads
+  (``zero_optimiztion``) and is a warning otherwise (``data_parallel_size``).
 - ``deepspeed ops``: the DeepSpeed ops the run builds at start (CPU Adam with an optimizer
   offload; the CPU communication op with several CPU ranks) can be built: DeepSpeed's own
   ``is_compatible`` and a C++ compiler.
@@ -135,8 +136,9 @@ def check_config(plan: JobPlan) -> str:
 def check_deepspeed_config(plan: JobPlan) -> str:
     """The whole DeepSpeed config of the job parsed by DeepSpeed's own config classes on its
     ``nodes x gpus_per_node`` ranks (:func:`smelt_ds.config.deepspeed_validation.validate_deepspeed_config`).
-    Raises ConfigError naming the field path, its value, DeepSpeed's message and the fix;
-    CheckWarning naming the top-level keys DeepSpeed's parser never reads, with the closest one it
+    Raises ConfigError naming the field path, its value, DeepSpeed's message and the fix (also
+    for a top-level key DeepSpeed's parser never reads that is a misspelling of one it reads);
+    CheckWarning naming the other top-level keys its parser never reads, with the closest one it
     reads (:func:`smelt_ds.config.deepspeed_validation.unread_keys`: DeepSpeed ignores them);
     CheckSkipped when the config check could not build the config."""
     world = plan.nodes * plan.gpus_per_node
