@@ -25,7 +25,7 @@ from smelt_ds.launch.jobs import (
     slurm_log_dir,
     summary,
 )
-from smelt_ds.launch.preflight import failures, format_results, run_checks
+from smelt_ds.launch.preflight import failures, format_results, run_checks, verdict
 
 #: the scheduler behind each ``--scheduler`` value, as messages name it
 SCHEDULER_NAMES = {"deepspeed": "deepspeed launcher", "slurm": "Slurm", "k8s": "Kubernetes"}
@@ -195,7 +195,7 @@ def run_render_job(args: argparse.Namespace) -> int:
     bad = failures(results)
     if args.dry_run:
         print(summary(plan, args.output))
-        print("checks (smelt-ds preflight)\n" + format_results(results))
+        print("checks (smelt-ds preflight)\n" + format_results(results) + "\n" + verdict(results))
     if bad and args.force:
         for r in bad:
             print(f"smelt-ds render-job: warning (--force): {r.name}: {r.detail}", file=sys.stderr)

@@ -83,6 +83,7 @@ from smelt_ds.config.run import RunConfig
 from smelt_ds.data.cache import is_complete
 from smelt_ds.data.prepare import prepared_path
 from smelt_ds.data.prepared import PreparedData, check_compatible
+from smelt_ds.data.sources import resolve_files
 from smelt_ds.data.token_sources import TokenFilesNotFound, check_source_ids, resolve_token_paths
 from smelt_ds.data.tokenizer import special_ids, unused_vocab_size
 from smelt_ds.errors import ConfigError
@@ -97,7 +98,8 @@ from smelt_ds.runs.provenance import init_from_tokenizer
 from smelt_ds.runs.tokenizer_file import load_tokenizer
 from smelt_ds.train.trackers import FALLBACKS, check_trackers
 
-__all__ = ["CHECKS", "CheckResult", "run_checks", "format_results", "failures", "add_parser"]
+__all__ = ["CHECKS", "CheckResult", "run_checks", "format_results", "verdict", "failures", "relative_reading",
+           "add_parser"]
 
 #: the checks, in the order they run and print
 CHECKS = ("config", "data", "tokenizer", "token ids", "paths", "memory", "trackers", "interpreter",
@@ -173,14 +175,13 @@ def check_data(cfg: RunConfig, workdir: str) -> str:
             elif src.kind() in TOKEN_KINDS:
                 resolve_token_paths(src, where)
             elif src.kind() == "path" and not glob.has_magic(value) and not Path(value).expanduser().exists():
-                raise ConfigError(f"`{where}.path` ({src.path!r}): no such file or directory")
+                resolve_files(src, where)  # training's message: the field, the value, where it was read, the fix
         except ConfigError as e:
             bad.append(str(e))
             relative |= not Path(str(value)).expanduser().is_absolute()
-    if bad:
-        rule = (f" (relative paths are read in the job's working directory, {workdir!r}: pass --workdir DIR when the "
-                "job runs in another directory)" if relative else "")
-        raise ConfigError("; ".join(bad) + f"{rule}: fix the path{'s' if len(bad) > 1 else ''}")
+    if bad:  # each message gives its own fix and how its path was read; --workdir is said once, here
+        hint = f"; pass --workdir DIR when the job runs in another directory than {workdir!r}" if relative else ""
+        raise ConfigError("; ".join(bad) + hint)
     files = [s for s in cfg.data.sources if s.kind() in (*TOKEN_KINDS, "path")]
     if len(files) < len(cfg.data.sources):
         return (f"{len(files)} file source(s) found; built-in, ladder and Hub sources are built or downloaded by "
@@ -217,18 +218,35 @@ def check_tokenizer(cfg: RunConfig) -> str:
     return ok
 
 
-def check_token_ids(cfg: RunConfig, pod: bool, read: bool) -> str:
+def relative_reading(workdir: str, here: Path) -> str:
+    """Where the checks read relative recipe paths, for a message: the job's working directory
+    ``workdir`` when it is a directory on this machine (the checks change into it), else this
+    directory. Names ``--workdir`` when that is not ``here``, the directory the command was
+    started in (where a user's relative paths usually point)."""
+    wd = Path(workdir)
+    if not wd.is_dir():
+        return (f"relative paths read in this directory, {here}: the job's working directory {workdir} is not on "
+                "this machine (--workdir DIR names it)")
+    if wd.resolve() != here.resolve():
+        return (f"relative paths read in the job's working directory {workdir}, not in this directory {here}: pass "
+                "--workdir DIR when the job runs elsewhere")
+    return f"relative paths read in {workdir}"
+
+
+def check_token_ids(cfg: RunConfig, pod: bool, read: bool, reading: str | None = None) -> str:
     """The largest id of every ``megatron`` / ``tokens`` file against the tokenizer's ids and
     ``model.vocab_size`` (:func:`smelt_ds.data.token_sources.check_source_ids`, the reading of
     ``smelt-ds data inspect``), for a pod (``pod``) the files this machine sees at the recipe's
-    paths. Raises CheckSkipped when ``read`` is false (--no-data-check) or a source has no files
-    here, ConfigError naming the file, its largest id, the size it exceeds and the fix."""
+    paths. ``reading``: where relative paths are read (:func:`relative_reading`; default: the
+    current directory). Raises CheckSkipped when ``read`` is false (--no-data-check) or a source
+    has no files here, ConfigError naming the file, its largest id, the size it exceeds and the fix."""
     if not read:
         raise CheckSkipped("--no-data-check (data files are not read here)")
     try:
         return check_source_ids(cfg.data, cfg.model.vocab_size) + (" (the files here at render time)" if pod else "")
     except TokenFilesNotFound as e:
-        raise CheckSkipped(f"`{e.where}` has no files on this machine (relative paths read in {Path.cwd()}): " + (
+        where = reading or f"relative paths read in {Path.cwd()}"
+        raise CheckSkipped(f"`{e.where}` has no files on this machine ({where}): " + (
             "the pod reads them from its volumes; to check their ids before the queue, run `smelt-ds data inspect "
             "FILE --tokenizer T --recipe R` where they are" if pod else "see the data check")) from None
 
@@ -404,11 +422,12 @@ def run_checks(plan: JobPlan, data: bool = True, require_shared: bool = False) -
     result."""
     k8s = plan.options.scheduler == "k8s"
     cfg = plan.config
+    reading = relative_reading(plan.workdir, Path.cwd())  # before the checks change into the working directory
     steps: list[tuple[str, Callable[[], str], bool]] = [
         ("config", lambda: check_config(plan), False),
         ("data", lambda: check_data(cfg, plan.workdir), k8s),
         ("tokenizer", lambda: check_tokenizer(init_from_tokenizer(cfg)), k8s),  # as training resolves it
-        ("token ids", lambda: check_token_ids(cfg, k8s, data), False),  # a pod's too, when its files are here
+        ("token ids", lambda: check_token_ids(cfg, k8s, data, reading), False),  # a pod's too, when its files are here
         ("paths", lambda: check_paths(plan, data, require_shared), False),
         ("memory", lambda: check_memory(plan), False),
         ("trackers", lambda: check_tracking(cfg), k8s),
@@ -450,6 +469,20 @@ def format_results(results: list[CheckResult]) -> str:
     return "\n".join(f"  {r.name:<14}{r.status.upper():<6}{r.detail}" for r in results)
 
 
+def verdict(results: list[CheckResult]) -> str:
+    """The verdict line under the checks: the failed checks, else the warnings and the skipped
+    checks by name (a SKIP is no pass: its line says why it was not run); "every check passed"
+    only when every check is OK."""
+    bad = failures(results)
+    if bad:
+        return f"{len(bad)} check(s) failed: fix them before submitting"
+    warned = [r.name for r in results if r.status == "warn"]
+    skipped = [r.name for r in results if r.status == "skip"]
+    parts = ([f"{len(warned)} warning(s) ({', '.join(warned)}): read them before submitting"] if warned else []) + (
+        [f"{len(skipped)} skipped: {', '.join(skipped)} (see above)"] if skipped else [])
+    return "no check failed; " + "; ".join(parts) if parts else "every check passed"
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "preflight", help="every check training makes before its first step, before the queue",
@@ -488,9 +521,5 @@ def run_preflight(args: argparse.Namespace) -> int:
     print(f"{head} on {plan.nodes} x {plan.gpus_per_node} ranks (layout {plan.layout_name}), "
           f"{args.scheduler}, working directory {plan.workdir}")
     print(format_results(results))
-    bad = failures(results)
-    warned = [r.name for r in results if r.status == "warn"]
-    print(f"{len(bad)} check(s) failed: fix them before submitting" if bad else
-          f"no check failed; {len(warned)} warning(s) ({', '.join(warned)}): read them before submitting" if warned
-          else "every check passed")
-    return 2 if bad else 0
+    print(verdict(results))
+    return 2 if failures(results) else 0

@@ -276,9 +276,15 @@ def test_every_missing_source_is_named_with_the_working_directory_and_workdir(tm
     data = ["--set", "data.sources=[{path: corpora/web.txt}, {path: corpora/code.txt}]", *ONE]
     assert cli_main(["preflight", TINY, *data]) == 2
     status, detail = _rows(capsys.readouterr().out)["data"]
-    assert status == "FAIL" and "`data.sources[0].path` ('corpora/web.txt'): no such file or directory; " \
-        "`data.sources[1].path` ('corpora/code.txt'): no such file or directory (relative paths are read in the " \
-        f"job's working directory, {str(tmp_path)!r}: pass --workdir DIR when the job runs in another directory): " \
-        "fix the paths" in detail, detail
+    rule = f"(relative paths are read from the working directory {str(tmp_path)!r}, not from the recipe's directory)"
+    assert status == "FAIL" and detail == (
+        f"`data.sources[0].path` ('corpora/web.txt'): no such file or directory {rule}: fix the path or remove the "
+        f"source; `data.sources[1].path` ('corpora/code.txt'): no such file or directory {rule}: fix the path or "
+        f"remove the source; pass --workdir DIR when the job runs in another directory than {str(tmp_path)!r}"), detail
+    # one source: where relative paths are read, the fix and --workdir, each said once (they were said twice)
+    assert cli_main(["preflight", TINY, *ONE, "--set", "data.sources=[{path: corpora/web.txt}]"]) == 2
+    detail = _rows(capsys.readouterr().out)["data"][1]
+    assert detail.count("relative paths are read") == 1 and detail.count("fix the path") == 1, detail
+    assert detail.count("--workdir DIR") == 1, detail
     assert cli_main(["preflight", TINY, *data, "--workdir", str(wd)]) == 0
     assert _rows(capsys.readouterr().out)["data"][0] == "OK"

@@ -104,7 +104,7 @@ def test_checks_use_the_jobs_working_directory_and_environment(tmp_path, capsys,
     assert cli_main(["preflight", TINY, *data, "--workdir", str(wd)]) == 0
     assert _rows(capsys.readouterr().out)["data"][0] == "OK"
     assert cli_main(["preflight", TINY, *data]) == 2  # here (tmp_path) there is no corpora/
-    assert f"read in the job's working directory, {str(tmp_path)!r}" in _rows(capsys.readouterr().out)["data"][1]
+    assert f"read from the working directory {str(tmp_path)!r}" in _rows(capsys.readouterr().out)["data"][1]
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)

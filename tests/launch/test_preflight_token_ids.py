@@ -110,10 +110,49 @@ def test_consistent_files_pass_and_a_pods_files_not_here_are_skipped_saying_why(
     rc = cli_main(["preflight", TINY, *ONE, "--scheduler", "k8s", "--workdir", str(elsewhere), *sets])
     rows = _rows(capsys.readouterr().out)
     assert rc == 0 and rows["token ids"][0] == "SKIP", rows
-    assert f"`data.sources[0]` has no files on this machine (relative paths read in {elsewhere})" in \
-        rows["token ids"][1] and "smelt-ds data inspect" in rows["token ids"][1]
+    assert f"`data.sources[0]` has no files on this machine (relative paths read in the job's working directory " \
+        f"{elsewhere}, not in this directory {Path.cwd()}" in rows["token ids"][1] and "smelt-ds data inspect" in \
+        rows["token ids"][1]
     rc = cli_main(["preflight", TINY, *ONE, "--workdir", str(tmp_path), *sets, "--no-data-check"])
     assert _rows(capsys.readouterr().out)["token ids"] == ("SKIP", "--no-data-check (data files are not read here)")
+
+
+def test_skipped_checks_are_named_in_the_verdict_with_where_relative_paths_were_read(tmp_path, capsys, monkeypatch):
+    """A Kubernetes job whose token file and tokenizer are relative paths of this directory: the
+    tokenizer (read in the pod) and token ids (not found where relative paths are read) are SKIP.
+    The verdict said "every check passed"; it names both skips. The SKIP line says where relative
+    paths were read when that is not this directory, naming --workdir."""
+    here = tmp_path / "checkout"
+    sets = _pod_files(here, 322)[1]  # here/corpora/web.npy and tok.json, named relative
+    pod_wd = tmp_path / "pod-wd"  # the job's working directory exists here, without the recipe's files
+    pod_wd.mkdir()
+    monkeypatch.chdir(here)
+    k8s = [TINY, *ONE, "--scheduler", "k8s", *sets]
+    verdict_end = "2 skipped: tokenizer, token ids (see above)"
+    for command in (["preflight"], ["render-job", "--dry-run"]):
+        assert cli_main([*command[:1], *k8s, "--workdir", str(pod_wd), *command[1:]]) == 0, command
+        out = capsys.readouterr().out
+        rows = _rows(out)
+        assert [n for n, (status, _) in rows.items() if status == "SKIP"] == ["tokenizer", "token ids"], out
+        last = out.rstrip().splitlines()[-1]
+        assert last.startswith("no check failed; ") and last.endswith(verdict_end), last
+        assert "every check passed" not in out
+        assert (f"(relative paths read in the job's working directory {pod_wd}, not in this directory {here}: pass "
+                "--workdir DIR when the job runs elsewhere)") in rows["token ids"][1], rows["token ids"]
+    # a pod working directory that is not on this machine: relative paths are read here, and it says so
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    assert cli_main(["preflight", *k8s, "--workdir", "/nonexistent-smelt-pod"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert (f"(relative paths read in this directory, {empty}: the job's working directory /nonexistent-smelt-pod "
+            "is not on this machine (--workdir DIR names it))") in rows["token ids"][1], rows["token ids"]
+    # every check OK, and only then: "every check passed" (the verdict line itself, from the results)
+    from smelt_ds.launch.preflight import CheckResult, verdict
+
+    assert verdict([CheckResult("config", "ok", ""), CheckResult("data", "ok", "")]) == "every check passed"
+    assert verdict([CheckResult("config", "ok", ""), CheckResult("data", "skip", "")]) == \
+        "no check failed; 1 skipped: data (see above)"
 
 
 def test_beyond_the_budget_each_file_is_sampled_in_windows(tmp_path):
