@@ -13,7 +13,7 @@ numpy token files), :mod:`~smelt_ds.data.token_sources` (their preparation and p
 :mod:`~smelt_ds.data.tokenizer`, :mod:`~smelt_ds.data.prepare`,
 :mod:`~smelt_ds.data.loader`, :mod:`~smelt_ds.data.cache`, :mod:`~smelt_ds.data.distributed`,
 :mod:`~smelt_ds.data.token_writers` (writers of those formats),
-:mod:`~smelt_ds.data.pretokenize` (``smelt-ds data tokenize``), :mod:`~smelt_ds.data.cli`. The ``data:`` section itself (``DataConfig``) is
-:mod:`smelt_ds.config.data`. This package imports nothing itself, so that reading a tokenizer
-(``data.tokenizer``) does not import ``datasets``.
+:mod:`~smelt_ds.data.pretokenize` (``smelt-ds data tokenize``), :mod:`~smelt_ds.data.cli`. The
+``data:`` section itself (``DataConfig``) is :mod:`smelt_ds.config.data`. This package imports
+nothing itself, so that reading a tokenizer (``data.tokenizer``) does not import ``datasets``.
 """
