@@ -56,7 +56,8 @@ from smelt_ds.runs.reference_weights import REFERENCE_DIR, gather_reference_shar
 __all__ = ["checkpoint_dir", "save", "choose", "load", "load_from", "latest_complete", "read_marker", "verify",
            "rng_state", "restore_rng", "MARKER", "run_layout", "describe_layout",
            "check_layout", "REFERENCE_CHOICES", "offline_exportable", "writes_reference", "reference_files",
-           "newest_with_reference", "holds", "Marker", "layout_gaps", "marker_damage", "newest_sound"]
+           "newest_with_reference", "holds", "Marker", "layout_gaps", "marker_damage", "newest_sound",
+           "missing_listed", "auto_choice"]
 
 MARKER = "COMPLETE"
 #: the values of ``train.reference_weights`` (:func:`writes_reference`)
@@ -631,6 +632,26 @@ def newest_sound(run_dir: str | Path) -> Path | None:
     or None: the one ``--resume auto`` loads unless a file's SHA-256 differs (:func:`choose`).
     Reads the markers only."""
     return next((p for p in reversed(_complete_tags(checkpoint_dir(run_dir))) if not marker_damage(p)), None)
+
+
+def missing_listed(ckpt: str | Path, meta: dict[str, Any]) -> list[str]:
+    """The files marker ``meta`` (:func:`read_marker`) of checkpoint ``ckpt`` lists that are not
+    on disk, one line each naming the file; reads no file's contents."""
+    return [f"{Path(ckpt) / f} is missing" for f in (meta.get("files") or {}) if not (Path(ckpt) / f).is_file()]
+
+
+def auto_choice(run_dir: str | Path, sha256: bool = False) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
+    """What ``--resume auto`` (:func:`choose`) does with ``run_dir``, moving nothing: the checkpoint
+    it loads (None when none is left) and the newer complete ones it sets aside, newest first, each
+    with its problems: a damaged marker (:func:`marker_damage`), then a listed file missing, or
+    with ``sha256`` a file that differs from its digest (:func:`verify`, which reads every file)."""
+    aside: list[tuple[Path, list[str]]] = []
+    for path in reversed(_complete_tags(checkpoint_dir(run_dir))):
+        problems = marker_damage(path) or (verify(path) if sha256 else missing_listed(path, read_marker(path)))
+        if not problems:
+            return path, aside
+        aside.append((path, problems))
+    return None, aside
 
 
 def verify(path: str | Path, rank: int | None = None, names: list[str] | None = None,

@@ -31,13 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          description="Print a checkpoint's step, the layout that wrote it, its files and sizes, "
                                      "whether it is complete, and the layouts (ranks, MoE backend, expert-parallel "
                                      "size, ZeRO stage) a resume (`smelt-ds train RECIPE --resume auto`) can "
-                                     "continue it at with the run's recipe. Exit status 1 for an incomplete or "
-                                     "damaged checkpoint: a marker that is not one or does not list every file its "
-                                     "layout needs, a listed file missing, or (--verify) a file whose SHA-256 "
-                                     "differs.",
+                                     "continue it at with the run's recipe. Given a run directory, it reports the "
+                                     "checkpoint --resume auto loads and names each newer one resume sets aside, "
+                                     "with why. Exit status 1 for an incomplete or damaged checkpoint: a marker "
+                                     "that is not one or does not list every file its layout needs, a listed file "
+                                     "missing, or (--verify) a file whose SHA-256 differs; for a run directory, "
+                                     "when no checkpoint of it is sound.",
                          epilog="example: smelt-ds checkpoint info runs/tiny-smelt")
-    i.add_argument("path", help="run directory (its newest complete checkpoint) or a checkpoints/stepNNNNNNNN "
-                                "directory")
+    i.add_argument("path", help="run directory (the checkpoint --resume auto loads: its newest complete one that is "
+                                "not damaged) or a checkpoints/stepNNNNNNNN directory (that one, damaged or not)")
     i.add_argument("--recipe", default=None, help="recipe to check the layouts against (default: the run's "
                                                   "config.yaml)")
     i.add_argument("--max-ranks", type=int, default=64, help="largest number of ranks to list (default 64)")
@@ -45,15 +47,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     i.set_defaults(func=run_info)
 
 
-def _checkpoint_of(path: Path) -> Path:
-    if (path / ckpt.MARKER).is_file() or path.name.startswith("step"):
-        return path
+def _checkpoint_of(path: Path, verify: bool) -> tuple[Path, list[tuple[Path, list[str]]]]:
+    """The checkpoint to report, and the newer ones ``--resume auto`` sets aside with their problems
+    (:func:`smelt_ds.runs.checkpoint.auto_choice`): a step directory is itself; a run directory
+    gives the checkpoint resume loads, or its newest damaged one when none is sound."""
+    if (path / ckpt.MARKER).exists() or path.name.startswith("step"):
+        return path, []
     if not path.is_dir():
         raise ConfigError(f"{path} does not exist: pass a run directory or a checkpoints/stepNNNNNNNN directory")
-    latest = ckpt.latest_complete(path)
-    if latest is None:
-        raise ConfigError(f"run directory {path} holds no complete checkpoint (checkpoints/step*/{ckpt.MARKER})")
-    return latest
+    chosen, aside = ckpt.auto_choice(path, sha256=verify)
+    if chosen is not None:
+        return chosen, aside
+    if aside:
+        return aside[0][0], []  # none is sound: the newest, reported as damaged
+    raise ConfigError(f"run directory {path} holds no complete checkpoint (checkpoints/step*/{ckpt.MARKER})")
 
 
 def resumable_layouts(cfg, meta: dict[str, Any], max_ranks: int = 64) -> list[dict[str, Any]]:
@@ -93,12 +100,20 @@ def checkpoint_info(path: Path, recipe: str | None = None, max_ranks: int = 64,
                     verify: bool = False) -> tuple[str, int]:
     """The report :func:`run_info` prints, and the exit status: 0 complete, 1 incomplete or damaged.
 
+    ``path``: a step directory (reported as it is), or a run directory: the checkpoint ``--resume
+    auto`` loads (:func:`smelt_ds.runs.checkpoint.auto_choice`, ``verify`` checking the SHA-256s as
+    resume does), each newer one resume sets aside named with why; its newest damaged one when
+    none is sound. Raises ConfigError for a path that does not exist or a run without checkpoints.
+
     Damaged: the marker does not read as one (:func:`smelt_ds.runs.checkpoint.read_marker`), does not
     list every file its layout needs (:func:`smelt_ds.runs.checkpoint.layout_gaps`), lists a file that
     is missing, or (``verify``) a file differs from its SHA-256; the report then says why, claims no
     layout-free state and lists no layout to resume at."""
-    ck = _checkpoint_of(path)
-    lines = [f"checkpoint    {ck}"]
+    ck, aside = _checkpoint_of(path, verify)
+    lines = [f"checkpoint    {ck}" + (" (the one --resume auto loads)" if aside else "")]
+    for newer, why in aside:
+        lines.append(f"set aside     {newer.name}, newer, is damaged: {'; '.join(why[:2])}; --resume auto moves it to "
+                     f"checkpoints/damaged-{newer.name} and loads {ck.name}")
     files = [p for p in ck.rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
     kinds: Counter[str] = Counter()
@@ -110,6 +125,12 @@ def checkpoint_info(path: Path, recipe: str | None = None, max_ranks: int = 64,
                 else "marker" if rel.name == ckpt.MARKER else "DeepSpeed's files (model, optimizer partitions)")
         kinds[kind] += 1
         sizes[kind] += p.stat().st_size
+    if (ck / ckpt.MARKER).is_dir():
+        lines += [f"complete      no: {ck / ckpt.MARKER} is a directory, not a marker file (a save writes its "
+                  f"{ckpt.MARKER} marker as a JSON file, last): --resume auto skips this checkpoint; to use it, "
+                  "restore the checkpoint from a copy",
+                  f"files         {len(files)}, {total:,} bytes"]
+        return "\n".join(lines), 1
     if not (ck / ckpt.MARKER).is_file():
         lines += [f"complete      no: no {ckpt.MARKER} marker (a save that did not finish: --resume auto skips it)",
                   f"files         {len(files)}, {total:,} bytes"]
@@ -119,11 +140,14 @@ def checkpoint_info(path: Path, recipe: str | None = None, max_ranks: int = 64,
     except ConfigError as e:
         lines += [f"complete      marker present, but damaged: {e}", f"files         {len(files)}, {total:,} bytes"]
         return "\n".join(lines), 1
-    listed = meta.get("files") or {}
-    problems = ckpt.layout_gaps(ck, meta) + (ckpt.verify(ck) if verify else
-                                             [f"{ck / f} is missing" for f in listed if not (ck / f).is_file()])
+    gaps = ckpt.layout_gaps(ck, meta)
+    problems = gaps + (ckpt.verify(ck) if verify else ckpt.missing_listed(ck, meta))
     if problems:
-        lines.append(f"complete      marker present, but damaged: {'; '.join(problems[:4])}")
+        damage = "; ".join(problems[:4]) + (f", and {len(problems) - 4} more" if len(problems) > 4 else "")
+        if not gaps:  # a file missing or changed: the marker's own messages give the fix
+            damage += (": --resume auto sets this checkpoint aside (checkpoints/damaged-<tag>) and continues from "
+                       "the previous one that verifies; to use this one, restore the file(s) from a copy")
+        lines.append(f"complete      marker present, but damaged: {damage}")
     else:
         lines.append("complete      yes" + (" (every file's SHA-256 verified)" if verify else
                                            " (marker present, every listed file present; --verify checks SHA-256)"))
@@ -152,7 +176,7 @@ def checkpoint_info(path: Path, recipe: str | None = None, max_ranks: int = 64,
     for kind, n in sorted(kinds.items()):
         lines.append(f"  {n:4d}  {sizes[kind]:>16,} bytes  {kind}")
     if problems:
-        instead = ckpt.newest_sound(ck.parent.parent)
+        instead = ckpt.auto_choice(ck.parent.parent, verify)[0]
         then = (f"from {instead.name} (its marker is sound; its files are checked then)"
                 if instead is not None and instead != ck else "from the newest checkpoint that verifies")
         lines.append(f"resumable at  nowhere: damaged; --resume auto moves it to checkpoints/damaged-<tag> and "

@@ -224,6 +224,53 @@ def test_resume_auto_sets_a_damaged_marker_aside_and_takes_the_previous_checkpoi
     assert (root / "damaged-step00000004" / ckpt.MARKER).is_file()
 
 
+def test_info_of_a_run_directory_reports_the_checkpoint_resume_auto_loads(run, capsys):
+    """A run directory means the checkpoint ``--resume auto`` loads: with step 4's marker emptied,
+    step 2 (complete, exit 0), naming step 4 as set aside and why; step 4 itself, given explicitly,
+    is still reported damaged (exit 1). The reference is resume's own choice, made afterwards."""
+    run_dir, _ = run
+    root = ckpt.checkpoint_dir(run_dir)
+    step2, step4 = root / "step00000002", root / "step00000004"
+    _damage(step4, lambda m: Raw(""))
+    assert main(["checkpoint", "info", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"checkpoint    {step2} (the one --resume auto loads)\n"), out
+    assert (f"set aside     step00000004, newer, is damaged: {step4 / ckpt.MARKER} is damaged: not JSON "
+            "(JSONDecodeError") in out and "--resume auto moves it to checkpoints/damaged-step00000004 and loads " \
+        "step00000002" in out, out
+    assert "complete      yes" in out and "step          2 (256 tokens seen)" in out, out
+    assert main(["checkpoint", "info", str(step4)]) == 1
+    assert f"checkpoint    {step4}\n" in capsys.readouterr().out
+    assert ckpt.choose(run_dir, "auto") == step2  # what resume then loads
+
+
+def test_info_names_a_marker_directory_and_gives_the_fix_for_a_missing_file(run, capsys):
+    """A ``COMPLETE`` that is a directory is said to be one (not "a save that did not finish"); a
+    listed file that is missing comes with the fix the other damages give, and resume agrees."""
+    run_dir, _ = run
+    root = ckpt.checkpoint_dir(run_dir)
+    step2, step4 = root / "step00000002", root / "step00000004"
+    (step4 / "client_rank0.pt").unlink()
+    for flags in ([], ["--verify"]):
+        assert main(["checkpoint", "info", str(step4), *flags]) == 1
+        out = capsys.readouterr().out
+        assert (f"damaged: {step4 / 'client_rank0.pt'} is missing: --resume auto sets this checkpoint aside "
+                "(checkpoints/damaged-<tag>) and continues from the previous one that verifies; to use this one, "
+                "restore the file(s) from a copy") in out, out
+        assert "resumable at  nowhere: damaged; --resume auto moves it to checkpoints/damaged-<tag> and continues " \
+            "from step00000002" in out, out
+    assert main(["checkpoint", "info", str(run_dir)]) == 0
+    assert f"checkpoint    {step2} (the one --resume auto loads)" in capsys.readouterr().out
+    assert ckpt.choose(run_dir, "auto") == step2
+    (step2 / ckpt.MARKER).unlink()
+    (step2 / ckpt.MARKER).mkdir()
+    assert main(["checkpoint", "info", str(step2)]) == 1
+    out = capsys.readouterr().out
+    assert (f"complete      no: {step2 / ckpt.MARKER} is a directory, not a marker file (a save writes its COMPLETE "
+            "marker as a JSON file, last): --resume auto skips this checkpoint") in out, out
+    assert "a save that did not finish" not in out
+
+
 def test_an_explicit_resume_of_a_damaged_marker_is_refused_naming_why(run):
     run_dir, _ = run
     step4 = ckpt.checkpoint_dir(run_dir) / "step00000004"

@@ -414,8 +414,13 @@ def test_checkpoint_info_lists_what_the_checkpoint_holds_and_where_it_resumes(re
     ck = ckpt.latest_complete(copy)
     _damage(ck / "reference" / "rank00001.pt")
     assert cli.main(["checkpoint", "info", str(copy)]) == 0
-    assert cli.main(["checkpoint", "info", str(copy), "--verify"]) == 1
+    capsys.readouterr()
+    assert cli.main(["checkpoint", "info", str(ck), "--verify"]) == 1
     assert "has another SHA-256 than when written" in capsys.readouterr().out
+    # the run directory: the checkpoint --resume auto loads, the damaged newer one set aside, saying why
+    assert cli.main(["checkpoint", "info", str(copy), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert f"set aside     {ck.name}, newer, is damaged: " in out and "has another SHA-256 than when written" in out
     (ck / ckpt.MARKER).unlink()
     assert cli.main(["checkpoint", "info", str(ck)]) == 1
     assert "complete      no: no COMPLETE marker" in capsys.readouterr().out
