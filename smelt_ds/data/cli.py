@@ -207,8 +207,20 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print("\n".join(lines))
         except ConfigError as e:
             failed += 1
-            print(f"smelt-ds data inspect: {path}: {e}", file=sys.stderr)
+            print(f"smelt-ds data inspect: {path}: {_unfinished(path) or e}", file=sys.stderr)
     return 2 if failed else 0
+
+
+def _unfinished(path: str) -> str | None:
+    """For a token file that does not open: why, when ``path`` is the output of an interrupted
+    ``smelt-ds data tokenize`` (its ``<output>.tokenize-partial/`` directory is beside it,
+    :func:`smelt_ds.data.pretokenize.work_dir`), with the fix; else None."""
+    work = next((w for w in (work_dir(path, fmt) for fmt in FORMATS) if w.is_dir()), None)
+    if work is None:
+        return None
+    return (f"not written yet: the `smelt-ds data tokenize` that writes it was interrupted (its chunks so far are in "
+            f"{str(work)!r}, which is never read as data): rerun the same `smelt-ds data tokenize` command to finish "
+            "it (it continues from those chunks)")
 
 
 def _cmd_tokenize(args: argparse.Namespace) -> int:

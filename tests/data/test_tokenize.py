@@ -275,14 +275,11 @@ def test_killed_run_continues_to_the_same_bytes(corpus, tmp_path, fmt, where, ca
     assert not work.exists()
 
 
-def test_changed_input_starts_again(corpus, tmp_path, capsys, monkeypatch):
-    """An interrupted run (Ctrl-C at the third chunk), then the input changed: the partial files
-    are not continued, the output is that of the new input."""
+def _tokenize_interrupted(inp: Path, out: Path, tok: Path, monkeypatch) -> None:
+    """A `data tokenize` run stopped by Ctrl-C (KeyboardInterrupt) at its third chunk, exit 130; the
+    writer is restored afterwards."""
     from smelt_ds.data import pretokenize
 
-    _, tok, inp, _ = corpus
-    mine = tmp_path / "docs.jsonl"
-    mine.write_bytes(inp.read_bytes())
     real, seen = pretokenize._Output.append, [0]
 
     def interrupted(self, ids, lengths):
@@ -292,14 +289,45 @@ def test_changed_input_starts_again(corpus, tmp_path, capsys, monkeypatch):
         real(self, ids, lengths)
 
     monkeypatch.setattr(pretokenize._Output, "append", interrupted)
-    assert _tokenize(mine, tmp_path / "web", tok) == 130
-    assert "run the same command again to continue" in capsys.readouterr().err
+    assert _tokenize(inp, out, tok) == 130
     monkeypatch.setattr(pretokenize._Output, "append", real)
+
+
+def test_changed_input_starts_again(corpus, tmp_path, capsys, monkeypatch):
+    """An interrupted run (Ctrl-C at the third chunk), then the input changed: the partial files
+    are not continued, the output is that of the new input."""
+    _, tok, inp, _ = corpus
+    mine = tmp_path / "docs.jsonl"
+    mine.write_bytes(inp.read_bytes())
+    _tokenize_interrupted(mine, tmp_path / "web", tok, monkeypatch)
+    assert "run the same command again to continue" in capsys.readouterr().err
     docs = prose(30, seed=11)
     write_jsonl(mine, docs)
     assert _tokenize(mine, tmp_path / "web", tok) == 0
     assert "starting again: the inputs, the tokenizer or the options differ" in capsys.readouterr().err
     assert _megatron_documents(tmp_path / "web") == encode_documents(tok, docs, EOT)
+
+
+def test_inspect_of_an_interrupted_output_says_to_rerun_the_tokenize(corpus, tmp_path, capsys, monkeypatch):
+    """`data inspect` on the output of an interrupted `data tokenize` (Ctrl-C at the third chunk):
+    not "no such file ... fix the path" but that the run was interrupted and how to finish it; the
+    rerun finishes it and the same inspect then reads it."""
+    _, tok, inp, expected = corpus
+    out = tmp_path / "web"
+    _tokenize_interrupted(inp, out, tok, monkeypatch)
+    capsys.readouterr()
+    work = out.with_name(out.name + WORK_SUFFIX)
+    for given in (out, out.with_suffix(".idx")):
+        assert main(["data", "inspect", str(given)]) == 2
+        err = capsys.readouterr().err
+        assert (f"smelt-ds data inspect: {given}: not written yet: the `smelt-ds data tokenize` that writes it was "
+                f"interrupted (its chunks so far are in {str(work)!r}, which is never read as data): rerun the same "
+                "`smelt-ds data tokenize` command to finish it") in err, err
+        assert "fix the path" not in err
+    assert _tokenize(inp, out, tok) == 0 and not work.exists()
+    capsys.readouterr()
+    assert main(["data", "inspect", str(out)]) == 0
+    assert f"tokens       {sum(len(d) for d in expected):,}" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------
