@@ -853,7 +853,7 @@ def test_render_job_refuses_before_the_queue_what_training_refuses_at_start(tmp_
     assert cli_main(base + typo) == 2
     err = capsys.readouterr().err
     assert "data: `data.sources[0].path` ('corpora/web-typo'): no such file or directory" in err
-    assert f"read in the job's working directory, {str(tmp_path)!r}" in err
+    assert f"relative paths are read from the working directory {str(tmp_path)!r}" in err and "--workdir DIR" in err
     assert cli_main(base + typo + ["--no-data-check"]) == 0
     assert "warning" not in capsys.readouterr().err
 
